@@ -1,0 +1,52 @@
+# The README's two commands: `make demo` (the lock server's `make serve` comes later)
+# and `make test`. Everything a command needs is installed by it, into .venv.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Debian packages the tests need (real servers are added here as stores land).
+APT_PACKAGES :=
+
+.PHONY: test demo lint bench sysdeps venv clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed-base: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	touch $@ $(VENV)/.installed-base
+
+venv: $(VENV)/.installed-base
+
+# Installs the Debian packages of APT_PACKAGES that are missing, when running as root.
+sysdeps:
+	@missing=""; for p in $(APT_PACKAGES); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "warning: missing Debian packages (run as root to install):$$missing"; fi; \
+	fi
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/mypy --strict src
+
+test: sysdeps $(VENV)/.installed-test lint
+	$(BIN)/python -m pytest
+
+demo: $(VENV)/.installed-base
+	$(BIN)/python examples/double_ticket_demo.py
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

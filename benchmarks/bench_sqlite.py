@@ -1,0 +1,177 @@
+"""SQLite store against file locks: contention on one key, and the uncontended cost.
+
+Run: .venv/bin/python benchmarks/bench_sqlite.py [--seconds 3] [--rounds 3]
+
+Contention: 4 processes loop on one key for a fixed time; the critical section is a
+read-modify-write of a counter file. For each lock we report acquires/s, lost updates
+(counter vs acquisitions), handoff latency (a release -> the next holder's acquire,
+on the host's shared monotonic clock), same-holder % (consecutive acquisitions by the
+process that just released) and the worst wait of any single acquire.
+Uncontended: µs per acquire+release pair in one process, next to ``fcntl.flock``.
+Rounds interleave the contenders; the table shows medians. Results go to
+benchmarks/results/sqlite.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import itertools
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+import filelock
+
+import keymutex
+
+PROCESSES = 4
+RESULTS = Path(__file__).parent / "results"
+
+
+def _clock() -> float:
+    return time.clock_gettime(time.CLOCK_BOOTTIME)  # shared by all processes on the host
+
+
+def _lock_factory(kind: str, workdir: str) -> Callable[[], AbstractContextManager[object]]:
+    if kind == "keymutex-sqlite":
+        locks = keymutex.Locks(f"sqlite:///{workdir}/locks.db", ttl=10.0)
+        return lambda: locks.lock("counter", renew=False)
+    if kind == "filelock":
+        lock = filelock.FileLock(f"{workdir}/counter.lock")
+        return lambda: lock
+    if kind == "fcntl.flock":
+        path = f"{workdir}/counter.flock"
+
+        @contextmanager
+        def flock() -> Iterator[None]:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+        return flock
+    raise ValueError(kind)
+
+
+def _worker(kind: str, workdir: str, start_at: float, stop_at: float, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    make_lock = _lock_factory(kind, workdir)
+    counter = Path(workdir) / "counter"
+    spans: list[tuple[float, float, float]] = []  # (asked, acquired, released)
+    while _clock() < start_at:
+        time.sleep(0.001)
+    while True:
+        asked = _clock()
+        if asked >= stop_at:
+            break
+        with make_lock():
+            acquired = _clock()
+            value = int(counter.read_text())
+            counter.write_text(str(value + 1))
+            released = _clock()
+        spans.append((asked, acquired, released))
+    out.put((os.getpid(), spans))
+
+
+def contention(kind: str, seconds: float) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as workdir:
+        Path(workdir, "counter").write_text("0")
+        _lock_factory(kind, workdir)  # create the database before the clock starts
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        start_at = _clock() + 1.5  # let the spawned interpreters start
+        procs = [
+            ctx.Process(target=_worker, args=(kind, workdir, start_at, start_at + seconds, out))
+            for _ in range(PROCESSES)
+        ]
+        for proc in procs:
+            proc.start()
+        results = [out.get(timeout=seconds + 60) for _ in procs]
+        for proc in procs:
+            proc.join()
+        counter = int(Path(workdir, "counter").read_text())
+    events = sorted(
+        (acquired, released, asked, pid)
+        for pid, spans in results
+        for asked, acquired, released in spans
+    )
+    total = len(events)
+    handoffs = [b[0] - a[1] for a, b in itertools.pairwise(events)]
+    same = sum(1 for a, b in itertools.pairwise(events) if a[3] == b[3])
+    waits = [acquired - asked for acquired, _, asked, _ in events]
+    quantiles = statistics.quantiles(handoffs, n=10)
+    return {
+        "acquires/s": total / seconds,
+        "lost updates": total - counter,
+        "handoff p50 ms": statistics.median(handoffs) * 1e3,
+        "handoff p90 ms": quantiles[8] * 1e3,
+        "same holder %": 100.0 * same / max(1, total - 1),
+        "worst wait ms": max(waits) * 1e3,
+    }
+
+
+def uncontended(kind: str, pairs: int) -> float:
+    with tempfile.TemporaryDirectory() as workdir:
+        make_lock = _lock_factory(kind, workdir)
+        for _ in range(200):
+            with make_lock():
+                pass
+        started = time.perf_counter()
+        for _ in range(pairs):
+            with make_lock():
+                pass
+        return (time.perf_counter() - started) / pairs * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=5000)
+    args = parser.parse_args()
+    kinds = ["keymutex-sqlite", "filelock", "fcntl.flock"]
+    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
+    unc: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for round_ in range(args.rounds):
+        for kind in kinds:
+            runs[kind].append(contention(kind, args.seconds))
+            unc[kind].append(uncontended(kind, args.pairs))
+            print(
+                f"round {round_ + 1} {kind}: {runs[kind][-1]} uncontended {unc[kind][-1]:.1f} µs",
+                file=sys.stderr,
+            )
+    columns = list(runs[kinds[0]][0])
+    lines = [
+        f"## SQLite store vs file locks: {PROCESSES} processes on one key (median of {args.rounds} interleaved rounds of {args.seconds:g} s)",
+        "",
+        "| lock | " + " | ".join(columns) + " | uncontended µs/pair |",
+        "|---" * (len(columns) + 2) + "|",
+    ]
+    for kind in kinds:
+        cells = [statistics.median(run[c] for run in runs[kind]) for c in columns]
+        lines.append(
+            f"| {kind} | "
+            + " | ".join(f"{v:,.2f}" if isinstance(v, float) else str(v) for v in cells)
+            + f" | {statistics.median(unc[kind]):,.1f} |"
+        )
+    ratio = statistics.median(
+        r["acquires/s"] for r in runs["keymutex-sqlite"]
+    ) / statistics.median(r["acquires/s"] for r in runs["filelock"])
+    lines += ["", f"keymutex-sqlite / filelock acquires/s: **{ratio:.2f} ×** (goal ≥ 1.0)", ""]
+    text = "\n".join(lines)
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "sqlite.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

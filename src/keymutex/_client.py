@@ -1,0 +1,928 @@
+"""``Locks`` and ``AsyncLocks``: waiting, renewal and context managers, written once.
+
+The stores give non-blocking atomic steps (``_store``). Everything that decides —
+validation, deadlines, backoff, renewal schedules, turning replies into leases and
+errors — lives in plain code shared by both twins (``_Config``, ``_wait``,
+``_RenewalPlan``); the two classes below only do the I/O, one with threads and one
+with asyncio.
+
+Waiting: the first attempt is a plain ``try_acquire``. When refused, the caller
+registers a waiter with the store and tries again in the same atomic step, so a
+release that follows is sure to wake it; it then parks until notified, until the
+holder's expiry, or (stores that cannot notify) for a jittered backoff step. Within
+one ``Locks``, callers waiting for the same key queue locally (a ``KeyedLock`` gate),
+so only one of them contends at the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import heapq
+import inspect
+import itertools
+import logging
+import os
+import secrets
+import socket
+import string
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+from keymutex import _clock
+from keymutex._errors import Locked, LockError, LockLost, StoreError
+from keymutex._lease import AsyncLease, Holder, Lease, LeaseState, Outcome
+from keymutex._local import AsyncKeyedLock, KeyedLock
+from keymutex._store import AsyncStore, AsyncWaiter, RenewRequest, Store, Waiter
+from keymutex._urls import driver_for
+from keymutex._validate import (
+    check_bool,
+    check_callback,
+    check_info,
+    check_key,
+    check_prefix,
+    check_text,
+    check_timeout,
+    check_token,
+    check_ttl,
+)
+from keymutex._wait import Backoff, Deadline, park_time
+
+__all__ = ["AsyncLocks", "Locks"]
+
+_LOG = logging.getLogger("keymutex")
+_HOSTNAME = socket.gethostname()
+_TOKEN_BYTES = 18  # 144 bits, 24 URL-safe characters
+MAX_OWNER_BYTES = 256
+MAX_NAMESPACE_BYTES = 256
+
+P = ParamSpec("P")
+R = TypeVar("R")
+OnLost = Callable[[Any], object]
+
+
+def _new_token() -> str:
+    return secrets.token_urlsafe(_TOKEN_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """One validated acquire."""
+
+    key: str
+    ttl: float
+    timeout: float | None
+    renew: bool
+    info: dict[str, Any] | None
+    steal: bool
+    on_lost: OnLost | None
+
+
+class _Config:
+    """The validated settings of a ``Locks`` / ``AsyncLocks`` and its argument checks."""
+
+    def __init__(self, url: object, namespace: object, ttl: object, owner: object) -> None:
+        self.driver = driver_for(url)
+        assert isinstance(url, str)
+        self.url = url
+        self.namespace = check_text(
+            namespace, "namespace", allow_empty=True, max_bytes=MAX_NAMESPACE_BYTES
+        )
+        self.ttl = check_ttl(ttl)
+        self.owner = (
+            None
+            if owner is None
+            else check_text(owner, "owner", allow_empty=False, max_bytes=MAX_OWNER_BYTES)
+        )
+
+    def owner_now(self) -> str:
+        # The pid is read at each acquire: a forked child is a different owner.
+        return self.owner if self.owner is not None else f"{_HOSTNAME}:{os.getpid()}"
+
+    def request(
+        self,
+        key: object,
+        ttl: object,
+        timeout: object,
+        renew: object,
+        info: object,
+        steal: object,
+        on_lost: OnLost | None,
+    ) -> _Request:
+        return _Request(
+            key=check_key(key),
+            ttl=self.ttl if ttl is None else check_ttl(ttl),
+            timeout=check_timeout(timeout),
+            renew=check_bool(renew, "renew"),
+            info=check_info(info),
+            steal=check_bool(steal, "steal"),
+            on_lost=check_callback(on_lost, "on_lost"),
+        )
+
+    def renew_args(self, key: object, token: object, ttl: object) -> RenewRequest:
+        return RenewRequest(
+            check_key(key), check_token(token), self.ttl if ttl is None else check_ttl(ttl)
+        )
+
+
+def _key_template(template: object, function: Callable[..., Any]) -> inspect.Signature:
+    """Check that ``template`` only names parameters of ``function``; its signature."""
+    if not isinstance(template, str):
+        raise TypeError(
+            f"key must be a str template such as 'order:{{user_id}}', not {template!r}"
+        )
+    signature = inspect.signature(function)
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is None:
+            continue
+        name = field.split(".", 1)[0].split("[", 1)[0]
+        if name not in signature.parameters:
+            raise ValueError(
+                f"key template {template!r} names {name!r}, which is not a parameter of"
+                f" {function.__qualname__}{signature}"
+            )
+    return signature
+
+
+def _format_key(
+    template: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return template.format(**bound.arguments)
+
+
+class _RenewalPlan:
+    """When each renewing lease is due, and what a renewal's reply means (no I/O)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, LeaseState]] = []
+        self._order = itertools.count()
+        self._active: set[int] = set()
+
+    def add(self, lease: LeaseState, now: float) -> None:
+        self._active.add(id(lease))
+        heapq.heappush(self._heap, (now + lease._ttl / 3, next(self._order), lease))
+
+    def discard(self, lease: LeaseState) -> None:
+        self._active.discard(id(lease))
+
+    def active(self, lease: LeaseState) -> bool:
+        return id(lease) in self._active
+
+    def __bool__(self) -> bool:
+        return bool(self._active)
+
+    def next_due(self) -> float | None:
+        heap = self._heap
+        while heap and id(heap[0][2]) not in self._active:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def take_due(self, now: float) -> list[LeaseState]:
+        due = []
+        while (when := self.next_due()) is not None and when <= now:
+            due.append(heapq.heappop(self._heap)[2])
+        return due
+
+    def settle(self, lease: LeaseState, outcome: Outcome, sent_at: float) -> bool:
+        """Apply one renewal reply; ``True`` when it showed the lease lost."""
+        if not self.active(lease):
+            return False  # released meanwhile
+        if outcome.ok:
+            lease._granted(outcome, sent_at, lease._ttl)
+            heapq.heappush(self._heap, (sent_at + lease._ttl / 3, next(self._order), lease))
+            return False
+        self.discard(lease)
+        return lease._mark_lost(outcome.holder)
+
+    def failed(self, lease: LeaseState, now: float) -> bool:
+        """The store could not be reached: retry, or give up at the lease's deadline."""
+        if not self.active(lease):
+            return False
+        deadline = lease._deadline
+        if now >= deadline:
+            self.discard(lease)
+            return lease._mark_lost(None)
+        retry = min(now + max(0.05, min(1.0, lease._ttl / 10)), deadline)
+        heapq.heappush(self._heap, (retry, next(self._order), lease))
+        return False
+
+
+def _outcome_or_lost(key: str, outcome: Outcome) -> Outcome:
+    if not outcome.ok:
+        raise LockLost(key, outcome.holder)
+    return outcome
+
+
+class _Renewer:
+    """One thread that renews every renewing lease of a ``Locks``, in batches."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._plan = _RenewalPlan()
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def add(self, lease: Lease) -> None:
+        with self._wakeup:
+            if self._closed:
+                raise RuntimeError("this Locks is closed")
+            self._plan.add(lease, _clock.monotonic())
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="keymutex-renewer", daemon=True
+                )
+                self._thread.start()
+            self._wakeup.notify()
+
+    def discard(self, lease: LeaseState) -> None:
+        with self._wakeup:
+            self._plan.discard(lease)
+
+    def _next_batch(self) -> list[LeaseState] | None:
+        with self._wakeup:
+            while not self._closed:
+                now = _clock.monotonic()
+                due = self._plan.take_due(now)
+                if due:
+                    return due
+                when = self._plan.next_due()
+                self._wakeup.wait(None if when is None else when - now)
+            return None
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            sent_at = _clock.monotonic()
+            requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
+            try:
+                outcomes = self._store.renew_many(requests)
+            except StoreError as exc:
+                _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
+                with self._wakeup:
+                    lost = [x for x in batch if self._plan.failed(x, _clock.monotonic())]
+            else:
+                with self._wakeup:
+                    lost = [
+                        x
+                        for x, o in zip(batch, outcomes, strict=True)
+                        if self._plan.settle(x, o, sent_at)
+                    ]
+            for lease in lost:
+                lease._notify_lost()
+
+    def close(self) -> None:
+        with self._wakeup:
+            self._closed = True
+            self._wakeup.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+class _LockContext:
+    """What ``Locks.lock()`` returns: acquires on enter, releases on exit."""
+
+    __slots__ = ("_lease", "_locks", "_request")
+
+    def __init__(self, locks: Locks, request: _Request) -> None:
+        self._locks = locks
+        self._request = request
+        self._lease: Lease | None = None
+
+    def __enter__(self) -> Lease:
+        self._lease = self._locks._acquire(self._request)
+        return self._lease
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            self._locks._finish_lease(lease, block_failed=exc_type is not None)
+
+
+class Locks:
+    """Lease locks on a store chosen by URL; synchronous and thread-safe.
+
+    A lease lives ``ttl`` seconds unless renewed. Fences strictly increase per key.
+    Callers of one ``Locks`` waiting for the same key are served in arrival order;
+    across ``Locks`` instances and processes, the order is the store's (see its
+    ``Capabilities.fair``). Not reentrant: acquiring a key you hold waits.
+    """
+
+    def __init__(
+        self,
+        url: str = "memory://",
+        *,
+        namespace: str = "",
+        ttl: float = 30.0,
+        owner: str | None = None,
+        **store_options: object,
+    ) -> None:
+        self._config = _Config(url, namespace, ttl, owner)
+        self._store: Store = self._config.driver.open(
+            self._config.url, namespace=self._config.namespace, options=store_options
+        )
+        self._gate: KeyedLock = KeyedLock()
+        self._renewer = _Renewer(self._store)
+
+    @property
+    def url(self) -> str:
+        return self._config.url
+
+    @property
+    def namespace(self) -> str:
+        return self._config.namespace
+
+    def __enter__(self) -> Locks:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop renewing and close the store connection. Held leases are not released."""
+        self._renewer.close()
+        self._store.close()
+
+    def lock(
+        self,
+        key: str,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = True,
+        info: dict[str, Any] | None = None,
+        steal: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> _LockContext:
+        """A context manager holding ``key`` for its block (renewed by default)."""
+        request = self._config.request(key, ttl, timeout, renew, info, steal, on_lost)
+        return _LockContext(self, request)
+
+    def acquire(
+        self,
+        key: str,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        info: dict[str, Any] | None = None,
+        steal: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> Lease:
+        """Acquire ``key``: wait up to ``timeout`` (``None`` forever, ``0`` try once).
+
+        Raises ``Locked`` (with the holder) when not acquired in time.
+        """
+        return self._acquire(self._config.request(key, ttl, timeout, renew, info, steal, on_lost))
+
+    def renew(self, key: str, token: str, ttl: float | None = None) -> Lease:
+        """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
+        request = self._config.renew_args(key, token, ttl)
+        sent_at = _clock.monotonic()
+        outcome = _outcome_or_lost(key, self._store.renew(request.key, request.token, request.ttl))
+        return Lease(
+            self,
+            request.key,
+            request.token,
+            outcome,
+            ttl=request.ttl,
+            sent_at=sent_at,
+            on_lost=None,
+        )
+
+    def release(self, key: str, token: str) -> None:
+        """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
+        key, token = check_key(key), check_token(token)
+        _outcome_or_lost(key, self._store.release(key, token))
+
+    def holder(self, key: str) -> Holder | None:
+        """The current holder of ``key``, or ``None`` when it is free."""
+        return self._store.holder(check_key(key))
+
+    def holders(self, prefix: str = "") -> list[Holder]:
+        """Every current lease whose key starts with ``prefix``, sorted by key."""
+        return self._store.holders(check_prefix(prefix))
+
+    def locked(
+        self,
+        key: str,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = True,
+        info: dict[str, Any] | None = None,
+        steal: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Decorator: hold the lock ``key.format(**arguments)`` while the function runs."""
+        self._config.request("template", ttl, timeout, renew, info, steal, on_lost)
+
+        def decorate(function: Callable[P, R]) -> Callable[P, R]:
+            if inspect.iscoroutinefunction(function):
+                raise TypeError("Locks.locked decorates plain functions; use AsyncLocks.locked")
+            signature = _key_template(key, function)
+
+            @functools.wraps(function)
+            def locked_call(*args: P.args, **kwargs: P.kwargs) -> R:
+                name = _format_key(key, signature, args, kwargs)
+                with self.lock(name, ttl, timeout, renew, info, steal, on_lost):
+                    return function(*args, **kwargs)
+
+            return locked_call
+
+        return decorate
+
+    # -- the I/O of acquiring, renewing and releasing ------------------------------
+
+    def _acquire(self, request: _Request) -> Lease:
+        token = _new_token()
+        if request.steal or request.timeout == 0:
+            return self._attempt_once(request, token)
+        deadline = Deadline(request.timeout)
+        if not self._gate.acquire(request.key, timeout=deadline.remaining()):
+            raise Locked(request.key, self._holder_if_known(request.key))
+        try:
+            return self._contend(request, token, deadline)
+        finally:
+            self._gate.release(request.key)
+
+    def _attempt_once(self, request: _Request, token: str) -> Lease:
+        sent_at = _clock.monotonic()
+        outcome = self._try(request, token, None)
+        if not outcome.ok:
+            raise Locked(request.key, outcome.holder)
+        return self._granted(request, token, outcome, sent_at)
+
+    def _contend(self, request: _Request, token: str, deadline: Deadline) -> Lease:
+        notifies = self._store.capabilities.notifies
+        backoff = None if notifies else Backoff()
+        # With a store that notifies, even the first try carries the waiter: a refusal
+        # queues it in the same atomic step, so no release can slip in between.
+        waiter = self._store.waiter(request.key) if notifies else None
+        try:
+            while True:
+                sent_at = _clock.monotonic()
+                outcome = self._try(request, token, waiter)
+                if outcome.ok:
+                    return self._granted(request, token, outcome, sent_at)
+                if deadline.passed():
+                    raise Locked(request.key, outcome.holder)
+                if waiter is None:
+                    waiter = self._store.waiter(request.key)
+                waiter.wait(park_time(deadline, outcome.remaining, backoff))
+        finally:
+            if waiter is not None:
+                waiter.close()
+
+    def _try(self, request: _Request, token: str, waiter: Waiter | None) -> Outcome:
+        return self._store.try_acquire(
+            request.key,
+            token=token,
+            ttl=request.ttl,
+            owner=self._config.owner_now(),
+            info=request.info,
+            steal=request.steal,
+            waiter=waiter,
+        )
+
+    def _granted(self, request: _Request, token: str, outcome: Outcome, sent_at: float) -> Lease:
+        lease = Lease(
+            self,
+            request.key,
+            token,
+            outcome,
+            ttl=request.ttl,
+            sent_at=sent_at,
+            on_lost=request.on_lost,
+        )
+        if request.renew:
+            self._renewer.add(lease)
+        return lease
+
+    def _holder_if_known(self, key: str) -> Holder | None:
+        try:
+            return self._store.holder(key)
+        except StoreError:
+            return None
+
+    def _lost(self, lease: Lease, holder: Holder | None) -> LockLost:
+        if lease._mark_lost(holder):
+            lease._notify_lost()
+        return LockLost(lease.key, lease._new_holder)
+
+    def _renew_lease(self, lease: Lease, ttl: float | None) -> None:
+        ttl = lease._ttl if ttl is None else check_ttl(ttl)
+        if lease._released or lease._lost:
+            raise LockLost(lease.key, lease._new_holder)
+        sent_at = _clock.monotonic()
+        outcome = self._store.renew(lease.key, lease.token, ttl)
+        if not outcome.ok:
+            self._renewer.discard(lease)
+            raise self._lost(lease, outcome.holder)
+        lease._granted(outcome, sent_at, ttl)
+
+    def _release_lease(self, lease: Lease) -> None:
+        self._renewer.discard(lease)
+        if lease._released:
+            holder = self._holder_if_known(lease.key)
+            raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
+        if lease._lost:
+            raise LockLost(lease.key, lease._new_holder)
+        expired = lease.remaining <= 0  # by our own clock, before the store's says so
+        outcome = self._store.release(lease.key, lease.token)
+        if not outcome.ok or expired:
+            raise self._lost(lease, outcome.holder)
+        lease._released = True
+
+    def _finish_lease(self, lease: Lease, *, block_failed: bool) -> None:
+        """Leave a ``with`` block: release, and report a loss unless the block raised."""
+        self._renewer.discard(lease)
+        if lease._released:
+            return
+        try:
+            self._release_lease(lease)
+        except LockError:
+            if not block_failed:
+                raise
+
+
+class _AsyncRenewer:
+    """One task that renews every renewing lease of an ``AsyncLocks``, in batches."""
+
+    def __init__(self, store: AsyncStore) -> None:
+        self._store = store
+        self._plan = _RenewalPlan()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._callbacks: set[asyncio.Task[Any]] = set()
+
+    def add(self, lease: AsyncLease) -> None:
+        if self._closed:
+            raise RuntimeError("this AsyncLocks is closed")
+        self._plan.add(lease, _clock.monotonic())
+        if self._task is None or self._task.done():
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(self._wakeup), name="keymutex-renewer"
+            )
+        assert self._wakeup is not None
+        self._wakeup.set()
+
+    def discard(self, lease: LeaseState) -> None:
+        self._plan.discard(lease)
+
+    async def _run(self, wakeup: asyncio.Event) -> None:
+        while self._plan:
+            now = _clock.monotonic()
+            batch = self._plan.take_due(now)
+            if not batch:
+                when = self._plan.next_due()
+                wakeup.clear()
+                try:
+                    async with asyncio.timeout(None if when is None else when - now):
+                        await wakeup.wait()
+                except TimeoutError:
+                    pass
+                continue
+            sent_at = _clock.monotonic()
+            requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
+            try:
+                outcomes = await self._store.renew_many(requests)
+            except StoreError as exc:
+                _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
+                lost = [x for x in batch if self._plan.failed(x, _clock.monotonic())]
+            else:
+                lost = [
+                    x
+                    for x, o in zip(batch, outcomes, strict=True)
+                    if self._plan.settle(x, o, sent_at)
+                ]
+            for lease in lost:
+                self.call_on_lost(lease)
+
+    def call_on_lost(self, lease: LeaseState) -> None:
+        result = lease._notify_lost()
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(result)
+            self._callbacks.add(task)
+            task.add_done_callback(self._callbacks.discard)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class _AsyncLockContext:
+    """What ``AsyncLocks.lock()`` returns: acquires on enter, releases on exit."""
+
+    __slots__ = ("_lease", "_locks", "_request")
+
+    def __init__(self, locks: AsyncLocks, request: _Request) -> None:
+        self._locks = locks
+        self._request = request
+        self._lease: AsyncLease | None = None
+
+    async def __aenter__(self) -> AsyncLease:
+        self._lease = await self._locks._acquire(self._request)
+        return self._lease
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            await self._locks._finish_lease(lease, block_failed=exc_type is not None)
+
+
+class AsyncLocks:
+    """Lease locks on a store chosen by URL, for asyncio. The twin of ``Locks``.
+
+    Cancelling a task that waits leaves nothing behind: a grant that lands after the
+    cancellation is released in the background.
+    """
+
+    def __init__(
+        self,
+        url: str = "memory://",
+        *,
+        namespace: str = "",
+        ttl: float = 30.0,
+        owner: str | None = None,
+        **store_options: object,
+    ) -> None:
+        self._config = _Config(url, namespace, ttl, owner)
+        self._store: AsyncStore = self._config.driver.open_async(
+            self._config.url, namespace=self._config.namespace, options=store_options
+        )
+        self._gate: AsyncKeyedLock = AsyncKeyedLock()
+        self._renewer = _AsyncRenewer(self._store)
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def url(self) -> str:
+        return self._config.url
+
+    @property
+    def namespace(self) -> str:
+        return self._config.namespace
+
+    async def __aenter__(self) -> AsyncLocks:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop renewing and close the store connection. Held leases are not released."""
+        await self._renewer.aclose()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._store.aclose()
+
+    def lock(
+        self,
+        key: str,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = True,
+        info: dict[str, Any] | None = None,
+        steal: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> _AsyncLockContext:
+        """An async context manager holding ``key`` for its block (renewed by default)."""
+        request = self._config.request(key, ttl, timeout, renew, info, steal, on_lost)
+        return _AsyncLockContext(self, request)
+
+    async def acquire(
+        self,
+        key: str,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        info: dict[str, Any] | None = None,
+        steal: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> AsyncLease:
+        """Acquire ``key``: wait up to ``timeout`` (``None`` forever, ``0`` try once).
+
+        Raises ``Locked`` (with the holder) when not acquired in time.
+        """
+        request = self._config.request(key, ttl, timeout, renew, info, steal, on_lost)
+        return await self._acquire(request)
+
+    async def renew(self, key: str, token: str, ttl: float | None = None) -> AsyncLease:
+        """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
+        request = self._config.renew_args(key, token, ttl)
+        sent_at = _clock.monotonic()
+        outcome = _outcome_or_lost(
+            key, await self._store.renew(request.key, request.token, request.ttl)
+        )
+        return AsyncLease(
+            self,
+            request.key,
+            request.token,
+            outcome,
+            ttl=request.ttl,
+            sent_at=sent_at,
+            on_lost=None,
+        )
+
+    async def release(self, key: str, token: str) -> None:
+        """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
+        key, token = check_key(key), check_token(token)
+        _outcome_or_lost(key, await self._store.release(key, token))
+
+    async def holder(self, key: str) -> Holder | None:
+        """The current holder of ``key``, or ``None`` when it is free."""
+        return await self._store.holder(check_key(key))
+
+    async def holders(self, prefix: str = "") -> list[Holder]:
+        """Every current lease whose key starts with ``prefix``, sorted by key."""
+        return await self._store.holders(check_prefix(prefix))
+
+    def locked(
+        self,
+        key: str,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = True,
+        info: dict[str, Any] | None = None,
+        steal: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+        """Decorator: hold the lock ``key.format(**arguments)`` while the coroutine runs."""
+        self._config.request("template", ttl, timeout, renew, info, steal, on_lost)
+
+        def decorate(function: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+            if not inspect.iscoroutinefunction(function):
+                raise TypeError("AsyncLocks.locked decorates async functions; use Locks.locked")
+            signature = _key_template(key, function)
+
+            @functools.wraps(function)
+            async def locked_call(*args: P.args, **kwargs: P.kwargs) -> R:
+                name = _format_key(key, signature, args, kwargs)
+                async with self.lock(name, ttl, timeout, renew, info, steal, on_lost):
+                    return await function(*args, **kwargs)
+
+            return locked_call
+
+        return decorate
+
+    # -- the I/O of acquiring, renewing and releasing ------------------------------
+
+    async def _acquire(self, request: _Request) -> AsyncLease:
+        token = _new_token()
+        if request.steal or request.timeout == 0:
+            return await self._attempt_once(request, token)
+        deadline = Deadline(request.timeout)
+        if not await self._gate.acquire(request.key, timeout=deadline.remaining()):
+            raise Locked(request.key, await self._holder_if_known(request.key))
+        try:
+            return await self._contend(request, token, deadline)
+        finally:
+            self._gate.release(request.key)
+
+    async def _attempt_once(self, request: _Request, token: str) -> AsyncLease:
+        sent_at = _clock.monotonic()
+        outcome = await self._try(request, token, None)
+        if not outcome.ok:
+            raise Locked(request.key, outcome.holder)
+        return self._granted(request, token, outcome, sent_at)
+
+    async def _contend(self, request: _Request, token: str, deadline: Deadline) -> AsyncLease:
+        notifies = self._store.capabilities.notifies
+        backoff = None if notifies else Backoff()
+        waiter = await self._store.waiter(request.key) if notifies else None
+        try:
+            while True:
+                sent_at = _clock.monotonic()
+                outcome = await self._try(request, token, waiter)
+                if outcome.ok:
+                    return self._granted(request, token, outcome, sent_at)
+                if deadline.passed():
+                    raise Locked(request.key, outcome.holder)
+                if waiter is None:
+                    waiter = await self._store.waiter(request.key)
+                await waiter.wait(park_time(deadline, outcome.remaining, backoff))
+        finally:
+            if waiter is not None:
+                await asyncio.shield(waiter.aclose())
+
+    async def _try(self, request: _Request, token: str, waiter: AsyncWaiter | None) -> Outcome:
+        step = asyncio.ensure_future(
+            self._store.try_acquire(
+                request.key,
+                token=token,
+                ttl=request.ttl,
+                owner=self._config.owner_now(),
+                info=request.info,
+                steal=request.steal,
+                waiter=waiter,
+            )
+        )
+        try:
+            return await asyncio.shield(step)
+        except asyncio.CancelledError:
+            # The step may still grant the key: give it back once it has.
+            step.add_done_callback(functools.partial(self._undo_grant, request.key, token))
+            raise
+
+    def _undo_grant(self, key: str, token: str, step: asyncio.Future[Outcome]) -> None:
+        if step.cancelled() or step.exception() is not None or not step.result().ok:
+            return
+        task = asyncio.ensure_future(self._release_quietly(key, token))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_quietly(self, key: str, token: str) -> None:
+        try:
+            await self._store.release(key, token)
+        except StoreError as exc:  # the lease will expire by its TTL
+            _LOG.warning("could not release %r after a cancelled acquire: %s", key, exc)
+
+    def _granted(
+        self, request: _Request, token: str, outcome: Outcome, sent_at: float
+    ) -> AsyncLease:
+        lease = AsyncLease(
+            self,
+            request.key,
+            token,
+            outcome,
+            ttl=request.ttl,
+            sent_at=sent_at,
+            on_lost=request.on_lost,
+        )
+        if request.renew:
+            self._renewer.add(lease)
+        return lease
+
+    async def _holder_if_known(self, key: str) -> Holder | None:
+        try:
+            return await self._store.holder(key)
+        except StoreError:
+            return None
+
+    def _lost(self, lease: AsyncLease, holder: Holder | None) -> LockLost:
+        if lease._mark_lost(holder):
+            self._renewer.call_on_lost(lease)
+        return LockLost(lease.key, lease._new_holder)
+
+    async def _renew_lease(self, lease: AsyncLease, ttl: float | None) -> None:
+        ttl = lease._ttl if ttl is None else check_ttl(ttl)
+        if lease._released or lease._lost:
+            raise LockLost(lease.key, lease._new_holder)
+        sent_at = _clock.monotonic()
+        outcome = await self._store.renew(lease.key, lease.token, ttl)
+        if not outcome.ok:
+            self._renewer.discard(lease)
+            raise self._lost(lease, outcome.holder)
+        lease._granted(outcome, sent_at, ttl)
+
+    async def _release_lease(self, lease: AsyncLease) -> None:
+        self._renewer.discard(lease)
+        if lease._released:
+            holder = await self._holder_if_known(lease.key)
+            raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
+        if lease._lost:
+            raise LockLost(lease.key, lease._new_holder)
+        expired = lease.remaining <= 0  # by our own clock, before the store's says so
+        outcome = await self._store.release(lease.key, lease.token)
+        if not outcome.ok or expired:
+            raise self._lost(lease, outcome.holder)
+        lease._released = True
+
+    async def _finish_lease(self, lease: AsyncLease, *, block_failed: bool) -> None:
+        """Leave an ``async with`` block: release, and report a loss unless it raised."""
+        self._renewer.discard(lease)
+        if lease._released:
+            return
+        try:
+            await asyncio.shield(self._release_lease(lease))
+        except LockError:
+            if not block_failed:
+                raise

@@ -1,0 +1,51 @@
+"""The errors keymutex raises on purpose.
+
+    LockError                 base of everything keymutex raises on purpose
+    ├── Locked                not acquired within timeout; .key, .holder
+    ├── LockLost              the lease no longer holds its key; .key, .holder
+    └── StoreError            the store failed or is unreachable; original as __cause__
+
+Bad arguments are not ``LockError``: they raise ``ValueError`` or ``TypeError``
+before anything touches a store.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from keymutex._lease import Holder
+
+__all__ = ["LockError", "LockLost", "Locked", "StoreError"]
+
+
+class LockError(Exception):
+    """Base of every error keymutex raises on purpose."""
+
+
+def _describe(holder: Holder | None) -> str:
+    if holder is None:
+        return "no current holder"
+    return f"held by {holder.owner!r} (fence {holder.fence})"
+
+
+class Locked(LockError):
+    """The key was not acquired within the timeout; ``holder`` is who had it, if known."""
+
+    def __init__(self, key: str, holder: Holder | None, message: str | None = None) -> None:
+        self.key = key
+        self.holder = holder
+        super().__init__(message or f"{key!r} is locked: {_describe(holder)}")
+
+
+class LockLost(LockError):
+    """The lease no longer holds its key; ``holder`` is the new holder, if any."""
+
+    def __init__(self, key: str, holder: Holder | None, message: str | None = None) -> None:
+        self.key = key
+        self.holder = holder
+        super().__init__(message or f"lease on {key!r} was lost: {_describe(holder)}")
+
+
+class StoreError(LockError):
+    """The store failed or could not be reached; the driver's exception is ``__cause__``."""

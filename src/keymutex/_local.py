@@ -1,0 +1,435 @@
+"""In-process keyed locks: one lock per key, for threads and for asyncio tasks.
+
+Both classes keep one dict from each *held* key to its queue of waiters::
+
+    key absent           nobody holds the key
+    key -> None          held, nobody waits
+    key -> deque         held; the waiters in arrival order (the deque may be empty)
+
+``release`` hands the key straight to the first waiter (the entry stays, now owned by
+that waiter) or deletes the entry when nobody waits. Because of the direct hand-off:
+
+- waiters are served first come, first served, and a holder that releases and at once
+  acquires again queues behind the waiters instead of overtaking them;
+- a waiter exists only while someone holds the key, so an entry exists only while its
+  key has a holder or a waiter, and ``len()`` is back to 0 once all work has ended.
+
+A free key costs one dict entry and nothing else: no lock, no future, no queue. Parking
+primitives (a ``threading.Lock`` or an ``asyncio.Future`` per waiter) are allocated only
+when a caller has to wait, and dropped as soon as it stops waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import threading
+from collections import deque
+from collections.abc import Hashable
+from types import TracebackType
+from typing import Final
+
+from keymutex._errors import Locked
+from keymutex._validate import check_timeout
+
+__all__ = ["AsyncKeyedLock", "KeyedLock"]
+
+
+class _Free(enum.Enum):
+    FREE = enum.auto()
+
+
+# What ``entries.get(key, _FREE)`` returns for a key that nobody holds (``None`` means
+# "held, nobody waits", so it cannot be the default).
+_FREE: Final = _Free.FREE
+
+
+def _bad_key(key: object, exc: TypeError) -> TypeError:
+    """The error for a key the dict refused: ours if the key is unhashable, else the original."""
+    try:
+        hash(key)
+    except TypeError:
+        return TypeError(f"key must be hashable (usable as a dict key), not {type(key).__name__}")
+    return exc  # a hashable key whose __eq__ raised: not ours to reword
+
+
+def _not_held(key: object) -> RuntimeError:
+    return RuntimeError(f"release of {key!r}, which is not held")
+
+
+def _timed_out(key: Hashable, timeout: float) -> Locked:
+    if timeout == 0:
+        message = f"{key!r} is locked (in-process); timeout=0 tried once"
+    else:
+        message = f"{key!r} is locked (in-process) after waiting {timeout:g} s"
+    # Locked.key is annotated ``str`` for store keys; in-process keys are any hashable
+    # and are only stored as ``.key``.
+    return Locked(key, None, message)  # type: ignore[arg-type]
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    # The common case (no timeout) skips the call.
+    return None if timeout is None else check_timeout(timeout)
+
+
+class KeyedLock:
+    """A lock per key for threads: ``with kl(key):`` holds ``key``; other keys stay free.
+
+    Keys are any hashable value. Guaranteed:
+
+    - at most one holder per key; waiters on a key are served first come, first served,
+      and a thread that releases and re-acquires queues behind the existing waiters;
+    - ``timeout=None`` waits as long as it takes, ``0`` tries once, ``t > 0`` waits up to
+      about ``t`` seconds; a key handed over just as the timeout ends is kept (acquired);
+    - an entry exists only while its key has a holder or a waiter: ``len(kl)`` is 0
+      again after all work ends, whatever exceptions or timeouts happened.
+
+    Not guaranteed:
+
+    - reentrancy: a thread that acquires a key it already holds waits for itself (for
+      ever with ``timeout=None``); pass a ``timeout`` to fail with ``Locked`` instead;
+    - ownership: like ``threading.Lock``, any thread may release a held key, not only
+      the one that acquired it;
+    - fairness between different keys, or across processes (see ``keymutex.Locks``).
+
+    ``KeyboardInterrupt`` and other exceptions raised while waiting leave no trace: a key
+    handed over at that moment is passed on to the next waiter.
+    """
+
+    __slots__ = ("__weakref__", "_entries", "_guard")
+
+    def __init__(self) -> None:
+        # One guard for the whole table: held only for a few dict and deque operations,
+        # never while anyone waits, so it is cheaper than a lock object per key.
+        self._guard = threading.Lock()
+        self._entries: dict[Hashable, deque[threading.Lock] | None] = {}
+
+    def __call__(self, key: Hashable, timeout: float | None = None) -> _Held:
+        """A context manager that holds ``key``; entering raises ``Locked`` after ``timeout``.
+
+        The timeout is checked here, the key when entering. The same object may be
+        entered again after it exits; it never holds more than the one key.
+        """
+        return _Held(self, key, _check_timeout(timeout))
+
+    def acquire(self, key: Hashable, timeout: float | None = None) -> bool:
+        """Hold ``key``: ``True`` once held, ``False`` if ``timeout`` ran out first.
+
+        ``None`` waits as long as it takes, ``0`` tries once without waiting, ``t > 0``
+        waits up to about ``t`` seconds. Raises ``TypeError`` for an unhashable key and
+        ``TypeError``/``ValueError`` for a bad timeout. Not reentrant (see the class).
+        """
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        with self._guard:
+            entries = self._entries
+            try:
+                waiters = entries.get(key, _FREE)
+            except TypeError as exc:
+                raise _bad_key(key, exc) from exc
+            if waiters is _FREE:
+                entries[key] = None
+                return True
+            if timeout == 0:
+                return False
+            if waiters is None:
+                waiters = entries[key] = deque()
+            # Our parking spot: a lock born held, released by whoever hands us the key.
+            parker = threading.Lock()
+            parker.acquire()
+            waiters.append(parker)
+        return self._park(key, waiters, parker, timeout)
+
+    def _park(
+        self,
+        key: Hashable,
+        waiters: deque[threading.Lock],
+        parker: threading.Lock,
+        timeout: float | None,
+    ) -> bool:
+        # The parker leaves ``waiters`` in exactly two ways, both under the guard: popped
+        # by release (the key is now ours) or removed here (we stopped waiting). So once
+        # we hold the guard, membership tells which one happened.
+        try:
+            if timeout is None:
+                granted = parker.acquire()
+            else:
+                granted = parker.acquire(timeout=min(timeout, threading.TIMEOUT_MAX))
+        except BaseException:  # KeyboardInterrupt, or anything a signal handler raises
+            with self._guard:
+                try:
+                    waiters.remove(parker)
+                except ValueError:  # handed to us meanwhile: pass it on
+                    self._release_held(key)
+            raise
+        if granted:
+            return True
+        with self._guard:
+            try:
+                waiters.remove(parker)
+            except ValueError:  # handed to us between the timeout and the guard
+                return True
+        return False
+
+    def release(self, key: Hashable) -> None:
+        """Let go of ``key``; the first waiter, if any, holds it at once.
+
+        Raises ``RuntimeError`` if ``key`` is not held. Any thread may release.
+        """
+        with self._guard:
+            self._release_held(key)
+
+    def _release_held(self, key: Hashable) -> None:
+        # Caller holds the guard.
+        entries = self._entries
+        try:
+            waiters = entries.get(key, _FREE)
+        except TypeError as exc:
+            raise _bad_key(key, exc) from exc
+        if waiters is _FREE:
+            raise _not_held(key)
+        if waiters:
+            waiters.popleft().release()  # direct hand-off: the entry stays, the waiter owns it
+        else:
+            del entries[key]
+
+    def locked(self, key: Hashable) -> bool:
+        """Whether ``key`` is held right now (by anyone); stale as soon as it returns."""
+        with self._guard:
+            try:
+                return key in self._entries
+            except TypeError as exc:
+                raise _bad_key(key, exc) from exc
+
+    def _waiting(self, key: Hashable) -> int:
+        """How many callers wait for ``key`` (for tests and debugging)."""
+        with self._guard:
+            return len(self._entries.get(key) or ())
+
+    def __len__(self) -> int:
+        """The number of keys that have a holder or a waiter."""
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} keys={len(self._entries)}>"
+
+
+class _Held:
+    """``with kl(key, timeout):`` — acquire on enter (or raise ``Locked``), release on exit."""
+
+    __slots__ = ("_key", "_lock", "_timeout")
+
+    def __init__(self, lock: KeyedLock, key: Hashable, timeout: float | None) -> None:
+        self._lock = lock
+        self._key = key
+        self._timeout = timeout
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(self._key, self._timeout):
+            assert self._timeout is not None  # only a timeout can refuse
+            raise _timed_out(self._key, self._timeout)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._lock.release(self._key)
+
+
+def _expire(waiter: asyncio.Future[bool], waiters: deque[asyncio.Future[bool]]) -> None:
+    # Timer callback. A waiter that is not done is still in ``waiters`` (release pops
+    # only the waiter it completes), and the event loop runs one callback at a time.
+    if not waiter.done():
+        waiter.set_result(False)
+        waiters.remove(waiter)
+
+
+class AsyncKeyedLock:
+    """A lock per key for asyncio tasks: ``async with akl(key):`` holds ``key``.
+
+    Keys are any hashable value. Guaranteed:
+
+    - at most one holder per key; waiters on a key are served first come, first served,
+      and a task that releases and re-acquires queues behind the existing waiters;
+    - ``timeout=None`` waits as long as it takes, ``0`` tries once, ``t > 0`` waits up to
+      about ``t`` seconds;
+    - an entry exists only while its key has a holder or a waiter: ``len(akl)`` is 0
+      again after all work ends. Cancelling a task that waits leaves no trace — even
+      when the key was handed to it just as it was cancelled, it passes the key on —
+      and cancelling a task inside ``async with`` releases the key on the way out.
+
+    Not guaranteed:
+
+    - reentrancy: a task that acquires a key it already holds waits for itself; pass a
+      ``timeout`` to fail with ``Locked`` instead;
+    - ownership: like ``asyncio.Lock``, any task may release a held key;
+    - thread safety: use one instance from one event loop at a time, like ``asyncio.Lock``
+      (for threads, use ``KeyedLock``).
+
+    Acquiring a free key does not yield to the event loop.
+    """
+
+    __slots__ = ("__weakref__", "_entries")
+
+    def __init__(self) -> None:
+        self._entries: dict[Hashable, deque[asyncio.Future[bool]] | None] = {}
+
+    def __call__(self, key: Hashable, timeout: float | None = None) -> _AsyncHeld:
+        """An async context manager that holds ``key``; raises ``Locked`` after ``timeout``.
+
+        The timeout is checked here, the key when entering. The same object may be
+        entered again after it exits; it never holds more than the one key.
+        """
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        return _AsyncHeld(self, key, timeout)
+
+    async def acquire(self, key: Hashable, timeout: float | None = None) -> bool:
+        """Hold ``key``: ``True`` once held, ``False`` if ``timeout`` ran out first.
+
+        ``None`` waits as long as it takes, ``0`` tries once without waiting, ``t > 0``
+        waits up to about ``t`` seconds. Raises ``TypeError`` for an unhashable key and
+        ``TypeError``/``ValueError`` for a bad timeout. Not reentrant (see the class).
+        If the task is cancelled while it waits, it neither holds nor waits afterwards.
+        """
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        entries = self._entries
+        try:
+            waiters = entries.get(key, _FREE)
+        except TypeError as exc:
+            raise _bad_key(key, exc) from exc
+        if waiters is _FREE:
+            entries[key] = None
+            return True
+        if timeout == 0:
+            return False
+        waiter = self._enqueue(key, waiters, timeout)
+        try:
+            return await waiter
+        except BaseException:
+            self._abandon(key, waiter)
+            raise
+
+    def _enqueue(
+        self,
+        key: Hashable,
+        waiters: deque[asyncio.Future[bool]] | None,
+        timeout: float | None,
+    ) -> asyncio.Future[bool]:
+        loop = asyncio.get_running_loop()
+        if waiters is None:
+            waiters = self._entries[key] = deque()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        waiters.append(waiter)
+        if timeout is not None:
+            timer = loop.call_later(timeout, _expire, waiter, waiters)
+            waiter.add_done_callback(lambda _: timer.cancel())
+        return waiter
+
+    def _abandon(self, key: Hashable, waiter: asyncio.Future[bool]) -> None:
+        if waiter.done() and not waiter.cancelled() and waiter.result():
+            self.release(key)
+        else:
+            waiter.cancel()
+            waiters = self._entries.get(key)
+            if waiters:
+                with contextlib.suppress(ValueError):
+                    waiters.remove(waiter)
+
+    def release(self, key: Hashable) -> None:
+        """Let go of ``key``; the first waiter, if any, holds it at once.
+
+        Raises ``RuntimeError`` if ``key`` is not held. Any task may release; call it
+        from the event loop's thread.
+        """
+        entries = self._entries
+        try:
+            waiters = entries.get(key, _FREE)
+        except TypeError as exc:
+            raise _bad_key(key, exc) from exc
+        if waiters is _FREE:
+            raise _not_held(key)
+        if waiters:
+            popleft = waiters.popleft
+            while waiters:
+                waiter = popleft()
+                # Skip waiters cancelled since they queued (their task removes them too,
+                # but may not have run yet).
+                if not waiter.done():
+                    waiter.set_result(True)  # direct hand-off: the entry stays
+                    return
+        del entries[key]
+
+    def locked(self, key: Hashable) -> bool:
+        """Whether ``key`` is held right now (by anyone)."""
+        try:
+            return key in self._entries
+        except TypeError as exc:
+            raise _bad_key(key, exc) from exc
+
+    def _waiting(self, key: Hashable) -> int:
+        """How many tasks wait for ``key`` (for tests and debugging)."""
+        return sum(not waiter.done() for waiter in self._entries.get(key) or ())
+
+    def __len__(self) -> int:
+        """The number of keys that have a holder or a waiter."""
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} keys={len(self._entries)}>"
+
+
+class _AsyncHeld:
+    """``async with akl(key, timeout):`` — acquire on enter (or raise ``Locked``), release on exit."""
+
+    __slots__ = ("_key", "_lock", "_timeout")
+
+    def __init__(self, lock: AsyncKeyedLock, key: Hashable, timeout: float | None) -> None:
+        self._lock = lock
+        self._key = key
+        self._timeout = timeout
+
+    async def __aenter__(self) -> None:
+        # AsyncKeyedLock.acquire's fast path, inlined: one coroutine less per entry,
+        # which is measurable (benchmarks/bench_local.py).
+        key = self._key
+        entries = self._lock._entries
+        try:
+            waiters = entries.get(key, _FREE)
+        except TypeError as exc:
+            raise _bad_key(key, exc) from exc
+        if waiters is _FREE:
+            entries[key] = None
+            return
+        timeout = self._timeout
+        if timeout == 0:
+            raise _timed_out(key, timeout)
+        lock = self._lock
+        waiter = lock._enqueue(key, waiters, timeout)
+        try:
+            granted = await waiter
+        except BaseException:
+            lock._abandon(key, waiter)
+            raise
+        if not granted:
+            assert timeout is not None  # only a timeout can refuse
+            raise _timed_out(key, timeout)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        # Also on CancelledError: a task cancelled while it holds the key releases it here.
+        # AsyncKeyedLock.release's fast path (nobody waits) inlined.
+        key = self._key
+        entries = self._lock._entries
+        if entries.get(key, _FREE) is None:
+            del entries[key]
+        else:
+            self._lock.release(key)

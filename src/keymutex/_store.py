@@ -1,0 +1,248 @@
+"""What a store provides: non-blocking atomic steps, and a way to wait for a release.
+
+A store knows nothing of waiting, renewing or context managers: ``Locks`` and
+``AsyncLocks`` (``_client``) write those once over any store. A store is opened for one
+namespace and speaks in keys without it.
+
+Contract of each step (sync shown; ``AsyncStore`` is the same with ``await``):
+
+- ``try_acquire``: grant the key to ``token`` if it is free (no live lease) or
+  ``steal`` is set, with a fence larger than any granted before on that key. A store
+  that queues waiters (``Capabilities.fair``) grants a free key only to a caller whose
+  ``waiter`` is first in the key's queue, or to anyone when the queue is empty; a
+  refused caller with a ``waiter`` joins the queue in the same atomic step, so a release
+  that follows is sure to notify it.
+- ``renew`` / ``release``: only while ``token`` holds a live lease, checked atomically.
+- ``holder`` / ``holders``: read-only.
+
+Every step returns an ``Outcome`` or raises ``StoreError``; driver exceptions are
+translated by ``translate_errors`` in the store module, never leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ParamSpec, Protocol, TypeVar
+
+from keymutex._errors import StoreError
+from keymutex._lease import Holder, Outcome
+
+__all__ = [
+    "AsyncStore",
+    "AsyncWaiter",
+    "Capabilities",
+    "RenewRequest",
+    "Store",
+    "StoreDriver",
+    "ThreadedAsyncStore",
+    "Waiter",
+    "translate_errors",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a store guarantees; the client adapts its waiting to it.
+
+    - ``notifies``: a release wakes a registered waiter (else waiters back off and poll).
+    - ``fair``: waiters are granted a freed key in arrival order, across clients.
+    - ``cross_process``: other processes see the same leases.
+    - ``durable_fences``: fences never go backwards across a restart of the store.
+    - ``clock``: whose clock measures TTLs, e.g. "host-monotonic", "server".
+    """
+
+    notifies: bool
+    fair: bool
+    cross_process: bool
+    durable_fences: bool
+    clock: str
+
+
+@dataclass(frozen=True, slots=True)
+class RenewRequest:
+    key: str
+    token: str
+    ttl: float
+
+
+class Waiter(Protocol):
+    """A registration to be woken when a key is released (one per waiting client).
+
+    ``wait`` parks up to ``timeout`` seconds and says whether a notification came.
+    ``wait_async`` does the same without blocking the event loop, for adapters.
+    ``close`` leaves the queue; if the key is free, it passes the turn on.
+    """
+
+    def wait(self, timeout: float) -> bool: ...
+
+    async def wait_async(self, timeout: float) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class Store(Protocol):
+    capabilities: Capabilities
+
+    def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Waiter | None,
+    ) -> Outcome: ...
+
+    def renew(self, key: str, token: str, ttl: float) -> Outcome: ...
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]: ...
+
+    def release(self, key: str, token: str) -> Outcome: ...
+
+    def holder(self, key: str) -> Holder | None: ...
+
+    def holders(self, prefix: str) -> list[Holder]: ...
+
+    def waiter(self, key: str) -> Waiter: ...
+
+    def close(self) -> None: ...
+
+
+class AsyncWaiter(Protocol):
+    async def wait(self, timeout: float) -> bool: ...
+
+    async def aclose(self) -> None: ...
+
+
+class AsyncStore(Protocol):
+    capabilities: Capabilities
+
+    async def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: AsyncWaiter | None,
+    ) -> Outcome: ...
+
+    async def renew(self, key: str, token: str, ttl: float) -> Outcome: ...
+
+    async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]: ...
+
+    async def release(self, key: str, token: str) -> Outcome: ...
+
+    async def holder(self, key: str) -> Holder | None: ...
+
+    async def holders(self, prefix: str) -> list[Holder]: ...
+
+    async def waiter(self, key: str) -> AsyncWaiter: ...
+
+    async def aclose(self) -> None: ...
+
+
+class StoreDriver(Protocol):
+    """What a store module exports as its entry point (group ``keymutex.stores``)."""
+
+    def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> Store: ...
+
+    def open_async(
+        self, url: str, *, namespace: str, options: Mapping[str, object]
+    ) -> AsyncStore: ...
+
+
+@contextlib.contextmanager
+def translate_errors(*driver_errors: type[BaseException], what: str) -> Iterator[None]:
+    """Turn the driver's own exceptions into ``StoreError`` (the original as cause)."""
+    try:
+        yield
+    except driver_errors as exc:
+        raise StoreError(f"{what}: {exc}") from exc
+
+
+class _AdaptedWaiter:
+    __slots__ = ("_call", "_inner")
+
+    def __init__(self, inner: Waiter, call: Callable[..., Awaitable[Any]]) -> None:
+        self._inner = inner
+        self._call = call
+
+    async def wait(self, timeout: float) -> bool:
+        return await self._inner.wait_async(timeout)
+
+    async def aclose(self) -> None:
+        await self._call(self._inner.close)
+
+
+class ThreadedAsyncStore:
+    """An ``AsyncStore`` over a sync ``Store``.
+
+    Each step runs in a worker thread (``asyncio.to_thread``), or inline when
+    ``inline`` is set because the store's steps never block (the memory store).
+    Waiting never holds a thread: it uses the waiter's ``wait_async``.
+    """
+
+    def __init__(self, store: Store, *, inline: bool) -> None:
+        self._store = store
+        self._inline = inline
+        self.capabilities = store.capabilities
+
+    async def _call(self, function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._inline:
+            return function(*args, **kwargs)
+        return await asyncio.to_thread(function, *args, **kwargs)
+
+    async def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: AsyncWaiter | None,
+    ) -> Outcome:
+        inner = waiter._inner if isinstance(waiter, _AdaptedWaiter) else None
+        return await self._call(
+            self._store.try_acquire,
+            key,
+            token=token,
+            ttl=ttl,
+            owner=owner,
+            info=info,
+            steal=steal,
+            waiter=inner,
+        )
+
+    async def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        return await self._call(self._store.renew, key, token, ttl)
+
+    async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        return await self._call(self._store.renew_many, requests)
+
+    async def release(self, key: str, token: str) -> Outcome:
+        return await self._call(self._store.release, key, token)
+
+    async def holder(self, key: str) -> Holder | None:
+        return await self._call(self._store.holder, key)
+
+    async def holders(self, prefix: str) -> list[Holder]:
+        return await self._call(self._store.holders, prefix)
+
+    async def waiter(self, key: str) -> AsyncWaiter:
+        return _AdaptedWaiter(self._store.waiter(key), self._call)
+
+    async def aclose(self) -> None:
+        await self._call(self._store.close)

@@ -1,0 +1,54 @@
+"""Store URL -> store driver, through the ``keymutex.stores`` entry points.
+
+A new store is one module that exports a ``StoreDriver`` plus one entry point whose
+name is the URL scheme (``sqlite = "keymutex.stores.sqlite:driver"``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib.metadata import entry_points
+from typing import cast
+
+from keymutex._store import StoreDriver
+
+__all__ = ["driver_for", "known_schemes", "scheme_of"]
+
+ENTRY_POINT_GROUP = "keymutex.stores"
+_SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.\-]*):")
+
+
+@functools.cache
+def _registry() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_schemes() -> list[str]:
+    return sorted(_registry())
+
+
+def scheme_of(url: object) -> str:
+    """The URL's scheme, lower-cased; ``ValueError``/``TypeError`` if it has none."""
+    if not isinstance(url, str):
+        raise TypeError(f"url must be a str such as 'sqlite:///path/locks.db', not {url!r}")
+    match = _SCHEME.match(url)
+    if match is None:
+        raise ValueError(
+            f"url {url!r} does not parse as a store URL: expected scheme://…,"
+            f" with a scheme among {', '.join(known_schemes())}"
+        )
+    return match.group(1).lower()
+
+
+def driver_for(url: object) -> StoreDriver:
+    """The driver of the URL's scheme; ``ValueError`` for an unknown scheme."""
+    scheme = scheme_of(url)
+    for ep in entry_points(group=ENTRY_POINT_GROUP, name=scheme):
+        return cast(StoreDriver, ep.load())
+    hint = ""
+    if scheme in {"redis", "rediss", "postgresql", "postgres", "mongodb", "memcached", "etcd"}:
+        hint = f" (the {scheme} store is not installed in this version of keymutex)"
+    raise ValueError(
+        f"unknown store URL scheme {scheme!r}{hint}; known schemes: {', '.join(known_schemes())}"
+    )

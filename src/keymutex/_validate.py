@@ -1,0 +1,145 @@
+"""Argument checks that run before anything touches a store.
+
+Each check raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value) with a
+message that names the argument and says what is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = [
+    "MAX_INFO_BYTES",
+    "MAX_KEY_BYTES",
+    "check_bool",
+    "check_callback",
+    "check_info",
+    "check_key",
+    "check_prefix",
+    "check_text",
+    "check_timeout",
+    "check_token",
+    "check_ttl",
+]
+
+MAX_KEY_BYTES = 1024
+MAX_INFO_BYTES = 4096
+MAX_TOKEN_CHARS = 256
+MAX_TTL = 10.0 * 365 * 24 * 3600  # ten years: beyond that a lease is a configuration error
+_TOKEN_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+T = TypeVar("T")
+
+
+def _utf8_length(value: str, name: str) -> int:
+    try:
+        return len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{name} must be valid Unicode text; it contains a lone surrogate"
+        ) from None
+
+
+def check_text(value: object, name: str, *, allow_empty: bool, max_bytes: int) -> str:
+    """A ``str`` without NUL or lone surrogates, at most ``max_bytes`` as UTF-8."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+    if not value and not allow_empty:
+        raise ValueError(f"{name} must not be empty")
+    if "\x00" in value:
+        raise ValueError(f"{name} must not contain NUL characters")
+    size = _utf8_length(value, name)
+    if size > max_bytes:
+        raise ValueError(f"{name} is {size} bytes as UTF-8; at most {max_bytes} are accepted")
+    return value
+
+
+def check_key(key: object, name: str = "key") -> str:
+    """A store key: a non-empty ``str`` of at most 1024 bytes UTF-8, no NUL or surrogates."""
+    return check_text(key, name, allow_empty=False, max_bytes=MAX_KEY_BYTES)
+
+
+def check_prefix(prefix: object) -> str:
+    """A key prefix: like a key, but may be empty (every key)."""
+    return check_text(prefix, "prefix", allow_empty=True, max_bytes=MAX_KEY_BYTES)
+
+
+def _number(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds (int or float), not {value!r}")
+    number = float(value)
+    if math.isnan(number):
+        raise ValueError(f"{name} must be a number of seconds, not NaN")
+    return number
+
+
+def check_ttl(ttl: object, name: str = "ttl") -> float:
+    """A lease lifetime: finite seconds, greater than 0, at most ten years."""
+    seconds = _number(ttl, name)
+    if not 0 < seconds <= MAX_TTL:
+        raise ValueError(f"{name} must be greater than 0 and at most {MAX_TTL:.0f} s, not {ttl!r}")
+    return seconds
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> float | None:
+    """``None`` (wait as long as it takes), ``0`` (try once) or finite seconds > 0."""
+    if timeout is None:
+        return None
+    seconds = _number(timeout, name)
+    if not 0 <= seconds < math.inf:
+        raise ValueError(
+            f"{name} must be None (wait forever), 0 (try once) or finite seconds > 0,"
+            f" not {timeout!r}"
+        )
+    return seconds
+
+
+def check_info(info: object) -> dict[str, Any] | None:
+    """``None`` or a JSON-serialisable dict of at most 4 KiB as JSON (no NaN or infinity)."""
+    if info is None:
+        return None
+    if not isinstance(info, dict):
+        raise TypeError(f"info must be a dict or None, not {type(info).__name__}")
+    try:
+        encoded = json.dumps(info, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"info must be JSON-serialisable (no NaN or infinity): {exc}") from None
+    size = _utf8_length(encoded, "info")
+    if size > MAX_INFO_BYTES:
+        raise ValueError(f"info is {size} bytes as JSON; at most {MAX_INFO_BYTES} are accepted")
+    # A copy through JSON: what others see is exactly what the store keeps.
+    decoded: dict[str, Any] = json.loads(encoded)
+    return decoded
+
+
+def check_token(token: object) -> str:
+    """A lease token as keymutex issues them: a non-empty URL-safe ``str``."""
+    if not isinstance(token, str):
+        raise TypeError(f"token must be a str, not {type(token).__name__}")
+    if not token or len(token) > MAX_TOKEN_CHARS or not _TOKEN_ALPHABET.issuperset(token):
+        raise ValueError(
+            f"token must be 1 to {MAX_TOKEN_CHARS} URL-safe characters (A-Z a-z 0-9 - _)"
+            " as returned in Lease.token"
+        )
+    return token
+
+
+def check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, not {value!r}")
+    return value
+
+
+def check_callback(value: T | None, name: str) -> T | None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be a callable or None, not {type(value).__name__}")
+    return value
+
+
+def check_callable(value: Callable[..., Any], name: str) -> Callable[..., Any]:
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, not {type(value).__name__}")
+    return value

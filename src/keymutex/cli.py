@@ -1,0 +1,681 @@
+"""The ``keymutex`` command: run a command under a lock, and look at or clear locks.
+
+    keymutex run KEY [--store URL] [--ttl S] [--timeout S] -- COMMAND [ARG...]
+    keymutex ls [PREFIX] [--store URL] [--json]
+    keymutex show KEY [--store URL] [--json]
+    keymutex release KEY --force [--store URL]
+
+Exit statuses (``sysexits.h`` where one fits):
+
+    0..255  run: COMMAND's own status; 128+N when COMMAND was killed by signal N
+    2       bad usage or arguments (click's usage errors); nothing touched the store
+    69      EX_UNAVAILABLE: the store failed or could not be reached
+    70      EX_SOFTWARE: run: the lease was lost while COMMAND ran
+    75      EX_TEMPFAIL: run: the lock was not acquired within --timeout
+    126     run: COMMAND was found but could not be executed
+    127     run: COMMAND was not found
+
+``run`` is written on ``AsyncLocks``: a signal that arrives while waiting for the lock
+cancels the wait, and the client gives back a grant that lands after the
+cancellation, so an interrupted ``run`` never leaves a lease behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import getpass
+import json
+import os
+import shlex
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import click
+import platformdirs
+from click.core import ParameterSource
+
+from keymutex import AsyncLease, AsyncLocks, Holder, Locked, LockLost, Locks, StoreError
+from keymutex._client import MAX_NAMESPACE_BYTES
+from keymutex._validate import check_key, check_prefix, check_text, check_timeout, check_ttl
+from keymutex._version import __version__
+
+__all__ = ["main"]
+
+EX_USAGE = 2  # click's status for usage errors
+EX_UNAVAILABLE = 69
+EX_SOFTWARE = 70
+EX_TEMPFAIL = 75
+EX_NOEXEC = 126
+EX_NOTFOUND = 127
+
+STORE_ENVVAR = "KEYMUTEX_STORE"
+FORWARDED_SIGNALS = (
+    signal.SIGHUP,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGTERM,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+# Signals that a terminal sends to its whole foreground process group (Ctrl-C, Ctrl-\).
+TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
+MAX_CMD_CHARS = 1024  # of the command line shown to others in the lease's info
+RELEASE_TTL = 5.0  # lifetime of the lease that `release --force` takes and gives back
+
+
+# -- errors and exit statuses --------------------------------------------------------
+
+
+class _Failure(click.ClickException):
+    """Ends the command: ``keymutex: <message>`` on stderr, exit with ``exit_code``."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"keymutex: {self.format_message()}", err=True, file=file)
+
+
+class _Unavailable(_Failure):
+    """The store failed or could not be reached."""
+
+    exit_code = EX_UNAVAILABLE
+
+
+class _NotAcquired(_Failure):
+    """``run`` did not get the lock within ``--timeout``."""
+
+    exit_code = EX_TEMPFAIL
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, fit for messages."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.rsplit("@", 1)[1]
+        user = parts.username or ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    except ValueError:
+        return url
+
+
+@contextlib.contextmanager
+def _store_errors(url: str) -> Iterator[None]:
+    """Turn ``StoreError`` into exit status 69 with the store named."""
+    try:
+        yield
+    except StoreError as exc:
+        raise _Unavailable(f"store {_redact(url)} failed: {exc}") from exc
+
+
+# -- argument types ------------------------------------------------------------------
+
+if TYPE_CHECKING:
+    # Click 8.4+ makes ParamType generic in (value, input); earlier versions are not.
+    _TextParam = click.ParamType[str, Any]
+    _SecondsParam = click.ParamType[float, Any]
+else:
+    _TextParam = _SecondsParam = click.ParamType
+
+
+class _Checked(_TextParam):
+    """A string checked by one of keymutex's own argument checks."""
+
+    def __init__(self, name: str, check: Callable[[object, str], str]) -> None:
+        self.name = name
+        self._check = check
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        try:
+            return self._check(value, self.name)
+        except (TypeError, ValueError) as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class _Seconds(_SecondsParam):
+    """A number of seconds, checked as the library checks ``ttl`` / ``timeout``."""
+
+    def __init__(self, name: str, check: Callable[[object, str], float | None]) -> None:
+        self.name = name
+        self._check = check
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            seconds = float(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        try:
+            checked = self._check(seconds, self.name)
+        except (TypeError, ValueError) as exc:
+            self.fail(str(exc), param, ctx)
+        assert checked is not None
+        return checked
+
+
+KEY = _Checked("key", check_key)
+NAMESPACE = _Checked(
+    "namespace",
+    lambda value, name: check_text(value, name, allow_empty=True, max_bytes=MAX_NAMESPACE_BYTES),
+)
+PREFIX = _Checked("prefix", lambda value, _name: check_prefix(value))
+TTL = _Seconds("ttl", check_ttl)
+TIMEOUT = _Seconds("timeout", check_timeout)
+
+
+# -- the store -----------------------------------------------------------------------
+
+
+def default_store_url() -> str:
+    """``sqlite:///`` a ``locks.db`` in the user's data directory (created if missing)."""
+    directory = Path(platformdirs.user_data_dir("keymutex", appauthor=False))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _Unavailable(
+            f"cannot create the default store's directory {str(directory)!r}: {exc};"
+            f" pass --store or set ${STORE_ENVVAR}"
+        ) from exc
+    return "sqlite://" + quote(str((directory / "locks.db").absolute()))
+
+
+def _store_url(store: str | None) -> str:
+    return default_store_url() if store is None else store
+
+
+def _bad_store(ctx: click.Context, exc: Exception) -> NoReturn:
+    source = ctx.get_parameter_source("store")
+    where = f" (from ${STORE_ENVVAR})" if source is ParameterSource.ENVIRONMENT else ""
+    raise click.BadParameter(str(exc), ctx, param_hint=f"'--store'{where}")
+
+
+def _open(ctx: click.Context, url: str, namespace: str) -> Locks:
+    """``Locks`` on the store; a bad URL is a usage error (the namespace is checked)."""
+    with _store_errors(url):
+        try:
+            return Locks(url, namespace=namespace)
+        except (TypeError, ValueError) as exc:
+            _bad_store(ctx, exc)
+
+
+def _open_async(ctx: click.Context, url: str, namespace: str) -> AsyncLocks:
+    with _store_errors(url):
+        try:
+            return AsyncLocks(url, namespace=namespace)
+        except (TypeError, ValueError) as exc:
+            _bad_store(ctx, exc)
+
+
+def _store_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--store`` and ``--namespace``, shared by every command."""
+    command = click.option(
+        "--namespace",
+        type=NAMESPACE,
+        default="",
+        show_default=True,
+        metavar="NAME",
+        help="Namespace of the keys (Locks(namespace=...)): the same key in two"
+        " namespaces is two locks.",
+    )(command)
+    return click.option(
+        "--store",
+        envvar=STORE_ENVVAR,
+        metavar="URL",
+        help=f"Store URL, e.g. sqlite:///path/locks.db or redis://host:6379/0."
+        f"  [default: ${STORE_ENVVAR}, else sqlite:/// a locks.db in"
+        f" {platformdirs.user_data_dir('keymutex', appauthor=False)}]",
+    )(command)
+
+
+# -- display -------------------------------------------------------------------------
+
+
+def _duration(seconds: float) -> str:
+    """``0.4s``, ``12s``, ``3m04s``, ``2h05m``, ``3d04h``."""
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def _clock_time(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
+
+
+def _info_text(info: dict[str, Any] | None) -> str:
+    return "" if info is None else json.dumps(info, ensure_ascii=False, separators=(",", ":"))
+
+
+def _describe(holder: Holder) -> str:
+    """One line: who holds the key, since when, until when, with which fence."""
+    now = time.time()
+    text = (
+        f"{holder.owner} since {_clock_time(holder.acquired_at)}"
+        f" ({_duration(now - holder.acquired_at)} ago), fence {holder.fence},"
+        f" expires in {_duration(holder.expires_at - now)}"
+    )
+    if holder.info:
+        text += f", info {_info_text(holder.info)}"
+    return text
+
+
+def _as_json(holder: Holder | None) -> dict[str, Any] | None:
+    return None if holder is None else dataclasses.asdict(holder)
+
+
+def _table(holders: Sequence[Holder]) -> list[str]:
+    now = time.time()
+    header = ("KEY", "OWNER", "FENCE", "HELD FOR", "EXPIRES IN", "INFO")
+    rows = [
+        (
+            holder.key,
+            holder.owner,
+            str(holder.fence),
+            _duration(now - holder.acquired_at),
+            _duration(holder.expires_at - now),
+            _info_text(holder.info),
+        )
+        for holder in holders
+    ]
+    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(5)]
+    lines = []
+    for row in [header, *rows]:
+        cells = [cell.ljust(width) for cell, width in zip(row[:5], widths, strict=True)]
+        lines.append("  ".join([*cells, row[5]]).rstrip())
+    return lines
+
+
+# -- the commands --------------------------------------------------------------------
+
+
+@click.group(
+    name="keymutex",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Exit statuses: 2 bad usage, 69 store unavailable, 70 lease lost (run),"
+    " 75 not acquired in time (run), 126/127 COMMAND not executable/not found (run).",
+)
+@click.version_option(__version__, prog_name="keymutex")
+def cli() -> None:
+    """A lock per key, shared by the processes and machines that use one store."""
+
+
+@cli.command(name="ls")
+@click.argument("prefix", required=False, default="", type=PREFIX)
+@_store_options
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of holders.")
+@click.pass_context
+def ls_command(
+    ctx: click.Context, prefix: str, store: str | None, namespace: str, as_json: bool
+) -> None:
+    """List the current holders of keys that start with PREFIX (every key by default).
+
+    The table shows each key's owner, fence, how long it has been held and when it
+    expires unless renewed. --json prints a list of objects with key, owner, info,
+    fence, acquired_at and expires_at (UNIX seconds).
+    """
+    url = _store_url(store)
+    with _store_errors(url), _open(ctx, url, namespace) as locks:
+        holders = locks.holders(prefix)
+    if as_json:
+        click.echo(json.dumps([_as_json(holder) for holder in holders], indent=2))
+    elif not holders:
+        under = f" under prefix {prefix!r}" if prefix else ""
+        click.echo(f"no locks are held{under}")
+    else:
+        for line in _table(holders):
+            click.echo(line)
+
+
+@cli.command(name="show")
+@click.argument("key", type=KEY)
+@_store_options
+@click.option("--json", "as_json", is_flag=True, help="Print the holder as JSON (null if free).")
+@click.pass_context
+def show_command(
+    ctx: click.Context, key: str, store: str | None, namespace: str, as_json: bool
+) -> None:
+    """Show who holds KEY, since when and until when.
+
+    Prints "KEY is free" (--json: null) when nobody holds it. The exit status is 0
+    in both cases: test the JSON output to tell them apart.
+    """
+    url = _store_url(store)
+    with _store_errors(url), _open(ctx, url, namespace) as locks:
+        holder = locks.holder(key)
+    if as_json:
+        click.echo(json.dumps(_as_json(holder), indent=2))
+        return
+    if holder is None:
+        click.echo(f"{key} is free")
+        return
+    now = time.time()
+    fields = [
+        ("key", holder.key),
+        ("owner", holder.owner),
+        ("fence", str(holder.fence)),
+        (
+            "acquired",
+            f"{_clock_time(holder.acquired_at)} ({_duration(now - holder.acquired_at)} ago)",
+        ),
+        ("expires", f"{_clock_time(holder.expires_at)} (in {_duration(holder.expires_at - now)})"),
+        ("info", _info_text(holder.info)),
+    ]
+    for name, value in fields:
+        click.echo(f"{name + ':':<10}{value}".rstrip())
+
+
+@cli.command(name="release")
+@click.argument("key", type=KEY)
+@_store_options
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Required: release whatever lease holds KEY, whoever holds it.",
+)
+@click.pass_context
+def release_command(
+    ctx: click.Context, key: str, store: str | None, namespace: str, force: bool
+) -> None:
+    """Force-release KEY, displacing whoever holds it.
+
+    The key is taken over and given back, which gives it a new, larger fence: the
+    displaced holder's token stops working at once, its renewals fail (a `keymutex
+    run` holding it terminates its command), and resources that check fences reject
+    its late writes. Prints who was displaced. A free key is left as it is.
+    """
+    if not force:
+        raise click.UsageError(
+            f"refusing to release {key!r} without --force: it displaces whoever holds"
+            " the lock while they may still be working",
+            ctx,
+        )
+    url = _store_url(store)
+    info = {"cmd": "keymutex release --force", "host": socket.gethostname(), "pid": os.getpid()}
+    with _store_errors(url), _open(ctx, url, namespace) as locks:
+        holder = locks.holder(key)
+        if holder is None:
+            click.echo(f"{key} is free; nothing to release")
+            return
+        lease = locks.acquire(key, ttl=RELEASE_TTL, timeout=0, steal=True, info=info)
+        lease.release()
+    click.echo(f"released {key}: displaced {_describe(holder)}")
+    click.echo(f"{key} is free; its next holder gets a fence above {lease.fence}")
+
+
+# -- run -----------------------------------------------------------------------------
+
+
+def _terminal_delivered_to_child(signum: int) -> bool:
+    """Whether the terminal already sent ``signum`` to the child (Ctrl-C, Ctrl-\\).
+
+    The child runs in keymutex's process group. When that group is the foreground
+    group of the controlling terminal, the terminal delivers SIGINT and SIGQUIT to
+    every process of it, the child included: forwarding would deliver them twice.
+    """
+    if signum not in TERMINAL_SIGNALS:
+        return False
+    try:
+        fd = os.open(os.ctermid(), os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False  # no controlling terminal: the signal was sent by kill(2)
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _lease_info(command: Sequence[str]) -> dict[str, Any]:
+    """What others see of this run: the command line, host, keymutex's pid and user."""
+    cmd = shlex.join(command)
+    if len(cmd) > MAX_CMD_CHARS:
+        cmd = cmd[: MAX_CMD_CHARS - 1] + "…"
+    info: dict[str, Any] = {"cmd": cmd, "host": socket.gethostname(), "pid": os.getpid()}
+    with contextlib.suppress(KeyError, OSError):
+        info["user"] = getpass.getuser()
+    return info
+
+
+class _Run:
+    """One ``keymutex run``: wait for the lock, run the child, forward signals.
+
+    Phases: waiting for the lock (a signal cancels the wait and ends keymutex with
+    128+N), starting the child (signals are kept and forwarded once it runs), and
+    running (signals are forwarded as they come). Everything runs on the event loop,
+    so the phases change only between awaits.
+    """
+
+    def __init__(self, key: str, command: Sequence[str]) -> None:
+        self.key = key
+        self.command = list(command)
+        self.process: asyncio.subprocess.Process | None = None
+        self.starting = False
+        self.pending: list[int] = []
+        self.interrupted_by: int | None = None
+        self.lost = False
+        self.new_holder: Holder | None = None
+        self._task: asyncio.Task[Any] | None = None
+
+    def on_signal(self, signum: int) -> None:
+        if self.process is not None:
+            self._forward(signum)
+        elif self.starting:
+            self.pending.append(signum)
+        elif self._task is not None and self.interrupted_by is None:
+            self.interrupted_by = signum
+            self._task.cancel()
+
+    def _forward(self, signum: int) -> None:
+        assert self.process is not None
+        if _terminal_delivered_to_child(signum):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signum)
+
+    def on_lost(self, lease: object) -> None:
+        """The lease is gone: warn, and terminate the child if it runs."""
+        self.lost = True
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        click.echo(
+            f"keymutex: warning: lost the lock on {self.key!r} while {self.command[0]} runs;"
+            f" sending SIGTERM to it (pid {process.pid})",
+            err=True,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+
+    async def main(
+        self, open_locks: Callable[[], AsyncLocks], ttl: float | None, timeout: float | None
+    ) -> int:
+        """Acquire, run the child, release; the exit status."""
+        self._task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for signum in FORWARDED_SIGNALS:
+            loop.add_signal_handler(signum, self.on_signal, signum)
+        try:
+            async with open_locks() as locks:
+                return await self._locked(locks, ttl, timeout)
+        except asyncio.CancelledError:
+            if self.interrupted_by is None:
+                raise
+            click.echo(
+                f"keymutex: {signal.Signals(self.interrupted_by).name} while waiting for"
+                f" {self.key!r}; {self.command[0]} was not started",
+                err=True,
+            )
+            return 128 + self.interrupted_by
+        finally:
+            for signum in FORWARDED_SIGNALS:
+                loop.remove_signal_handler(signum)
+
+    async def _locked(self, locks: AsyncLocks, ttl: float | None, timeout: float | None) -> int:
+        status = EX_SOFTWARE
+        try:
+            async with locks.lock(
+                self.key,
+                ttl=ttl,
+                timeout=timeout,
+                info=_lease_info(self.command),
+                on_lost=self.on_lost,
+            ) as lease:
+                status = await self._child(lease)
+        except Locked as exc:
+            holder = "" if exc.holder is None else f": held by {_describe(exc.holder)}"
+            waited = "" if timeout is None else f" within {timeout:g}s"
+            raise _NotAcquired(f"{self.key!r} was not acquired{waited}{holder}") from exc
+        except LockLost as exc:
+            self.lost = True
+            self.new_holder = exc.holder
+        except StoreError as exc:
+            if self.process is None:
+                raise  # acquiring failed: the command did not run
+            # Only the release failed: the lease expires by its TTL, and the command's
+            # status is still the answer.
+            click.echo(
+                f"keymutex: warning: could not release {self.key!r} ({exc});"
+                " it is freed when its lease expires",
+                err=True,
+            )
+        if not self.lost:
+            return status
+        holder = "" if self.new_holder is None else f"; now held by {_describe(self.new_holder)}"
+        ran = (
+            f"{self.command[0]} exited with status {status}"
+            if self.process is not None
+            else f"{self.command[0]} was not started"
+        )
+        click.echo(
+            f"keymutex: the lock on {self.key!r} was lost{holder}; {ran};"
+            f" exit status {EX_SOFTWARE}",
+            err=True,
+        )
+        return EX_SOFTWARE
+
+    async def _child(self, lease: AsyncLease) -> int:
+        """Run the child with the lease's fence and token; its status as a shell gives it."""
+        if self.lost:
+            return EX_SOFTWARE
+        env = dict(
+            os.environ,
+            KEYMUTEX_KEY=self.key,
+            KEYMUTEX_FENCE=str(lease.fence),
+            KEYMUTEX_TOKEN=lease.token,
+        )
+        name = self.command[0]
+        self.starting = True
+        try:
+            process = await asyncio.create_subprocess_exec(*self.command, env=env)
+        except FileNotFoundError:
+            click.echo(f"keymutex: {name}: command not found", err=True)
+            return EX_NOTFOUND
+        except PermissionError:
+            click.echo(f"keymutex: {name}: permission denied", err=True)
+            return EX_NOEXEC
+        except OSError as exc:
+            click.echo(f"keymutex: {name}: cannot execute: {exc.strerror or exc}", err=True)
+            return EX_NOEXEC
+        finally:
+            self.starting = False
+        self.process = process
+        for signum in self.pending:
+            self._forward(signum)
+        if self.lost:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+        returncode = await process.wait()
+        return 128 - returncode if returncode < 0 else returncode
+
+
+@cli.command(name="run")
+@click.argument("key", type=KEY)
+@click.argument(
+    "command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- COMMAND [ARG]..."
+)
+@_store_options
+@click.option(
+    "--ttl",
+    type=TTL,
+    default=None,
+    metavar="S",
+    help="Seconds the lease lives unless renewed; renewed about every TTL/3 while"
+    " COMMAND runs, so it only matters when keymutex dies.  [default: 30]",
+)
+@click.option(
+    "--timeout",
+    type=TIMEOUT,
+    default=None,
+    metavar="S",
+    help="Seconds to wait for the lock: 0 tries once. Then exit 75.  [default: wait"
+    " as long as it takes]",
+)
+@click.pass_context
+def run_command(
+    ctx: click.Context,
+    key: str,
+    command: tuple[str, ...],
+    store: str | None,
+    namespace: str,
+    ttl: float | None,
+    timeout: float | None,
+) -> None:
+    """Run COMMAND while holding the lock KEY; exit with COMMAND's status.
+
+    Waits for KEY (up to --timeout), then runs COMMAND with KEYMUTEX_FENCE,
+    KEYMUTEX_TOKEN and KEYMUTEX_KEY added to its environment, renews the lease in
+    the background while it runs, and releases it when it ends, whatever its
+    status. Put -- before COMMAND when it has options of its own.
+
+    \b
+    Exit status:
+      COMMAND's status, or 128+N if COMMAND was killed by signal N (as a shell does)
+      75   KEY was not acquired within --timeout (the holder is named on stderr)
+      127  COMMAND was not found, 126 it could not be executed (the lock is released)
+      70   the lease was lost while COMMAND ran (see below)
+      69   the store failed; 2 bad arguments
+
+    \b
+    Signals: SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1 and SIGUSR2 sent to keymutex
+    are forwarded to COMMAND, and keymutex exits once COMMAND has. Ctrl-C and Ctrl-\\
+    at a terminal already reach COMMAND (it is in the terminal's foreground process
+    group), so they are not forwarded twice. A signal that arrives while waiting for
+    the lock stops the wait: COMMAND is not started and the exit status is 128+N.
+
+    \b
+    Lost lease: if renewing fails (the key was force-released or taken over, or the
+    store stayed unreachable until the lease expired), the lock no longer protects
+    COMMAND and another holder may already be running. keymutex then warns on stderr
+    and sends SIGTERM to COMMAND rather than letting two holders overlap; it waits for
+    COMMAND to end and exits 70, whatever COMMAND's status. A resource that checks
+    KEYMUTEX_FENCE rejects its late writes either way.
+    """
+    url = _store_url(store)
+    with _store_errors(url):
+        status = asyncio.run(
+            _Run(key, command).main(lambda: _open_async(ctx, url, namespace), ttl, timeout)
+        )
+    ctx.exit(status)
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """Entry point of the ``keymutex`` console script and of ``python -m keymutex``."""
+    cli.main(args=args, prog_name="keymutex")

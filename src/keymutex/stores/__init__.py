@@ -1,0 +1,1 @@
+"""One module per store; each exports ``driver`` (a ``keymutex._store.StoreDriver``)."""

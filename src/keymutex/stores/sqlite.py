@@ -1,0 +1,631 @@
+"""``sqlite:///path/to/locks.db``: leases shared by the processes of one host.
+
+- Each step is one ``BEGIN IMMEDIATE`` transaction on a WAL database: atomic across
+  every process that opens the file.
+- TTLs are measured by the host's boot-time clock (``CLOCK_BOOTTIME``), which every
+  process shares; the database records the boot it belongs to, and leases of an
+  earlier boot are dropped. The file must not live on a network file system.
+- Fences come from one counter row that survives restarts of every process: a
+  fence never goes backwards while the file lives. With ``synchronous=normal`` (the
+  default) an OS crash or power loss may lose the last transactions, and with them
+  fences; ``synchronous=full`` closes that gap at the cost of an fsync per step.
+- A released lease's row is deleted; expired ones are swept a few at a time by later
+  grants, so nothing grows with the number of distinct keys ever used.
+- Waiting: each waiter binds a Linux abstract datagram socket and joins the key's
+  queue (a row holding its request) in the same transaction that refused it. A
+  release grants the key to the first waiter in that same transaction and sends it
+  one datagram with its fence: handoff is first come, first served across
+  processes, in one transaction and one wake-up, with no polling. A free key is
+  granted only to the first waiter. A waiter whose process died is found when the
+  datagram bounces; its row, and a lease handed to it, are dropped. Elsewhere than
+  Linux, waiters poll with backoff and no handoff is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import secrets
+import select
+import socket
+import sqlite3
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from keymutex import _clock
+from keymutex._errors import StoreError
+from keymutex._lease import Holder, Outcome
+from keymutex._store import AsyncStore, Capabilities, RenewRequest, ThreadedAsyncStore
+
+__all__ = ["SqliteStore", "driver"]
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+NOTIFIES = sys.platform == "linux"  # abstract-namespace sockets are Linux only
+CAPABILITIES = Capabilities(
+    notifies=NOTIFIES, fair=True, cross_process=True, durable_fences=True, clock="host-boottime"
+)
+# A queued waiter refreshes its row at every try (at least once a second); a row not
+# refreshed for this long belongs to a waiter that is gone.
+WAITER_TTL = 5.0
+SWEEP_EVERY = 16  # grants of one store between two sweeps
+SWEEP_BATCH = 32  # rows a sweep deletes at most: more than SWEEP_EVERY, so it keeps up
+
+# Tables. leases: one row per live lease. waiters: one row per client waiting for a
+# key, seq giving arrival order. meta: 'schema' version, 'fence' counter, 'boot' id.
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS keymutex_meta (name TEXT PRIMARY KEY, value ANY) STRICT",
+    "CREATE TABLE IF NOT EXISTS keymutex_leases ("
+    " namespace TEXT NOT NULL, key TEXT NOT NULL, token TEXT NOT NULL, owner TEXT NOT NULL,"
+    " info TEXT, fence INTEGER NOT NULL, acquired_at REAL NOT NULL, expires REAL NOT NULL,"
+    " PRIMARY KEY (namespace, key)) STRICT",
+    "CREATE INDEX IF NOT EXISTS keymutex_leases_expires ON keymutex_leases (expires)",
+    "CREATE TABLE IF NOT EXISTS keymutex_waiters ("
+    " seq INTEGER PRIMARY KEY, namespace TEXT NOT NULL, key TEXT NOT NULL, address BLOB,"
+    " expires REAL NOT NULL, token TEXT NOT NULL, owner TEXT NOT NULL, info TEXT,"
+    " ttl REAL NOT NULL) STRICT",
+    "CREATE INDEX IF NOT EXISTS keymutex_waiters_key ON keymutex_waiters (namespace, key, seq)",
+)
+_SELECT_LEASE = (
+    "SELECT token, owner, info, fence, acquired_at, expires FROM keymutex_leases"
+    " WHERE namespace = ? AND key = ?"
+)
+_ANY_QUEUED = (
+    "SELECT EXISTS (SELECT 1 FROM keymutex_waiters"
+    " WHERE namespace = ? AND key = ? AND expires > ?)"
+)
+_SELECT_QUEUE = (
+    "SELECT seq, address, token, owner, info, ttl FROM keymutex_waiters"
+    " WHERE namespace = ? AND key = ? AND expires > ? ORDER BY seq LIMIT 8"
+)
+# The fence counter: incremented inside the granting transaction.
+_NEXT_FENCE = "UPDATE keymutex_meta SET value = value + 1 WHERE name = 'fence' RETURNING value"
+# Release: only the token's own lease (an expired one is deleted too, and reported lost).
+_RELEASE = (
+    "DELETE FROM keymutex_leases WHERE namespace = ? AND key = ? AND token = ? RETURNING expires"
+)
+# Renew: only the token's own live lease; returns the renewed lease.
+_RENEW = (
+    "UPDATE keymutex_leases SET expires = ? WHERE namespace = ? AND key = ? AND token = ?"
+    " AND expires > ? RETURNING token, owner, info, fence, acquired_at, expires"
+)
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or "locked" in str(exc)
+
+
+def _holder(key: str, row: Sequence[Any], now: float) -> Holder:
+    _, owner, info, fence, acquired_at, expires = row
+    return Holder(
+        key=key,
+        owner=owner,
+        info=None if info is None else json.loads(info),
+        fence=fence,
+        acquired_at=acquired_at,
+        expires_at=time.time() + (expires - now),
+    )
+
+
+def _outcome(ok: bool, key: str, row: Sequence[Any] | None, now: float) -> Outcome:
+    if row is None or row[5] <= now:
+        return Outcome(ok)
+    return Outcome(ok, _holder(key, row, now), row[5] - now)
+
+
+@dataclass(frozen=True, slots=True)
+class _Handoff:
+    """A lease granted to a waiter, and the datagram that tells it so."""
+
+    key: str
+    token: str
+    address: bytes
+    message: bytes
+
+
+def _ring(sender: socket.socket, address: bytes, message: bytes = b"!") -> bool:
+    """Send a datagram; ``False`` when nobody listens there any more."""
+    try:
+        sender.sendto(message, address)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except (BlockingIOError, OSError):
+        return True  # its buffer is full of wake-ups already
+    return True
+
+
+class _SqliteWaiter:
+    """A waiter's socket and its place in a key's queue (``seq``, once queued).
+
+    ``granted`` is the lease a release handed over, read from the socket.
+    """
+
+    def __init__(self, store: SqliteStore, key: str) -> None:
+        self._store = store
+        self.key = key
+        self.seq: int | None = None
+        self.token: str | None = None  # the request's token, once queued
+        self.granted: tuple[Any, ...] | None = None
+        self.address: bytes | None = None
+        self._socket: socket.socket | None = None
+        if NOTIFIES:
+            self._socket, self.address = store._sockets.take()
+            self._drain()  # wake-ups meant for the socket's previous user
+
+    def _drain(self) -> bool:
+        """Read every datagram waiting; ``True`` if there was any."""
+        assert self._socket is not None
+        rung = False
+        while True:
+            try:
+                message = self._socket.recv(8192)
+            except BlockingIOError:
+                return rung
+            rung = True
+            if message.startswith(b"G"):
+                grant = tuple(json.loads(message[1:]))
+                if self.token is not None and grant[0] == self.token:
+                    self.granted = grant
+                    self.seq = None  # the granting transaction removed our row
+
+    def wait(self, timeout: float) -> bool:
+        if self._socket is None:
+            time.sleep(timeout)
+            return False
+        if self._drain():
+            return True
+        ready, _, _ = select.select([self._socket], [], [], timeout)
+        return bool(ready) and self._drain()
+
+    async def wait_async(self, timeout: float) -> bool:
+        if self._socket is None:
+            await asyncio.sleep(timeout)
+            return False
+        if self._drain():
+            return True
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        loop.add_reader(self._socket.fileno(), readable.set_result, None)
+        try:
+            async with asyncio.timeout(timeout):
+                await readable
+        except TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(self._socket.fileno())
+        return self._drain()
+
+    def close(self) -> None:
+        sock, self._socket = self._socket, None
+        try:
+            if self.seq is not None or self.granted is not None:
+                self._store._leave(self)
+        finally:
+            if sock is not None:
+                assert self.address is not None
+                self._store._sockets.give_back(sock, self.address)
+
+
+class _SocketPool:
+    """Bound datagram sockets kept for reuse: a waiter costs no system call."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._free: list[tuple[socket.socket, bytes]] = []
+
+    def take(self) -> tuple[socket.socket, bytes]:
+        with self._mutex:
+            if self._free:
+                return self._free.pop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        address = b"\0keymutex-" + secrets.token_hex(12).encode()
+        sock.bind(address)
+        sock.setblocking(False)
+        return sock, address
+
+    def give_back(self, sock: socket.socket, address: bytes) -> None:
+        with self._mutex:
+            if len(self._free) < 16:
+                self._free.append((sock, address))
+                return
+        sock.close()
+
+    def close(self) -> None:
+        with self._mutex:
+            for sock, _ in self._free:
+                sock.close()
+            self._free.clear()
+
+
+class SqliteStore:
+    """The ``sqlite:///path`` store for one namespace."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(
+        self, path: str, namespace: str, *, synchronous: str, busy_timeout: float
+    ) -> None:
+        self._path = path
+        self._namespace = namespace
+        self._synchronous = synchronous
+        self._busy_timeout = busy_timeout
+        self._mutex = threading.Lock()
+        self._sockets = _SocketPool()
+        self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if NOTIFIES else None
+        if self._sender is not None:
+            self._sender.setblocking(False)
+        self._pid = os.getpid()
+        self._grants = 0
+        self._conn = self._connect()
+
+    # -- connection and transactions -----------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                self._path, isolation_level=None, check_same_thread=False, timeout=0
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open SQLite database {self._path!r}: {exc}") from exc
+        try:
+            self._retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))
+            conn.execute(f"PRAGMA synchronous={self._synchronous}")
+            self._transaction(conn, self._prepare)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _prepare(self, conn: sqlite3.Connection, now: float) -> None:
+        for statement in _SCHEMA:
+            conn.execute(statement)
+        meta = dict(conn.execute("SELECT name, value FROM keymutex_meta").fetchall())
+        version = meta.get("schema", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise StoreError(
+                f"{self._path!r} has keymutex schema {version}; this version reads {SCHEMA_VERSION}"
+            )
+        boot = _clock.boot_id() or "unknown"
+        if meta.get("boot") != boot:
+            # Expiry times count from an earlier boot of the host: those leases are gone.
+            conn.execute("DELETE FROM keymutex_leases")
+            conn.execute("DELETE FROM keymutex_waiters")
+        conn.executemany(
+            "INSERT OR REPLACE INTO keymutex_meta (name, value) VALUES (?, ?)",
+            [("schema", SCHEMA_VERSION), ("boot", boot)],
+        )
+        conn.execute("INSERT OR IGNORE INTO keymutex_meta (name, value) VALUES ('fence', 0)")
+
+    def _retry_busy(self, attempt: Callable[[], T]) -> T:
+        """Run ``attempt``, retrying while the database is busy, with short sleeps.
+
+        SQLite's own busy handler sleeps a whole millisecond at first; our steps take
+        tens of microseconds, so a tighter retry keeps handoff fast under contention.
+        """
+        give_up = _clock.monotonic() + self._busy_timeout
+        delay = 0.00005
+        while True:
+            try:
+                return attempt()
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc) or _clock.monotonic() >= give_up:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.002)
+
+    def _transaction(
+        self, conn: sqlite3.Connection, step: Callable[[sqlite3.Connection, float], T]
+    ) -> T:
+        self._retry_busy(lambda: conn.execute("BEGIN IMMEDIATE"))
+        try:
+            result = step(conn, _clock.monotonic())
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return result
+
+    def _write(self, step: Callable[[sqlite3.Connection, float], T]) -> T:
+        """Run ``step`` in one write transaction; driver errors become ``StoreError``."""
+        with self._mutex:
+            return self._write_locked(step)
+
+    def _write_locked(self, step: Callable[[sqlite3.Connection, float], T]) -> T:
+        try:
+            return self._transaction(self._connection(), step)
+        except sqlite3.Error as exc:
+            raise StoreError(f"SQLite store {self._path!r}: {exc}") from exc
+
+    def _read(self, query: Callable[[sqlite3.Connection, float], T]) -> T:
+        with self._mutex:
+            conn = self._connection()
+            try:
+                return self._retry_busy(lambda: query(conn, _clock.monotonic()))
+            except sqlite3.Error as exc:
+                raise StoreError(f"SQLite store {self._path!r}: {exc}") from exc
+
+    def _connection(self) -> sqlite3.Connection:
+        if os.getpid() != self._pid:  # forked: a SQLite connection must not cross a fork
+            self._pid = os.getpid()
+            self._conn = self._connect()
+        return self._conn
+
+    # -- the queue of waiters -----------------------------------------------------
+
+    def _queue_head(
+        self, conn: sqlite3.Connection, key: str, now: float
+    ) -> tuple[Any, ...] | None:
+        """The first live waiter for ``key``, dropping those whose process is gone."""
+        while True:
+            rows = conn.execute(_SELECT_QUEUE, (self._namespace, key, now)).fetchall()
+            if not rows:
+                return None
+            for row in rows:
+                address = row[1]
+                if address is None or self._sender is None or _ring(self._sender, address):
+                    return tuple(row)
+                conn.execute("DELETE FROM keymutex_waiters WHERE seq = ?", (row[0],))
+
+    def _hand_off(self, conn: sqlite3.Connection, key: str, now: float) -> _Handoff | None:
+        """Grant a free ``key`` to its first waiter, in the caller's transaction.
+
+        Returns what to send it once the transaction has committed.
+        """
+        rows = conn.execute(_SELECT_QUEUE, (self._namespace, key, now)).fetchall()
+        for seq, address, token, owner, info_json, ttl in rows:
+            conn.execute("DELETE FROM keymutex_waiters WHERE seq = ?", (seq,))
+            if address is None:
+                continue  # a polling waiter: it will find the key free
+            (fence,) = conn.execute(_NEXT_FENCE).fetchone()
+            acquired_at, expires = time.time(), now + ttl
+            conn.execute(
+                "INSERT OR REPLACE INTO keymutex_leases VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (self._namespace, key, token, owner, info_json, fence, acquired_at, expires),
+            )
+            grant = [token, owner, info_json, fence, acquired_at, expires]
+            return _Handoff(key, token, address, b"G" + json.dumps(grant).encode())
+        return None
+
+    def _deliver(self, handoff: _Handoff | None) -> None:
+        """Tell the waiter it was handed the key; if it is gone, take the lease back."""
+        while handoff is not None and self._sender is not None:
+            if _ring(self._sender, handoff.address, handoff.message):
+                return
+            handoff = self._write_locked(functools.partial(self._take_back, handoff))
+
+    def _take_back(self, gone: _Handoff, conn: sqlite3.Connection, now: float) -> _Handoff | None:
+        """Undo a handoff to a waiter that is gone, and hand the key to the next one."""
+        deleted = conn.execute(
+            "DELETE FROM keymutex_leases WHERE namespace = ? AND key = ? AND token = ?",
+            (self._namespace, gone.key, gone.token),
+        )
+        return self._hand_off(conn, gone.key, now) if deleted.rowcount else None
+
+    def _enqueue(
+        self,
+        conn: sqlite3.Connection,
+        waiter: _SqliteWaiter,
+        request: tuple[str, str, str | None, float],
+        now: float,
+    ) -> None:
+        expires = now + WAITER_TTL
+        if waiter.seq is not None:
+            updated = conn.execute(
+                "UPDATE keymutex_waiters SET expires = ? WHERE seq = ?", (expires, waiter.seq)
+            )
+            if updated.rowcount:
+                return
+        token, owner, info_json, ttl = request
+        cursor = conn.execute(
+            "INSERT INTO keymutex_waiters"
+            " (namespace, key, address, expires, token, owner, info, ttl)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (self._namespace, waiter.key, waiter.address, expires, token, owner, info_json, ttl),
+        )
+        waiter.seq = cursor.lastrowid
+        waiter.token = token
+
+    def _leave(self, waiter: _SqliteWaiter) -> None:
+        """Leave the queue; give back a lease handed over meanwhile, passing it on."""
+        namespace, key = self._namespace, waiter.key
+
+        def step(conn: sqlite3.Connection, now: float) -> _Handoff | None:
+            if waiter.seq is not None:
+                conn.execute("DELETE FROM keymutex_waiters WHERE seq = ?", (waiter.seq,))
+            if waiter.token is not None:
+                conn.execute(
+                    "DELETE FROM keymutex_leases WHERE namespace = ? AND key = ? AND token = ?",
+                    (namespace, key, waiter.token),
+                )
+            row = conn.execute(_SELECT_LEASE, (namespace, key)).fetchone()
+            return self._hand_off(conn, key, now) if row is None or row[5] <= now else None
+
+        with self._mutex:
+            self._deliver(self._write_locked(step))
+        waiter.seq = None
+        waiter.granted = None
+
+    # -- the steps -----------------------------------------------------------------
+
+    def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Any,
+    ) -> Outcome:
+        assert waiter is None or isinstance(waiter, _SqliteWaiter)
+        if waiter is not None and waiter.granted is not None and not steal:
+            # A release handed us the key: the datagram carried the lease.
+            granted, waiter.granted, waiter.token = waiter.granted, None, None
+            return _outcome(True, key, granted, _clock.monotonic())
+        namespace = self._namespace
+        info_json = None if info is None else json.dumps(info, separators=(",", ":"))
+
+        def step(conn: sqlite3.Connection, now: float) -> Outcome:
+            row = conn.execute(_SELECT_LEASE, (namespace, key)).fetchone()
+            live = row is not None and row[5] > now
+            if not steal:
+                queued = waiter is not None and waiter.seq is not None
+                if not (live or queued):  # is anybody queued? (rarely anybody, when free)
+                    queued = conn.execute(_ANY_QUEUED, (namespace, key, now)).fetchone()[0]
+                head = self._queue_head(conn, key, now) if queued and not live else None
+                mine = waiter is not None and head is not None and head[0] == waiter.seq
+                if live or (head is not None and not mine):
+                    if waiter is not None:
+                        self._enqueue(conn, waiter, (token, owner, info_json, ttl), now)
+                    return _outcome(False, key, row, now)
+            (fence,) = conn.execute(_NEXT_FENCE).fetchone()
+            acquired_at, expires = time.time(), now + ttl
+            conn.execute(
+                "INSERT OR REPLACE INTO keymutex_leases VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (namespace, key, token, owner, info_json, fence, acquired_at, expires),
+            )
+            if waiter is not None and waiter.seq is not None:
+                conn.execute("DELETE FROM keymutex_waiters WHERE seq = ?", (waiter.seq,))
+                waiter.seq = None
+                waiter.token = None
+            self._grants += 1
+            if self._grants % SWEEP_EVERY == 0:
+                self._sweep(conn, now)
+            granted = (token, owner, info_json, fence, acquired_at, expires)
+            return _outcome(True, key, granted, now)
+
+        return self._write(step)
+
+    def _sweep(self, conn: sqlite3.Connection, now: float) -> None:
+        """Delete a few expired leases and stale waiters (bounded work per grant)."""
+        conn.execute(
+            "DELETE FROM keymutex_leases WHERE rowid IN"
+            " (SELECT rowid FROM keymutex_leases WHERE expires <= ? LIMIT ?)",
+            (now, SWEEP_BATCH),
+        )
+        conn.execute(
+            "DELETE FROM keymutex_waiters WHERE seq IN"
+            " (SELECT seq FROM keymutex_waiters WHERE expires <= ? LIMIT ?)",
+            (now, SWEEP_BATCH),
+        )
+
+    def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        return self.renew_many([RenewRequest(key, token, ttl)])[0]
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        namespace = self._namespace
+
+        def step(conn: sqlite3.Connection, now: float) -> list[Outcome]:
+            outcomes = []
+            for request in requests:
+                key = request.key
+                row = conn.execute(
+                    _RENEW, (now + request.ttl, namespace, key, request.token, now)
+                ).fetchone()
+                if row is not None:
+                    outcomes.append(_outcome(True, key, row, now))
+                else:
+                    current = conn.execute(_SELECT_LEASE, (namespace, key)).fetchone()
+                    outcomes.append(_outcome(False, key, current, now))
+            return outcomes
+
+        return self._write(step)
+
+    def release(self, key: str, token: str) -> Outcome:
+        namespace = self._namespace
+
+        def step(conn: sqlite3.Connection, now: float) -> tuple[Outcome, _Handoff | None]:
+            deleted = conn.execute(_RELEASE, (namespace, key, token)).fetchone()
+            if deleted is None:
+                row = conn.execute(_SELECT_LEASE, (namespace, key)).fetchone()
+                return _outcome(False, key, row, now), None
+            # A lease past its expiry was no longer ours: report it lost.
+            return Outcome(deleted[0] > now), self._hand_off(conn, key, now)
+
+        with self._mutex:
+            outcome, handoff = self._write_locked(step)
+            self._deliver(handoff)
+        return outcome
+
+    def holder(self, key: str) -> Holder | None:
+        def query(conn: sqlite3.Connection, now: float) -> Holder | None:
+            row = conn.execute(_SELECT_LEASE, (self._namespace, key)).fetchone()
+            return None if row is None or row[5] <= now else _holder(key, row, now)
+
+        return self._read(query)
+
+    def holders(self, prefix: str) -> list[Holder]:
+        def query(conn: sqlite3.Connection, now: float) -> list[Holder]:
+            rows = conn.execute(
+                "SELECT key, token, owner, info, fence, acquired_at, expires FROM keymutex_leases"
+                " WHERE namespace = ? AND key >= ? AND substr(key, 1, ?) = ? AND expires > ?"
+                " ORDER BY key",
+                (self._namespace, prefix, len(prefix), prefix, now),
+            ).fetchall()
+            return [_holder(row[0], row[1:], now) for row in rows]
+
+        return self._read(query)
+
+    def waiter(self, key: str) -> _SqliteWaiter:
+        return _SqliteWaiter(self, key)
+
+    def close(self) -> None:
+        with self._mutex:
+            self._conn.close()
+            if self._sender is not None:
+                self._sender.close()
+            self._sockets.close()
+
+
+def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
+    parts = urlsplit(url)
+    if parts.netloc:
+        raise ValueError(
+            f"SQLite URLs have no host: use sqlite:///absolute/path.db or"
+            f" sqlite:relative/path.db, not {url!r}"
+        )
+    path = unquote(parts.path)
+    if not path or path == "/":
+        raise ValueError(f"SQLite URL {url!r} names no file: use sqlite:///path/to/locks.db")
+    merged: dict[str, object] = dict(parse_qsl(parts.query, keep_blank_values=True))
+    merged.update(options)
+    synchronous = merged.pop("synchronous", "normal")
+    if synchronous not in ("normal", "full"):
+        raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
+    busy_timeout = merged.pop("busy_timeout", 10.0)
+    try:
+        busy = float(busy_timeout)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        busy = -1.0
+    if not 0 < busy < float("inf"):
+        raise ValueError(f"busy_timeout must be seconds > 0, not {busy_timeout!r}")
+    if merged:
+        raise TypeError(
+            f"unknown SQLite store option(s) {sorted(merged)}; accepted: synchronous, busy_timeout"
+        )
+    return path, str(synchronous), busy
+
+
+class SqliteDriver:
+    def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> SqliteStore:
+        path, synchronous, busy_timeout = _options(url, options)
+        return SqliteStore(path, namespace, synchronous=synchronous, busy_timeout=busy_timeout)
+
+    def open_async(self, url: str, *, namespace: str, options: Mapping[str, object]) -> AsyncStore:
+        return ThreadedAsyncStore(
+            self.open(url, namespace=namespace, options=options), inline=False
+        )
+
+
+driver = SqliteDriver()
