@@ -228,8 +228,16 @@ class _Renewer:
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._pid = os.getpid()
 
     def add(self, lease: Lease) -> None:
+        if self._pid != os.getpid():
+            # Forked: the renewer thread did not come along, and the parent's leases
+            # are the parent's to renew. Start afresh for the child's own.
+            self._pid = os.getpid()
+            self._plan = _RenewalPlan()
+            self._wakeup = threading.Condition()
+            self._thread = None
         with self._wakeup:
             if self._closed:
                 raise RuntimeError("this Locks is closed")
@@ -573,11 +581,10 @@ class _AsyncRenewer:
         if self._closed:
             raise RuntimeError("this AsyncLocks is closed")
         self._plan.add(lease, _clock.monotonic())
-        if self._task is None or self._task.done():
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(self._wakeup), name="keymutex-renewer"
-            )
+            self._task = loop.create_task(self._run(self._wakeup), name="keymutex-renewer")
         assert self._wakeup is not None
         self._wakeup.set()
 
@@ -818,12 +825,13 @@ class AsyncLocks:
         notifies = self._store.capabilities.notifies
         backoff = None if notifies else Backoff()
         waiter = await self._store.waiter(request.key) if notifies else None
+        outcome = None
         try:
             while True:
                 sent_at = _clock.monotonic()
                 outcome = await self._try(request, token, waiter)
                 if outcome.ok:
-                    return self._granted(request, token, outcome, sent_at)
+                    break
                 if deadline.passed():
                     raise Locked(request.key, outcome.holder)
                 if waiter is None:
@@ -831,7 +839,13 @@ class AsyncLocks:
                 await waiter.wait(park_time(deadline, outcome.remaining, backoff))
         finally:
             if waiter is not None:
-                await asyncio.shield(waiter.aclose())
+                try:
+                    await asyncio.shield(waiter.aclose())
+                except asyncio.CancelledError:
+                    if outcome is not None and outcome.ok:  # cancelled with the key in hand
+                        self._give_back(request.key, token)
+                    raise
+        return self._granted(request, token, outcome, sent_at)
 
     async def _try(self, request: _Request, token: str, waiter: AsyncWaiter | None) -> Outcome:
         step = asyncio.ensure_future(
@@ -850,11 +864,17 @@ class AsyncLocks:
         except asyncio.CancelledError:
             # The step may still grant the key: give it back once it has.
             step.add_done_callback(functools.partial(self._undo_grant, request.key, token))
+            # And it may still queue the waiter: let it finish before the caller's
+            # cleanup leaves the queue, or a release could hand the key to nobody.
+            await asyncio.wait([step])
             raise
 
     def _undo_grant(self, key: str, token: str, step: asyncio.Future[Outcome]) -> None:
-        if step.cancelled() or step.exception() is not None or not step.result().ok:
-            return
+        if not step.cancelled() and step.exception() is None and step.result().ok:
+            self._give_back(key, token)
+
+    def _give_back(self, key: str, token: str) -> None:
+        """Release, in the background, a grant that a cancelled caller will never see."""
         task = asyncio.ensure_future(self._release_quietly(key, token))
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import getpass
 import json
+import logging
 import os
 import shlex
 import signal
@@ -35,7 +36,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import click
@@ -69,6 +70,8 @@ FORWARDED_SIGNALS = (
 TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
 MAX_CMD_CHARS = 1024  # of the command line shown to others in the lease's info
 RELEASE_TTL = 5.0  # lifetime of the lease that `release --force` takes and gives back
+
+AnyLocks = TypeVar("AnyLocks", Locks, AsyncLocks)
 
 
 # -- errors and exit statuses --------------------------------------------------------
@@ -149,11 +152,9 @@ class _Seconds(_SecondsParam):
     def convert(
         self, value: Any, param: click.Parameter | None, ctx: click.Context | None
     ) -> float:
-        if isinstance(value, float):
-            return value
         try:
             seconds = float(value)
-        except ValueError:
+        except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number of seconds", param, ctx)
         try:
             checked = self._check(seconds, self.name)
@@ -199,19 +200,15 @@ def _bad_store(ctx: click.Context, exc: Exception) -> NoReturn:
     raise click.BadParameter(str(exc), ctx, param_hint=f"'--store'{where}")
 
 
-def _open(ctx: click.Context, url: str, namespace: str) -> Locks:
-    """``Locks`` on the store; a bad URL is a usage error (the namespace is checked)."""
+def _open(ctx: click.Context, kind: type[AnyLocks], url: str, namespace: str) -> AnyLocks:
+    """``Locks`` or ``AsyncLocks`` on the store; a bad URL is a usage error.
+
+    The namespace was checked when the arguments were parsed, so a ``ValueError`` or
+    ``TypeError`` here is about the URL.
+    """
     with _store_errors(url):
         try:
-            return Locks(url, namespace=namespace)
-        except (TypeError, ValueError) as exc:
-            _bad_store(ctx, exc)
-
-
-def _open_async(ctx: click.Context, url: str, namespace: str) -> AsyncLocks:
-    with _store_errors(url):
-        try:
-            return AsyncLocks(url, namespace=namespace)
+            return kind(url, namespace=namespace)
         except (TypeError, ValueError) as exc:
             _bad_store(ctx, exc)
 
@@ -314,6 +311,17 @@ def _table(holders: Sequence[Holder]) -> list[str]:
 @click.version_option(__version__, prog_name="keymutex")
 def cli() -> None:
     """A lock per key, shared by the processes and machines that use one store."""
+    _show_library_warnings()
+
+
+def _show_library_warnings() -> None:
+    """The library's log warnings (a renewal that failed, …) as ``keymutex: …`` lines."""
+    logger = logging.getLogger("keymutex")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("keymutex: %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
 
 
 @cli.command(name="ls")
@@ -331,7 +339,7 @@ def ls_command(
     fence, acquired_at and expires_at (UNIX seconds).
     """
     url = _store_url(store)
-    with _store_errors(url), _open(ctx, url, namespace) as locks:
+    with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
         holders = locks.holders(prefix)
     if as_json:
         click.echo(json.dumps([_as_json(holder) for holder in holders], indent=2))
@@ -357,7 +365,7 @@ def show_command(
     in both cases: test the JSON output to tell them apart.
     """
     url = _store_url(store)
-    with _store_errors(url), _open(ctx, url, namespace) as locks:
+    with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
         holder = locks.holder(key)
     if as_json:
         click.echo(json.dumps(_as_json(holder), indent=2))
@@ -408,7 +416,7 @@ def release_command(
         )
     url = _store_url(store)
     info = {"cmd": "keymutex release --force", "host": socket.gethostname(), "pid": os.getpid()}
-    with _store_errors(url), _open(ctx, url, namespace) as locks:
+    with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
         holder = locks.holder(key)
         if holder is None:
             click.echo(f"{key} is free; nothing to release")
@@ -457,31 +465,37 @@ def _lease_info(command: Sequence[str]) -> dict[str, Any]:
 class _Run:
     """One ``keymutex run``: wait for the lock, run the child, forward signals.
 
-    Phases: waiting for the lock (a signal cancels the wait and ends keymutex with
-    128+N), starting the child (signals are kept and forwarded once it runs), and
-    running (signals are forwarded as they come). Everything runs on the event loop,
-    so the phases change only between awaits.
+    Phases, in order: ``waiting`` for the lock (a signal cancels the wait and ends
+    keymutex with 128+N), ``starting`` the child (signals are kept, and forwarded once
+    it runs), ``running`` (signals are forwarded as they come), ``done``. Everything
+    runs on the event loop, so the phase changes only between awaits.
     """
 
-    def __init__(self, key: str, command: Sequence[str]) -> None:
+    def __init__(self, key: str, command: Sequence[str], *, quiet: bool) -> None:
         self.key = key
         self.command = list(command)
+        self.quiet = quiet
+        self.phase = "waiting"
         self.process: asyncio.subprocess.Process | None = None
-        self.starting = False
         self.pending: list[int] = []
         self.interrupted_by: int | None = None
         self.lost = False
         self.new_holder: Holder | None = None
         self._task: asyncio.Task[Any] | None = None
 
+    @property
+    def name(self) -> str:
+        return self.command[0]
+
     def on_signal(self, signum: int) -> None:
-        if self.process is not None:
-            self._forward(signum)
-        elif self.starting:
+        if self.phase == "waiting":
+            if self._task is not None and self.interrupted_by is None:
+                self.interrupted_by = signum
+                self._task.cancel()
+        elif self.phase == "starting":
             self.pending.append(signum)
-        elif self._task is not None and self.interrupted_by is None:
-            self.interrupted_by = signum
-            self._task.cancel()
+        elif self.phase == "running":
+            self._forward(signum)
 
     def _forward(self, signum: int) -> None:
         assert self.process is not None
@@ -494,10 +508,10 @@ class _Run:
         """The lease is gone: warn, and terminate the child if it runs."""
         self.lost = True
         process = self.process
-        if process is None or process.returncode is not None:
-            return
+        if self.phase != "running" or process is None or process.returncode is not None:
+            return  # not started yet (it will not be), or already ended
         click.echo(
-            f"keymutex: warning: lost the lock on {self.key!r} while {self.command[0]} runs;"
+            f"keymutex: warning: lost the lock on {self.key!r} while {self.name} runs;"
             f" sending SIGTERM to it (pid {process.pid})",
             err=True,
         )
@@ -514,13 +528,14 @@ class _Run:
             loop.add_signal_handler(signum, self.on_signal, signum)
         try:
             async with open_locks() as locks:
-                return await self._locked(locks, ttl, timeout)
+                lease = await self._acquire(locks, ttl, timeout)
+                return await self._hold(lease)
         except asyncio.CancelledError:
             if self.interrupted_by is None:
                 raise
             click.echo(
                 f"keymutex: {signal.Signals(self.interrupted_by).name} while waiting for"
-                f" {self.key!r}; {self.command[0]} was not started",
+                f" {self.key!r}; {self.name} was not started",
                 err=True,
             )
             return 128 + self.interrupted_by
@@ -528,75 +543,91 @@ class _Run:
             for signum in FORWARDED_SIGNALS:
                 loop.remove_signal_handler(signum)
 
-    async def _locked(self, locks: AsyncLocks, ttl: float | None, timeout: float | None) -> int:
+    async def _acquire(
+        self, locks: AsyncLocks, ttl: float | None, timeout: float | None
+    ) -> AsyncLease:
+        """Try once; if the key is held, say so on stderr and wait up to ``timeout``."""
+        info = _lease_info(self.command)
+        started = time.monotonic()
+        try:
+            return await locks.acquire(
+                self.key, ttl=ttl, timeout=0, renew=True, info=info, on_lost=self.on_lost
+            )
+        except Locked as exc:
+            if timeout == 0:
+                raise self._not_acquired(exc, timeout) from exc
+            if not self.quiet:
+                holder = "" if exc.holder is None else f", held by {_describe(exc.holder)}"
+                click.echo(f"keymutex: waiting for {self.key!r}{holder}", err=True)
+        remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        try:
+            return await locks.acquire(
+                self.key, ttl=ttl, timeout=remaining, renew=True, info=info, on_lost=self.on_lost
+            )
+        except Locked as exc:
+            raise self._not_acquired(exc, timeout) from exc
+
+    def _not_acquired(self, exc: Locked, timeout: float | None) -> _NotAcquired:
+        holder = "" if exc.holder is None else f": held by {_describe(exc.holder)}"
+        waited = "" if timeout is None else f" within {timeout:g}s"
+        return _NotAcquired(f"{self.key!r} was not acquired{waited}{holder}")
+
+    async def _hold(self, lease: AsyncLease) -> int:
+        """Run the child under the lease, then release it; the exit status."""
+        self.phase = "starting"
         status = EX_SOFTWARE
         try:
-            async with locks.lock(
-                self.key,
-                ttl=ttl,
-                timeout=timeout,
-                info=_lease_info(self.command),
-                on_lost=self.on_lost,
-            ) as lease:
-                status = await self._child(lease)
-        except Locked as exc:
-            holder = "" if exc.holder is None else f": held by {_describe(exc.holder)}"
-            waited = "" if timeout is None else f" within {timeout:g}s"
-            raise _NotAcquired(f"{self.key!r} was not acquired{waited}{holder}") from exc
+            async with lease:
+                if not self.lost:
+                    status = await self._child(lease)
         except LockLost as exc:
             self.lost = True
             self.new_holder = exc.holder
         except StoreError as exc:
-            if self.process is None:
-                raise  # acquiring failed: the command did not run
-            # Only the release failed: the lease expires by its TTL, and the command's
-            # status is still the answer.
+            # Only the release failed: the lease expires by its TTL, and the
+            # command's status is still the answer.
             click.echo(
                 f"keymutex: warning: could not release {self.key!r} ({exc});"
                 " it is freed when its lease expires",
                 err=True,
             )
+        finally:
+            self.phase = "done"
         if not self.lost:
             return status
         holder = "" if self.new_holder is None else f"; now held by {_describe(self.new_holder)}"
         ran = (
-            f"{self.command[0]} exited with status {status}"
-            if self.process is not None
-            else f"{self.command[0]} was not started"
+            f"{self.name} was not started"
+            if self.process is None
+            else f"{self.name} exited with status {status}"
         )
         click.echo(
-            f"keymutex: the lock on {self.key!r} was lost{holder}; {ran};"
-            f" exit status {EX_SOFTWARE}",
+            f"keymutex: the lock on {self.key!r} was lost{holder}; {ran}; exit status {EX_SOFTWARE}",
             err=True,
         )
         return EX_SOFTWARE
 
     async def _child(self, lease: AsyncLease) -> int:
         """Run the child with the lease's fence and token; its status as a shell gives it."""
-        if self.lost:
-            return EX_SOFTWARE
         env = dict(
             os.environ,
             KEYMUTEX_KEY=self.key,
             KEYMUTEX_FENCE=str(lease.fence),
             KEYMUTEX_TOKEN=lease.token,
         )
-        name = self.command[0]
-        self.starting = True
         try:
             process = await asyncio.create_subprocess_exec(*self.command, env=env)
         except FileNotFoundError:
-            click.echo(f"keymutex: {name}: command not found", err=True)
+            click.echo(f"keymutex: {self.name}: command not found", err=True)
             return EX_NOTFOUND
         except PermissionError:
-            click.echo(f"keymutex: {name}: permission denied", err=True)
+            click.echo(f"keymutex: {self.name}: permission denied", err=True)
             return EX_NOEXEC
         except OSError as exc:
-            click.echo(f"keymutex: {name}: cannot execute: {exc.strerror or exc}", err=True)
+            click.echo(f"keymutex: {self.name}: cannot execute: {exc.strerror or exc}", err=True)
             return EX_NOEXEC
-        finally:
-            self.starting = False
         self.process = process
+        self.phase = "running"
         for signum in self.pending:
             self._forward(signum)
         if self.lost:
@@ -617,8 +648,9 @@ class _Run:
     type=TTL,
     default=None,
     metavar="S",
-    help="Seconds the lease lives unless renewed; renewed about every TTL/3 while"
-    " COMMAND runs, so it only matters when keymutex dies.  [default: 30]",
+    help="Seconds the lease lives unless renewed. It is renewed about every TTL/3 while"
+    " COMMAND runs: TTL is how long the key stays locked after keymutex dies, and how"
+    " long an unreachable store is tolerated.  [default: 30]",
 )
 @click.option(
     "--timeout",
@@ -627,6 +659,12 @@ class _Run:
     metavar="S",
     help="Seconds to wait for the lock: 0 tries once. Then exit 75.  [default: wait"
     " as long as it takes]",
+)
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="Do not say on stderr that keymutex is waiting (errors are still shown).",
 )
 @click.pass_context
 def run_command(
@@ -637,13 +675,15 @@ def run_command(
     namespace: str,
     ttl: float | None,
     timeout: float | None,
+    quiet: bool,
 ) -> None:
     """Run COMMAND while holding the lock KEY; exit with COMMAND's status.
 
-    Waits for KEY (up to --timeout), then runs COMMAND with KEYMUTEX_FENCE,
-    KEYMUTEX_TOKEN and KEYMUTEX_KEY added to its environment, renews the lease in
-    the background while it runs, and releases it when it ends, whatever its
-    status. Put -- before COMMAND when it has options of its own.
+    Waits for KEY (up to --timeout; if KEY is held, says so and by whom on stderr
+    unless --quiet), then runs COMMAND with KEYMUTEX_FENCE, KEYMUTEX_TOKEN and
+    KEYMUTEX_KEY added to its environment, renews the lease in the background while
+    it runs, and releases it when it ends, whatever its status. Put -- before
+    COMMAND when it has options of its own.
 
     \b
     Exit status:
@@ -671,7 +711,9 @@ def run_command(
     url = _store_url(store)
     with _store_errors(url):
         status = asyncio.run(
-            _Run(key, command).main(lambda: _open_async(ctx, url, namespace), ttl, timeout)
+            _Run(key, command, quiet=quiet).main(
+                lambda: _open(ctx, AsyncLocks, url, namespace), ttl, timeout
+            )
         )
     ctx.exit(status)
 

@@ -66,13 +66,20 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS keymutex_leases ("
     " namespace TEXT NOT NULL, key TEXT NOT NULL, token TEXT NOT NULL, owner TEXT NOT NULL,"
     " info TEXT, fence INTEGER NOT NULL, acquired_at REAL NOT NULL, expires REAL NOT NULL,"
-    " PRIMARY KEY (namespace, key)) STRICT",
+    " wake BLOB, PRIMARY KEY (namespace, key)) STRICT",
     "CREATE INDEX IF NOT EXISTS keymutex_leases_expires ON keymutex_leases (expires)",
     "CREATE TABLE IF NOT EXISTS keymutex_waiters ("
     " seq INTEGER PRIMARY KEY, namespace TEXT NOT NULL, key TEXT NOT NULL, address BLOB,"
     " expires REAL NOT NULL, token TEXT NOT NULL, owner TEXT NOT NULL, info TEXT,"
     " ttl REAL NOT NULL) STRICT",
     "CREATE INDEX IF NOT EXISTS keymutex_waiters_key ON keymutex_waiters (namespace, key, seq)",
+    # Every grant inserts a lease with the next fence: the trigger moves the counter
+    # and takes the grantee out of the queue, inside the same statement.
+    "CREATE TRIGGER IF NOT EXISTS keymutex_granted AFTER INSERT ON keymutex_leases BEGIN"
+    " UPDATE keymutex_meta SET value = NEW.fence WHERE name = 'fence';"
+    " DELETE FROM keymutex_waiters"
+    " WHERE namespace = NEW.namespace AND key = NEW.key AND token = NEW.token;"
+    " END",
 )
 _SELECT_LEASE = (
     "SELECT token, owner, info, fence, acquired_at, expires FROM keymutex_leases"
@@ -83,11 +90,25 @@ _ANY_QUEUED = (
     " WHERE namespace = ? AND key = ? AND expires > ?)"
 )
 _SELECT_QUEUE = (
-    "SELECT seq, address, token, owner, info, ttl FROM keymutex_waiters"
+    "SELECT seq, address FROM keymutex_waiters"
     " WHERE namespace = ? AND key = ? AND expires > ? ORDER BY seq LIMIT 8"
 )
-# The fence counter: incremented inside the granting transaction.
-_NEXT_FENCE = "UPDATE keymutex_meta SET value = value + 1 WHERE name = 'fence' RETURNING value"
+# Grant to the caller: ? = namespace, key, token, owner, info, acquired_at, expires.
+_GRANT = (
+    "INSERT OR REPLACE INTO keymutex_leases"
+    " SELECT ?, ?, ?, ?, ?, value + 1, ?, ?, NULL FROM keymutex_meta WHERE name = 'fence'"
+    " RETURNING fence"
+)
+# Grant to the first live waiter that can be woken: ? = acquired_at, now, namespace, key,
+# now. Returns the lease and where to send the news.
+_HAND_OFF = (
+    "INSERT OR REPLACE INTO keymutex_leases"
+    " SELECT namespace, key, token, owner, info,"
+    " (SELECT value + 1 FROM keymutex_meta WHERE name = 'fence'), ?, ? + ttl, address"
+    " FROM keymutex_waiters WHERE namespace = ? AND key = ? AND expires > ?"
+    " AND address IS NOT NULL ORDER BY seq LIMIT 1"
+    " RETURNING token, owner, info, fence, acquired_at, expires, wake"
+)
 # Release: only the token's own lease (an expired one is deleted too, and reported lost).
 _RELEASE = (
     "DELETE FROM keymutex_leases WHERE namespace = ? AND key = ? AND token = ? RETURNING expires"
@@ -381,20 +402,11 @@ class SqliteStore:
 
         Returns what to send it once the transaction has committed.
         """
-        rows = conn.execute(_SELECT_QUEUE, (self._namespace, key, now)).fetchall()
-        for seq, address, token, owner, info_json, ttl in rows:
-            conn.execute("DELETE FROM keymutex_waiters WHERE seq = ?", (seq,))
-            if address is None:
-                continue  # a polling waiter: it will find the key free
-            (fence,) = conn.execute(_NEXT_FENCE).fetchone()
-            acquired_at, expires = time.time(), now + ttl
-            conn.execute(
-                "INSERT OR REPLACE INTO keymutex_leases VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (self._namespace, key, token, owner, info_json, fence, acquired_at, expires),
-            )
-            grant = [token, owner, info_json, fence, acquired_at, expires]
-            return _Handoff(key, token, address, b"G" + json.dumps(grant).encode())
-        return None
+        row = conn.execute(_HAND_OFF, (time.time(), now, self._namespace, key, now)).fetchone()
+        if row is None:
+            return None
+        *grant, address = row
+        return _Handoff(key, grant[0], address, b"G" + json.dumps(grant).encode())
 
     def _deliver(self, handoff: _Handoff | None) -> None:
         """Tell the waiter it was handed the key; if it is gone, take the lease back."""
@@ -489,14 +501,11 @@ class SqliteStore:
                     if waiter is not None:
                         self._enqueue(conn, waiter, (token, owner, info_json, ttl), now)
                     return _outcome(False, key, row, now)
-            (fence,) = conn.execute(_NEXT_FENCE).fetchone()
             acquired_at, expires = time.time(), now + ttl
-            conn.execute(
-                "INSERT OR REPLACE INTO keymutex_leases VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (namespace, key, token, owner, info_json, fence, acquired_at, expires),
-            )
-            if waiter is not None and waiter.seq is not None:
-                conn.execute("DELETE FROM keymutex_waiters WHERE seq = ?", (waiter.seq,))
+            (fence,) = conn.execute(
+                _GRANT, (namespace, key, token, owner, info_json, acquired_at, expires)
+            ).fetchone()
+            if waiter is not None:  # the trigger took our row out of the queue
                 waiter.seq = None
                 waiter.token = None
             self._grants += 1

@@ -1,0 +1,503 @@
+"""The ``keymutex`` command, run for real: subprocesses on a SQLite store in a temp dir.
+
+Processes coordinate through files (a child says it is ready, the test says "go"),
+never through sleeps: every assertion holds however slow the machine is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+KEYMUTEX = [sys.executable, "-m", "keymutex"]
+WAIT = 20.0  # seconds before a helper gives up waiting for a file or a line
+
+# A child command for `keymutex run`, driven by its arguments:
+#   --env PATH      write the KEYMUTEX_* variables it received as JSON
+#   --log PATH NAME append "NAME start" now and "NAME end" when it ends
+#   --trap SIG N    on signal SIG, append "got SIG" to the log and exit N
+#   --ready PATH    create PATH once set up (after --trap)
+#   --wait PATH     wait until PATH exists
+#   --exit N        exit with status N
+CHILD = r"""
+import json, os, signal, sys, time
+args = sys.argv[1:]
+log = name = None
+exit_status = 0
+
+def append(line):
+    if log:
+        with open(log, "a") as f:
+            f.write(line + "\n")
+
+while args:
+    option, args = args[0], args[1:]
+    if option == "--env":
+        env = {k: v for k, v in os.environ.items() if k.startswith("KEYMUTEX_")}
+        with open(args.pop(0), "w") as f:
+            json.dump(env, f)
+    elif option == "--log":
+        log, name = args.pop(0), args.pop(0)
+        append(f"{name} start")
+    elif option == "--trap":
+        signum, status = getattr(signal, args.pop(0)), int(args.pop(0))
+        def handler(received, frame, status=status):
+            append(f"got {signal.Signals(received).name}")
+            os._exit(status)
+        signal.signal(signum, handler)
+    elif option == "--ready":
+        open(args.pop(0), "w").close()
+    elif option == "--wait":
+        path = args.pop(0)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    elif option == "--exit":
+        exit_status = int(args.pop(0))
+if name:
+    append(f"{name} end")
+sys.exit(exit_status)
+"""
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    return f"sqlite://{tmp_path}/locks.db"
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> list[str]:
+    path = tmp_path / "child.py"
+    path.write_text(CHILD)
+    return [sys.executable, str(path)]
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """The environment of every keymutex process: no inherited store, a private HOME."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KEYMUTEX_")}
+    environ["XDG_DATA_HOME"] = str(tmp_path / "xdg-data")
+    return environ
+
+
+class Background:
+    """``keymutex ...`` running in the background (its own session: no terminal)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            [*KEYMUTEX, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.stderr_lines: list[str] = []
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait_for_stderr(self, fragment: str) -> str:
+        """Read stderr until a line contains ``fragment``; that line."""
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.stderr_lines.append(line)
+            if fragment in line:
+                return line
+        raise AssertionError(f"{fragment!r} never appeared on stderr: {self.stderr_lines}")
+
+    def finish(self) -> tuple[int, str, str]:
+        """Wait for the end: exit status, stdout, the rest of stderr."""
+        stdout, stderr = self.process.communicate(timeout=WAIT)
+        return self.process.returncode, stdout, "".join(self.stderr_lines) + stderr
+
+    def kill(self) -> None:
+        """Make sure it is gone (after a failed test): kill its process group."""
+        if self.process.returncode is not None:
+            return  # finished and reaped
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.communicate(timeout=WAIT)
+
+
+@pytest.fixture
+def background(env: dict[str, str]) -> Iterator[Any]:
+    started: list[Background] = []
+
+    def start(*args: str) -> Background:
+        process = Background(list(args), env)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.kill()
+
+
+def keymutex(
+    *args: str, env: dict[str, str], check: int | None = 0
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [*KEYMUTEX, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        start_new_session=True,
+        check=False,
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    if check is not None:
+        assert result.returncode == check, (result.returncode, result.stdout, result.stderr)
+    return result
+
+
+def wait_for_file(path: Path) -> None:
+    deadline = time.monotonic() + WAIT
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def holder_json(key: str, store: str, env: dict[str, str], *extra: str) -> Any:
+    return json.loads(keymutex("show", key, "--store", store, "--json", *extra, env=env).stdout)
+
+
+# -- run -----------------------------------------------------------------------------
+
+
+def test_run_exits_with_the_command_status_and_passes_fence_and_token(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str]
+) -> None:
+    seen = tmp_path / "env.json"
+    result = keymutex(
+        "run", "job", "--store", store, "--", *child, "--env", str(seen), "--exit", "3",
+        env=env, check=3,
+    )  # fmt: skip
+    assert result.stderr == ""
+    variables = json.loads(seen.read_text())
+    assert variables["KEYMUTEX_KEY"] == "job"
+    assert int(variables["KEYMUTEX_FENCE"]) >= 1
+    token = variables["KEYMUTEX_TOKEN"]
+    assert len(token) >= 22
+    assert set(token) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+    assert holder_json("job", store, env) is None  # released after the command
+
+    keymutex("run", "job", "--store", store, "--", *child, "--env", str(seen), env=env)
+    assert int(json.loads(seen.read_text())["KEYMUTEX_FENCE"]) > int(variables["KEYMUTEX_FENCE"])
+
+
+def test_run_passes_command_arguments_and_output_through(store: str, env: dict[str, str]) -> None:
+    script = "import sys; print(sys.argv[1:]); sys.exit(0)"
+    result = keymutex(
+        "run", "job", "--store", store, "--", sys.executable, "-c", script, "--ttl", "-x", "",
+        env=env,
+    )  # fmt: skip
+    assert result.stdout.strip() == "['--ttl', '-x', '']"
+
+
+def test_two_runs_on_one_key_take_turns(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
+) -> None:
+    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
+    first = background(
+        "run", "job", "--store", store, "--",
+        *child, "--log", str(log), "A", "--ready", str(ready), "--wait", str(go),
+    )  # fmt: skip
+    wait_for_file(ready)
+    second = background("run", "job", "--store", store, "--", *child, "--log", str(log), "B")
+    line = second.wait_for_stderr("waiting for")
+    assert f":{first.pid}" in line  # the holder is named
+    go.touch()
+    assert first.finish()[0] == 0
+    assert second.finish()[0] == 0
+    assert log.read_text().splitlines() == ["A start", "A end", "B start", "B end"]
+
+
+def test_run_with_timeout_0_exits_75_naming_the_holder(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
+) -> None:
+    ready, go, seen = tmp_path / "ready", tmp_path / "go", tmp_path / "env.json"
+    holder = background(
+        "run", "job", "--store", store, "--",
+        *child, "--env", str(seen), "--ready", str(ready), "--wait", str(go),
+    )  # fmt: skip
+    wait_for_file(ready)
+    fence = json.loads(seen.read_text())["KEYMUTEX_FENCE"]
+    ran = tmp_path / "ran"
+    result = keymutex(
+        "run", "job", "--store", store, "--timeout", "0", "--", *child, "--ready", str(ran),
+        env=env, check=75,
+    )  # fmt: skip
+    assert not ran.exists()
+    message = result.stderr
+    assert "'job' was not acquired within 0s" in message
+    assert f"{socket.gethostname()}:{holder.pid}" in message
+    assert f"fence {fence}" in message
+    assert "since" in message
+    go.touch()
+    assert holder.finish()[0] == 0
+
+
+def test_namespaces_are_separate(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
+) -> None:
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    holder = background(
+        "run", "job", "--store", store, "--namespace", "a", "--",
+        *child, "--ready", str(ready), "--wait", str(go),
+    )  # fmt: skip
+    wait_for_file(ready)
+    keymutex("run", "job", "--store", store, "--namespace", "b", "--timeout", "0", "--", "true",
+             env=env)  # fmt: skip
+    keymutex("run", "job", "--store", store, "--timeout", "0", "--", "true", env=env)
+    keymutex("run", "job", "--store", store, "--namespace", "a", "--timeout", "0", "--", "true",
+             env=env, check=75)  # fmt: skip
+    go.touch()
+    assert holder.finish()[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("sent", "trap", "expected"),
+    [
+        pytest.param("SIGTERM", ["--trap", "SIGTERM", "5"], 5, id="SIGTERM-handled"),
+        pytest.param("SIGTERM", [], 128 + signal.SIGTERM, id="SIGTERM-kills"),
+        pytest.param("SIGINT", [], 128 + signal.SIGINT, id="SIGINT-kills"),
+        pytest.param("SIGHUP", ["--trap", "SIGHUP", "0"], 0, id="SIGHUP-handled"),
+        pytest.param("SIGUSR1", ["--trap", "SIGUSR1", "9"], 9, id="SIGUSR1-handled"),
+    ],
+)
+def test_signals_reach_the_command_and_the_lock_is_released(
+    tmp_path: Path,
+    store: str,
+    child: list[str],
+    env: dict[str, str],
+    background: Any,
+    sent: str,
+    trap: list[str],
+    expected: int,
+) -> None:
+    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
+    holder = background(
+        "run", "job", "--store", store, "--",
+        *child, "--log", str(log), "C", *trap, "--ready", str(ready), "--wait", str(go),
+    )  # fmt: skip
+    wait_for_file(ready)
+    os.kill(holder.pid, getattr(signal, sent))
+    status, _, stderr = holder.finish()
+    assert status == expected, stderr
+    if trap:
+        assert log.read_text().splitlines() == ["C start", f"got {sent}"]
+    assert holder_json("job", store, env) is None
+
+
+def test_a_signal_while_waiting_stops_the_wait_without_running_the_command(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
+) -> None:
+    ready, go, ran = tmp_path / "ready", tmp_path / "go", tmp_path / "ran"
+    holder = background(
+        "run", "job", "--store", store, "--", *child, "--ready", str(ready), "--wait", str(go)
+    )
+    wait_for_file(ready)
+    waiter = background("run", "job", "--store", store, "--", *child, "--ready", str(ran))
+    waiter.wait_for_stderr("waiting for")
+    os.kill(waiter.pid, signal.SIGTERM)
+    status, _, stderr = waiter.finish()
+    assert status == 128 + signal.SIGTERM
+    assert "SIGTERM while waiting for 'job'" in stderr
+    assert not ran.exists()
+    go.touch()
+    assert holder.finish()[0] == 0
+    # The waiter left nothing behind: the key is free at once.
+    keymutex("run", "job", "--store", store, "--timeout", "0", "--", "true", env=env)
+
+
+def test_missing_command_exits_127_and_releases(store: str, env: dict[str, str]) -> None:
+    result = keymutex(
+        "run", "job", "--store", store, "--", "no-such-command-keymutex", env=env, check=127
+    )
+    assert "no-such-command-keymutex: command not found" in result.stderr
+    assert holder_json("job", store, env) is None
+
+
+def test_non_executable_command_exits_126_and_releases(
+    tmp_path: Path, store: str, env: dict[str, str]
+) -> None:
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o644)
+    result = keymutex("run", "job", "--store", store, "--", str(script), env=env, check=126)
+    assert "permission denied" in result.stderr
+    assert holder_json("job", store, env) is None
+
+
+# -- ls, show, release ---------------------------------------------------------------
+
+
+def test_ls_show_and_release_force(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
+) -> None:
+    ready, log, go = tmp_path / "ready", tmp_path / "log", tmp_path / "go"
+    holder = background(
+        "run", "deploy:web", "--store", store, "--ttl", "1.5", "--",
+        *child, "--log", str(log), "D", "--trap", "SIGTERM", "0",
+        "--ready", str(ready), "--wait", str(go),
+    )  # fmt: skip
+    wait_for_file(ready)
+    owner = f"{socket.gethostname()}:{holder.pid}"
+
+    listed = json.loads(keymutex("ls", "--store", store, "--json", env=env).stdout)
+    assert [entry["key"] for entry in listed] == ["deploy:web"]
+    entry = listed[0]
+    assert set(entry) == {"key", "owner", "info", "fence", "acquired_at", "expires_at"}
+    assert entry["owner"] == owner
+    assert entry["info"]["pid"] == holder.pid
+    assert entry["info"]["host"] == socket.gethostname()
+    assert entry["info"]["cmd"].startswith(sys.executable)
+    assert entry["acquired_at"] <= time.time() < entry["expires_at"]
+    assert json.loads(keymutex("ls", "deploy:", "--store", store, "--json", env=env).stdout)
+    assert json.loads(keymutex("ls", "other", "--store", store, "--json", env=env).stdout) == []
+
+    table = keymutex("ls", "--store", store, env=env).stdout.splitlines()
+    assert table[0].split() == ["KEY", "OWNER", "FENCE", "HELD", "FOR", "EXPIRES", "IN", "INFO"]
+    assert table[1].split()[:3] == ["deploy:web", owner, str(entry["fence"])]
+    assert (
+        "no locks are held under prefix 'other'"
+        in keymutex("ls", "other", "--store", store, env=env).stdout
+    )
+
+    def without_expiry(holder: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in holder.items() if k != "expires_at"}  # renewals move it
+
+    assert without_expiry(holder_json("deploy:web", store, env)) == without_expiry(entry)
+    shown = keymutex("show", "deploy:web", "--store", store, env=env).stdout
+    assert f"owner:    {owner}" in shown
+    assert f"fence:    {entry['fence']}" in shown
+
+    refused = keymutex("release", "deploy:web", "--store", store, env=env, check=2)
+    assert "without --force" in refused.stderr
+    assert without_expiry(holder_json("deploy:web", store, env)) == without_expiry(entry)
+
+    released = keymutex("release", "deploy:web", "--force", "--store", store, env=env)
+    assert f"displaced {owner}" in released.stdout
+    assert f"fence {entry['fence']}" in released.stdout
+    assert holder_json("deploy:web", store, env) is None
+
+    # The displaced run finds out at its next renewal: it stops its command and exits 70.
+    status, _, stderr = holder.finish()
+    assert status == 70, stderr
+    assert "lost the lock on 'deploy:web'" in stderr
+    assert log.read_text().splitlines() == ["D start", "got SIGTERM"]
+
+    # The next holder's fence is above both the displaced one and the takeover.
+    seen = tmp_path / "env.json"
+    keymutex("run", "deploy:web", "--store", store, "--", *child, "--env", str(seen), env=env)
+    assert int(json.loads(seen.read_text())["KEYMUTEX_FENCE"]) > entry["fence"] + 1
+
+
+def test_show_and_release_a_free_key(store: str, env: dict[str, str]) -> None:
+    assert keymutex("show", "free", "--store", store, env=env).stdout == "free is free\n"
+    assert keymutex("show", "free", "--store", store, "--json", env=env).stdout == "null\n"
+    released = keymutex("release", "free", "--force", "--store", store, env=env)
+    assert "free is free" in released.stdout
+    assert keymutex("ls", "--store", store, env=env).stdout == "no locks are held\n"
+    assert keymutex("ls", "--store", store, "--json", env=env).stdout == "[]\n"
+
+
+# -- the default store ---------------------------------------------------------------
+
+
+def test_store_defaults_to_keymutex_store_variable(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
+) -> None:
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    env["KEYMUTEX_STORE"] = store
+    holder = background("run", "job", "--", *child, "--ready", str(ready), "--wait", str(go))
+    wait_for_file(ready)
+    assert holder_json("job", store, env)["owner"].endswith(f":{holder.pid}")
+    assert json.loads(keymutex("show", "job", "--json", env=env).stdout) is not None
+    go.touch()
+    assert holder.finish()[0] == 0
+    assert not (tmp_path / "xdg-data").exists()  # the user's data directory was not used
+
+
+def test_store_defaults_to_the_user_data_directory(tmp_path: Path, env: dict[str, str]) -> None:
+    keymutex("run", "job", "--", sys.executable, "-c", "pass", env=env)
+    assert (tmp_path / "xdg-data" / "keymutex" / "locks.db").exists()
+    assert keymutex("show", "job", env=env).stdout == "job is free\n"
+
+
+# -- bad input -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "k", "--ttl", "0", "--", "true"], "ttl must be greater than 0"),
+        (["run", "k", "--ttl", "-1", "--", "true"], "ttl must be greater than 0"),
+        (["run", "k", "--ttl", "nan", "--", "true"], "not NaN"),
+        (["run", "k", "--ttl", "inf", "--", "true"], "ttl must be greater than 0"),
+        (["run", "k", "--ttl", "soon", "--", "true"], "'soon' is not a number of seconds"),
+        (["run", "k", "--timeout", "-1", "--", "true"], "timeout must be None"),
+        (["run", "k", "--timeout", "inf", "--", "true"], "timeout must be None"),
+        (["run", "k", "--timeout", "nan", "--", "true"], "not NaN"),
+        (["run", "", "--", "true"], "key must not be empty"),
+        (["run", "k" * 1025, "--", "true"], "at most 1024 are accepted"),
+        (["run", "k"], "Missing argument"),
+        (["show", ""], "key must not be empty"),
+        (["release", "", "--force"], "key must not be empty"),
+        (["release", "k"], "refusing to release 'k' without --force"),
+        (["ls", "--store", "nosuch://x"], "unknown store URL scheme 'nosuch'"),
+        (["show", "k", "--store", "not a url"], "does not parse as a store URL"),
+        (["ls", "--namespace", "n" * 300], "namespace is 300 bytes"),
+        (["frobnicate"], "No such command"),
+    ],
+)
+def test_bad_input_is_a_usage_error(args: list[str], message: str, env: dict[str, str]) -> None:
+    result = keymutex(*args, env=env, check=2)
+    assert message in result.stderr
+    assert "Usage:" in result.stderr
+
+
+def test_key_that_is_not_valid_utf8_is_a_usage_error(env: dict[str, str]) -> None:
+    result = subprocess.run(
+        [*KEYMUTEX, "show", os.fsdecode(b"\xff")], env=env, capture_output=True, timeout=WAIT
+    )
+    assert result.returncode == 2
+    assert b"lone surrogate" in result.stderr
+    assert b"Traceback" not in result.stderr
+
+
+def test_bad_store_from_the_environment_says_where_it_came_from(env: dict[str, str]) -> None:
+    env["KEYMUTEX_STORE"] = "nosuch://x"
+    result = keymutex("ls", env=env, check=2)
+    assert "'--store' (from $KEYMUTEX_STORE)" in result.stderr
+
+
+def test_unreachable_store_exits_69(tmp_path: Path, env: dict[str, str]) -> None:
+    missing = f"sqlite://{tmp_path}/no/such/dir/locks.db"
+    result = keymutex("ls", "--store", missing, env=env, check=69)
+    assert result.stderr.startswith(f"keymutex: store {missing} failed:")
+    keymutex("run", "k", "--store", missing, "--", "true", env=env, check=69)
+
+
+def test_version_and_help(env: dict[str, str]) -> None:
+    import keymutex as package
+
+    assert package.__version__ in keymutex("--version", env=env).stdout
+    assert "release" in keymutex("--help", env=env).stdout
+    help_text = keymutex("run", "--help", env=env).stdout
+    assert "KEYMUTEX_FENCE" in help_text
+    assert "Lost lease" in help_text

@@ -1,0 +1,131 @@
+"""The runnable examples do what they say: run each one and check its claims.
+
+The checks re-derive every claim from the example's own record of what happened
+(counts, timelines), rather than trusting its verdict lines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run_example(name: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stdout
+
+
+# -- story 3: the double ticket demo (make demo) -------------------------------------
+
+RESULT = re.compile(
+    r"result (without a lock|with keymutex): (\d+) tickets for (\d+) users, (\d+) duplicates"
+)
+PER_USER = re.compile(r"tickets per user: (.*)")
+
+
+def test_double_ticket_demo_shows_duplicates_without_the_lock_and_none_with_it() -> None:
+    output = run_example("double_ticket_demo.py")
+    results = {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in RESULT.finditer(output)}
+    assert set(results) == {"without a lock", "with keymutex"}, output
+
+    tickets, users, duplicates = results["without a lock"]
+    assert duplicates > 0, output
+    assert tickets == users + duplicates
+
+    tickets, users, duplicates = results["with keymutex"]
+    assert duplicates == 0, output
+    assert tickets == users
+
+    # The per-user counts agree with the totals.
+    unlocked, locked = PER_USER.findall(output)
+    counts = [int(n) for n in re.findall(r"\b(\d+)\b", unlocked)]
+    assert sum(n - 1 for n in counts) == results["without a lock"][2]
+    assert [int(n) for n in re.findall(r"\b(\d+)\b", locked)] == [1] * users
+    # Every click of round 2 took the lock with its own, distinct fence.
+    fences = [int(f) for f in re.findall(r"locked \(fence (\d+)\)", output)]
+    assert len(fences) == len(set(fences)) == 2 * users
+    assert "Verdict: without a lock" in output
+
+
+# -- story 2: orders per user, in one process and in two -----------------------------
+
+EVENT = re.compile(r"^\s+\+(\d+\.\d+)s\s+(\S+)\s+(\w+)\s+([A-Z]\d)\s+(.+)$")
+
+
+def parse_rounds(output: str) -> list[list[tuple[float, str, str, str, str]]]:
+    rounds: list[list[tuple[float, str, str, str, str]]] = []
+    for line in output.splitlines():
+        if line.startswith("Round "):
+            rounds.append([])
+        elif rounds and (match := EVENT.match(line)):
+            at, where, user, order, what = match.groups()
+            rounds[-1].append((float(at), where, user, order, what))
+    return rounds
+
+
+def spans_per_user(
+    events: list[tuple[float, str, str, str, str]],
+) -> dict[str, list[tuple[float, float, str]]]:
+    """Per user, (start, end, order) of each order that held the lock, by start."""
+    starts: dict[str, float] = {}
+    spans: dict[str, list[tuple[float, float, str]]] = {}
+    for at, _, user, order, what in events:
+        if what == "start":
+            starts[order] = at
+        else:
+            assert what.startswith(("done", "failed", "cancelled")), what
+            if order in starts:
+                spans.setdefault(user, []).append((starts.pop(order), at, order))
+    assert not starts, f"orders that never ended: {starts}"
+    return {user: sorted(s) for user, s in spans.items()}
+
+
+def test_orders_per_user_run_one_after_the_other_and_users_in_parallel() -> None:
+    output = run_example("orders_per_user.py")
+    rounds = parse_rounds(output)
+    assert len(rounds) == 2, output
+    for events in rounds:
+        orders = {order for _, _, _, order, _ in events}
+        assert orders == {"A1", "A2", "A3", "B1", "B2", "B3", "C1", "C2", "D1"}, output
+        spans = spans_per_user(events)
+        # Per user: each order starts only once the previous one has ended.
+        for user, user_spans in spans.items():
+            for (_, end, first), (start, _, second) in itertools.pairwise(user_spans):
+                assert end <= start, f"{user}: {first} and {second} overlapped\n{output}"
+        # Across users: some orders of different users ran at the same time.
+        assert any(
+            start_a < end_b and start_b < end_a
+            for a, b in itertools.combinations(spans, 2)
+            for start_a, end_a, _ in spans[a]
+            for start_b, end_b, _ in spans[b]
+        ), output
+        # The declined order let go of the lock: all of bob's orders got their turn.
+        assert sorted(order for _, _, order in spans["bob"]) == ["B1", "B2", "B3"]
+        assert any(order == "B2" and what.startswith("failed") for *_, order, what in events)
+        assert any(order == "C2" and what.startswith("cancelled") for *_, order, what in events)
+
+    # In one process, a user's orders are served in arrival order.
+    in_one_process = spans_per_user(rounds[0])
+    assert [order for _, _, order in in_one_process["alice"]] == ["A1", "A2", "A3"]
+    assert {where for _, where, *_ in rounds[0]} == {"service"}
+    # Round 2 really ran in two processes.
+    assert {where for _, where, *_ in rounds[1]} == {"worker-1", "worker-2"}
+
+    assert re.search(r"entries in the AsyncKeyedLock after the last order: 0$", output, re.M)
+    busiest = re.search(r"entries in the AsyncKeyedLock while orders ran: up to (\d+)", output)
+    assert busiest is not None
+    assert int(busiest[1]) >= 2
+    assert re.search(r"leases left in the store after the last order: 0$", output, re.M)
