@@ -9,8 +9,11 @@ APT_PACKAGES :=
 
 .PHONY: test demo lint bench sysdeps venv clean
 
+# Debian's own python3 needs python3-venv for `-m venv`: installed here when root.
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); [ "$$(id -u)" = 0 ] && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && \
+	  $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed-base: $(BIN)/python pyproject.toml
