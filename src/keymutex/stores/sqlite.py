@@ -60,7 +60,8 @@ SWEEP_EVERY = 16  # grants of one store between two sweeps
 SWEEP_BATCH = 32  # rows a sweep deletes at most: more than SWEEP_EVERY, so it keeps up
 
 # Tables. leases: one row per live lease. waiters: one row per client waiting for a
-# key, seq giving arrival order. meta: 'schema' version, 'fence' counter, 'boot' id.
+# key, seq giving arrival order (AUTOINCREMENT: a seq is never reused, so a waiter's
+# own seq never names another's row). meta: 'schema' version, 'fence' counter, 'boot' id.
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS keymutex_meta (name TEXT PRIMARY KEY, value ANY) STRICT",
     "CREATE TABLE IF NOT EXISTS keymutex_leases ("
@@ -69,7 +70,7 @@ _SCHEMA = (
     " wake BLOB, PRIMARY KEY (namespace, key)) STRICT",
     "CREATE INDEX IF NOT EXISTS keymutex_leases_expires ON keymutex_leases (expires)",
     "CREATE TABLE IF NOT EXISTS keymutex_waiters ("
-    " seq INTEGER PRIMARY KEY, namespace TEXT NOT NULL, key TEXT NOT NULL, address BLOB,"
+    " seq INTEGER PRIMARY KEY AUTOINCREMENT, namespace TEXT NOT NULL, key TEXT NOT NULL, address BLOB,"
     " expires REAL NOT NULL, token TEXT NOT NULL, owner TEXT NOT NULL, info TEXT,"
     " ttl REAL NOT NULL) STRICT",
     "CREATE INDEX IF NOT EXISTS keymutex_waiters_key ON keymutex_waiters (namespace, key, seq)",
@@ -491,6 +492,11 @@ class SqliteStore:
         def step(conn: sqlite3.Connection, now: float) -> Outcome:
             row = conn.execute(_SELECT_LEASE, (namespace, key)).fetchone()
             live = row is not None and row[5] > now
+            if live and row[0] == token and not steal:
+                # A release handed us the key before its datagram reached us.
+                if waiter is not None:
+                    waiter.seq = waiter.token = None
+                return _outcome(True, key, row, now)
             if not steal:
                 queued = waiter is not None and waiter.seq is not None
                 if not (live or queued):  # is anybody queued? (rarely anybody, when free)

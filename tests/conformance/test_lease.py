@@ -1,0 +1,185 @@
+"""What a ``Lease`` tells its holder, and the clients' own lifecycle."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+import keymutex
+
+from ._support import (
+    HOLDER_FIELDS,
+    TOKEN_PATTERN,
+    assert_fresh_lease,
+    assert_is_holder_of,
+    default_owner,
+)
+
+
+def test_acquired_lease_attributes(locks: keymutex.Locks) -> None:
+    lease = locks.acquire("user:42", ttl=5.0, info={"page": "edit"})
+    assert isinstance(lease, keymutex.Lease)
+    assert_fresh_lease(lease, "user:42", 5.0, owner=default_owner(), info={"page": "edit"})
+    lease.release()
+
+
+@pytest.mark.asyncio
+async def test_acquired_lease_attributes_async(alocks: keymutex.AsyncLocks) -> None:
+    lease = await alocks.acquire("user:42", ttl=5.0, info={"page": "edit"})
+    assert isinstance(lease, keymutex.AsyncLease)
+    assert_fresh_lease(lease, "user:42", 5.0, owner=default_owner(), info={"page": "edit"})
+    await lease.release()
+
+
+def test_lock_lease_attributes(make_locks: Callable[..., keymutex.Locks]) -> None:
+    with make_locks(owner="bob").lock("user:42", ttl=5.0, info={"a": [1]}) as lease:
+        assert isinstance(lease, keymutex.Lease)
+        assert_fresh_lease(lease, "user:42", 5.0, owner="bob", info={"a": [1]})
+
+
+@pytest.mark.asyncio
+async def test_lock_lease_attributes_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    async with make_alocks(owner="bob").lock("user:42", ttl=5.0, info={"a": [1]}) as lease:
+        assert isinstance(lease, keymutex.AsyncLease)
+        assert_fresh_lease(lease, "user:42", 5.0, owner="bob", info={"a": [1]})
+
+
+def test_tokens_are_random_and_url_safe(locks: keymutex.Locks) -> None:
+    tokens = set()
+    for i in range(50):
+        lease = locks.acquire(f"k{i % 3}")
+        assert TOKEN_PATTERN.fullmatch(lease.token), lease.token
+        tokens.add(lease.token)
+        lease.release()
+    assert len(tokens) == 50
+
+
+def test_acquired_lease_is_a_context_manager(locks: keymutex.Locks) -> None:
+    with locks.acquire("doc") as lease:
+        assert_is_holder_of(locks.holder("doc"), lease)
+    assert locks.holder("doc") is None
+    with pytest.raises(keymutex.LockLost):
+        lease.release()
+
+
+@pytest.mark.asyncio
+async def test_acquired_lease_is_a_context_manager_async(alocks: keymutex.AsyncLocks) -> None:
+    async with await alocks.acquire("doc") as lease:
+        assert_is_holder_of(await alocks.holder("doc"), lease)
+    assert await alocks.holder("doc") is None
+    with pytest.raises(keymutex.LockLost):
+        await lease.release()
+
+
+def test_lock_releases_at_the_end_of_the_block(locks: keymutex.Locks) -> None:
+    with locks.lock("doc") as lease:
+        assert_is_holder_of(locks.holder("doc"), lease)
+    assert locks.holder("doc") is None
+    locks.acquire("doc", timeout=0).release()
+
+
+@pytest.mark.asyncio
+async def test_lock_releases_at_the_end_of_the_block_async(alocks: keymutex.AsyncLocks) -> None:
+    async with alocks.lock("doc") as lease:
+        assert_is_holder_of(await alocks.holder("doc"), lease)
+    assert await alocks.holder("doc") is None
+    await (await alocks.acquire("doc", timeout=0)).release()
+
+
+def test_unicode_and_punctuation_keys_round_trip(locks: keymutex.Locks) -> None:
+    keys = ["Zoë/ärger", "emoji 🔒", "quote ' \" `", "semi;colon--", "line\nbreak", "x" * 1024]
+    leases = [locks.acquire(key, timeout=0) for key in keys]
+    for key, lease in zip(keys, leases, strict=True):
+        assert lease.key == key
+        assert_is_holder_of(locks.holder(key), lease)
+    assert sorted(h.key for h in locks.holders()) == sorted(keys)
+    for lease in leases:
+        lease.release()
+
+
+def test_key_of_exactly_1024_utf8_bytes_is_accepted(locks: keymutex.Locks) -> None:
+    key = "é" * 512  # 1024 bytes as UTF-8
+    lease = locks.acquire(key, timeout=0)
+    assert lease.key == key
+    assert_is_holder_of(locks.holder(key), lease)
+    lease.release()
+
+
+def test_holder_fields_are_exactly_the_public_ones() -> None:
+    assert dataclasses.is_dataclass(keymutex.Holder)
+    assert {field.name for field in dataclasses.fields(keymutex.Holder)} == HOLDER_FIELDS
+
+
+# --- the clients' lifecycle ---------------------------------------------------------------
+
+
+def test_locks_is_a_context_manager(store_url: str, namespace: str) -> None:
+    client = keymutex.Locks(store_url, namespace=namespace)
+    with client as entered:
+        assert entered is client
+        lease = entered.acquire("doc", timeout=0)
+        assert_is_holder_of(entered.holder("doc"), lease)
+        lease.release()
+    # Another client opened afterwards works on the same store.
+    with keymutex.Locks(store_url, namespace=namespace) as again:
+        assert again.holder("doc") is None
+        again.acquire("doc", timeout=0).release()
+
+
+@pytest.mark.asyncio
+async def test_async_locks_is_a_context_manager(store_url: str, namespace: str) -> None:
+    client = keymutex.AsyncLocks(store_url, namespace=namespace)
+    async with client as entered:
+        assert entered is client
+        lease = await entered.acquire("doc", timeout=0)
+        assert_is_holder_of(await entered.holder("doc"), lease)
+        await lease.release()
+    async with keymutex.AsyncLocks(store_url, namespace=namespace) as again:
+        assert await again.holder("doc") is None
+        await (await again.acquire("doc", timeout=0)).release()
+
+
+def test_close(store_url: str, namespace: str) -> None:
+    client = keymutex.Locks(store_url, namespace=namespace, ttl=5.0)
+    with client.lock("doc"):
+        pass
+    client.close()
+    with keymutex.Locks(store_url, namespace=namespace) as again:
+        again.acquire("doc", timeout=0).release()
+
+
+@pytest.mark.asyncio
+async def test_aclose(store_url: str, namespace: str) -> None:
+    client = keymutex.AsyncLocks(store_url, namespace=namespace, ttl=5.0)
+    async with client.lock("doc"):
+        pass
+    await client.aclose()
+    async with keymutex.AsyncLocks(store_url, namespace=namespace) as again:
+        await (await again.acquire("doc", timeout=0)).release()
+
+
+def test_close_stops_renewing(store_url: str, namespace: str) -> None:
+    # A client that is closed with a renewing lease leaves nothing behind that keeps
+    # the key forever: at the latest the lease expires.
+    client = keymutex.Locks(store_url, namespace=namespace)
+    lease = client.acquire("doc", ttl=0.3, renew=True)
+    client.close()
+    with keymutex.Locks(store_url, namespace=namespace) as other:
+        newer = other.acquire("doc", timeout=10)
+        assert newer.fence > lease.fence
+        newer.release()
+
+
+@pytest.mark.asyncio
+async def test_aclose_stops_renewing(store_url: str, namespace: str) -> None:
+    client = keymutex.AsyncLocks(store_url, namespace=namespace)
+    lease = await client.acquire("doc", ttl=0.3, renew=True)
+    await client.aclose()
+    async with keymutex.AsyncLocks(store_url, namespace=namespace) as other:
+        newer = await other.acquire("doc", timeout=10)
+        assert newer.fence > lease.fence
+        await newer.release()

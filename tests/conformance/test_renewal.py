@@ -1,0 +1,215 @@
+"""Background renewal keeps a lease alive; when it fails, ``on_lost`` fires once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import keymutex
+
+from ._support import PATIENCE, assert_is_holder_of
+
+SHORT_TTL = 0.3
+HOLD_FOR = 1.2  # four TTLs
+
+
+def test_lock_renews_past_several_ttls(make_locks: Callable[..., keymutex.Locks]) -> None:
+    other = make_locks()
+    with make_locks().lock("job", ttl=SHORT_TTL) as lease:
+        time.sleep(HOLD_FOR)  # holding the lock is the scenario; nothing is timed
+        assert lease.lost is False
+        assert 0 < lease.remaining <= SHORT_TTL
+        assert_is_holder_of(other.holder("job"), lease)
+        with pytest.raises(keymutex.Locked):
+            other.acquire("job", timeout=0)
+    assert other.holder("job") is None
+
+
+@pytest.mark.asyncio
+async def test_lock_renews_past_several_ttls_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    other = make_alocks()
+    async with make_alocks().lock("job", ttl=SHORT_TTL) as lease:
+        await asyncio.sleep(HOLD_FOR)
+        assert lease.lost is False
+        assert 0 < lease.remaining <= SHORT_TTL
+        assert_is_holder_of(await other.holder("job"), lease)
+        with pytest.raises(keymutex.Locked):
+            await other.acquire("job", timeout=0)
+    assert await other.holder("job") is None
+
+
+def test_lock_renews_with_the_clients_default_ttl(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    other = make_locks()
+    with make_locks(ttl=SHORT_TTL).lock("job") as lease:
+        time.sleep(HOLD_FOR)
+        assert lease.lost is False
+        assert 0 < lease.remaining <= SHORT_TTL
+        assert_is_holder_of(other.holder("job"), lease)
+    assert other.holder("job") is None
+
+
+def test_acquire_with_renew_true_renews_until_released(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    other = make_locks()
+    lease = make_locks().acquire("job", ttl=SHORT_TTL, renew=True)
+    time.sleep(HOLD_FOR)
+    assert lease.lost is False
+    assert_is_holder_of(other.holder("job"), lease)
+    lease.release()
+    assert other.holder("job") is None
+
+
+@pytest.mark.asyncio
+async def test_acquire_with_renew_true_renews_until_released_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    other = make_alocks()
+    lease = await make_alocks().acquire("job", ttl=SHORT_TTL, renew=True)
+    await asyncio.sleep(HOLD_FOR)
+    assert lease.lost is False
+    assert_is_holder_of(await other.holder("job"), lease)
+    await lease.release()
+    assert await other.holder("job") is None
+
+
+def test_many_renewing_leases_in_one_client(make_locks: Callable[..., keymutex.Locks]) -> None:
+    locks, other = make_locks(), make_locks()
+    keys = [f"job:{i}" for i in range(20)]
+    leases = [locks.acquire(key, ttl=SHORT_TTL, renew=True) for key in keys]
+    time.sleep(HOLD_FOR)
+    assert [lease.lost for lease in leases] == [False] * len(keys)
+    assert sorted(h.key for h in other.holders("job:")) == sorted(keys)
+    for lease in leases:
+        lease.release()
+    assert list(other.holders("job:")) == []
+
+
+@pytest.mark.asyncio
+async def test_many_renewing_leases_in_one_client_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    alocks, other = make_alocks(), make_alocks()
+    keys = [f"job:{i}" for i in range(20)]
+    leases = [await alocks.acquire(key, ttl=SHORT_TTL, renew=True) for key in keys]
+    await asyncio.sleep(HOLD_FOR)
+    assert [lease.lost for lease in leases] == [False] * len(keys)
+    assert sorted(h.key for h in await other.holders("job:")) == sorted(keys)
+    for lease in leases:
+        await lease.release()
+    assert list(await other.holders("job:")) == []
+
+
+def test_on_lost_fires_once_when_a_renewing_lease_is_stolen(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    calls: list[Any] = []
+    fired = threading.Event()
+
+    def on_lost(lease: Any) -> None:
+        calls.append(lease)
+        fired.set()
+
+    thief = make_locks(owner="thief")
+    with (  # noqa: PT012 - the block is the subject
+        pytest.raises(keymutex.LockLost) as lost,
+        make_locks().lock("job", ttl=SHORT_TTL, on_lost=on_lost) as lease,
+    ):
+        stolen = thief.acquire("job", steal=True, timeout=0)
+        assert fired.wait(PATIENCE), "on_lost was not called"
+        assert lease.lost is True
+        time.sleep(SHORT_TTL)  # more renewal rounds: none may call on_lost again
+    assert calls == [lease]
+    assert_is_holder_of(lost.value.holder, stolen)
+    assert lease.lost is True
+    assert_is_holder_of(thief.holder("job"), stolen)
+    stolen.release()
+
+
+def test_on_lost_fires_once_for_a_renewing_acquire(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    calls: list[Any] = []
+    fired = threading.Event()
+
+    def on_lost(lease: Any) -> None:
+        calls.append(lease)
+        fired.set()
+
+    lease = make_locks().acquire("job", ttl=SHORT_TTL, renew=True, on_lost=on_lost)
+    stolen = make_locks().acquire("job", steal=True, timeout=0)
+    assert fired.wait(PATIENCE), "on_lost was not called"
+    assert lease.lost is True
+    with pytest.raises(keymutex.LockLost) as lost:
+        lease.release()
+    assert_is_holder_of(lost.value.holder, stolen)
+    assert calls == [lease]
+    stolen.release()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["function", "coroutine function"])
+async def test_on_lost_fires_once_when_a_renewing_lease_is_stolen_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks], kind: str
+) -> None:
+    calls: list[Any] = []
+    fired = asyncio.Event()
+
+    def plain(lease: Any) -> None:
+        calls.append(lease)
+        fired.set()
+
+    async def coroutine(lease: Any) -> None:
+        await asyncio.sleep(0)
+        plain(lease)
+
+    on_lost = plain if kind == "function" else coroutine
+    thief = make_alocks(owner="thief")
+    with pytest.raises(keymutex.LockLost) as lost:  # noqa: PT012 - the block is the subject
+        async with make_alocks().lock("job", ttl=SHORT_TTL, on_lost=on_lost) as lease:
+            stolen = await thief.acquire("job", steal=True, timeout=0)
+            async with asyncio.timeout(PATIENCE):
+                await fired.wait()
+            assert lease.lost is True
+            await asyncio.sleep(SHORT_TTL)
+    assert calls == [lease]
+    assert_is_holder_of(lost.value.holder, stolen)
+    assert lease.lost is True
+    assert_is_holder_of(await thief.holder("job"), stolen)
+    await stolen.release()
+
+
+def test_on_lost_is_not_called_for_a_normal_release(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    calls: list[Any] = []
+    with make_locks().lock("job", ttl=SHORT_TTL, on_lost=calls.append) as lease:
+        time.sleep(SHORT_TTL)
+    lease_after = make_locks().acquire("job", timeout=0)
+    time.sleep(SHORT_TTL)  # the old renewer, were it still running, would fail now
+    assert calls == []
+    assert lease.lost is False
+    lease_after.release()
+
+
+@pytest.mark.asyncio
+async def test_on_lost_is_not_called_for_a_normal_release_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    calls: list[Any] = []
+    async with make_alocks().lock("job", ttl=SHORT_TTL, on_lost=calls.append) as lease:
+        await asyncio.sleep(SHORT_TTL)
+    lease_after = await make_alocks().acquire("job", timeout=0)
+    await asyncio.sleep(SHORT_TTL)
+    assert calls == []
+    assert lease.lost is False
+    await lease_after.release()

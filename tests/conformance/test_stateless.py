@@ -1,0 +1,315 @@
+"""Renew and release from the key and the token alone, from any client (story 5).
+
+A web handler receiving a heartbeat keeps nothing in memory: it opens a client on
+the store's URL and calls ``renew(key, token)`` or ``release(key, token)``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+
+import pytest
+
+import keymutex
+
+from ._support import PATIENCE, assert_is_holder_of, await_out, wait_out
+
+SHORT_TTL = 0.3
+
+
+def test_heartbeat_from_another_client_keeps_the_lease(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    page = make_locks(owner="alice")
+    lease = page.acquire("article:7", ttl=SHORT_TTL, info={"window": 1})
+    key, token = lease.key, lease.token
+
+    heartbeat = make_locks().renew(key, token, ttl=60)
+    assert heartbeat.key == key
+    assert heartbeat.token == token
+    assert heartbeat.fence == lease.fence
+    assert heartbeat.owner == "alice"
+    assert heartbeat.info == {"window": 1}
+    assert 0 < heartbeat.remaining <= 60
+    seen = page.holder(key)
+    assert seen is not None
+    assert seen.expires_at >= time.time() + 30
+
+    # Past the original TTL, the key is still held: the heartbeat extended it.
+    wait_out(lease)
+    with pytest.raises(keymutex.Locked) as refused:
+        make_locks().acquire(key, timeout=0)
+    assert refused.value.holder.fence == lease.fence  # type: ignore[union-attr]
+
+    # Closing the page: release by key and token from yet another client.
+    make_locks().release(key, token)
+    assert page.holder(key) is None
+    make_locks().acquire(key, timeout=0).release()
+
+
+@pytest.mark.asyncio
+async def test_heartbeat_from_another_client_keeps_the_lease_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    page = make_alocks(owner="alice")
+    lease = await page.acquire("article:7", ttl=SHORT_TTL, info={"window": 1})
+    key, token = lease.key, lease.token
+
+    heartbeat = await make_alocks().renew(key, token, ttl=60)
+    assert heartbeat.key == key
+    assert heartbeat.token == token
+    assert heartbeat.fence == lease.fence
+    assert heartbeat.owner == "alice"
+    assert heartbeat.info == {"window": 1}
+    assert 0 < heartbeat.remaining <= 60
+    seen = await page.holder(key)
+    assert seen is not None
+    assert seen.expires_at >= time.time() + 30
+
+    await await_out(lease)
+    with pytest.raises(keymutex.Locked) as refused:
+        await make_alocks().acquire(key, timeout=0)
+    assert refused.value.holder.fence == lease.fence  # type: ignore[union-attr]
+
+    await make_alocks().release(key, token)
+    assert await page.holder(key) is None
+    await (await make_alocks().acquire(key, timeout=0)).release()
+
+
+@pytest.mark.asyncio
+async def test_stateless_calls_work_across_sync_and_async_clients(
+    make_locks: Callable[..., keymutex.Locks], make_alocks: Callable[..., keymutex.AsyncLocks]
+) -> None:
+    lease = make_locks().acquire("article:7")
+    renewed = await make_alocks().renew("article:7", lease.token)
+    assert renewed.fence == lease.fence
+    await make_alocks().release("article:7", lease.token)
+    assert make_locks().holder("article:7") is None
+
+    alease = await make_alocks().acquire("article:7")
+    make_locks().renew("article:7", alease.token)
+    make_locks().release("article:7", alease.token)
+    assert await make_alocks().holder("article:7") is None
+
+
+def test_stateless_renew_defaults_to_the_clients_ttl(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    lease = make_locks().acquire("doc", ttl=SHORT_TTL)
+    renewed = make_locks(ttl=40.0).renew("doc", lease.token)
+    assert 30 < renewed.remaining <= 40
+    seen = make_locks().holder("doc")
+    assert seen is not None
+    assert abs(seen.expires_at - (time.time() + 40)) < 5
+    renewed.release()
+
+
+@pytest.mark.asyncio
+async def test_stateless_renew_defaults_to_the_clients_ttl_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    lease = await make_alocks().acquire("doc", ttl=SHORT_TTL)
+    renewed = await make_alocks(ttl=40.0).renew("doc", lease.token)
+    assert 30 < renewed.remaining <= 40
+    seen = await make_alocks().holder("doc")
+    assert seen is not None
+    assert abs(seen.expires_at - (time.time() + 40)) < 5
+    await renewed.release()
+
+
+def test_renewed_lease_object_can_release(make_locks: Callable[..., keymutex.Locks]) -> None:
+    lease = make_locks().acquire("doc")
+    renewed = make_locks().renew("doc", lease.token)
+    renewed.release()
+    assert make_locks().holder("doc") is None
+    with pytest.raises(keymutex.LockLost):
+        lease.release()
+
+
+def test_wrong_token_is_refused_and_changes_nothing(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    lease = make_locks().acquire("doc")
+    stranger = make_locks()
+    forged = secrets.token_urlsafe(18)
+    with pytest.raises(keymutex.LockLost) as lost:
+        stranger.renew("doc", forged)
+    assert lost.value.key == "doc"
+    assert_is_holder_of(lost.value.holder, lease)
+    with pytest.raises(keymutex.LockLost) as lost:
+        stranger.release("doc", forged)
+    assert_is_holder_of(lost.value.holder, lease)
+    # The token of another key does not work on this one either.
+    other = make_locks().acquire("other")
+    with pytest.raises(keymutex.LockLost):
+        stranger.release("doc", other.token)
+    assert_is_holder_of(stranger.holder("doc"), lease)
+    # A token for a key nobody holds: LockLost with no holder.
+    with pytest.raises(keymutex.LockLost) as lost:
+        stranger.renew("free", lease.token)
+    assert lost.value.key == "free"
+    assert lost.value.holder is None
+    assert stranger.holder("free") is None
+    lease.release()
+    other.release()
+
+
+@pytest.mark.asyncio
+async def test_wrong_token_is_refused_and_changes_nothing_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    lease = await make_alocks().acquire("doc")
+    stranger = make_alocks()
+    forged = secrets.token_urlsafe(18)
+    with pytest.raises(keymutex.LockLost) as lost:
+        await stranger.renew("doc", forged)
+    assert lost.value.key == "doc"
+    assert_is_holder_of(lost.value.holder, lease)
+    with pytest.raises(keymutex.LockLost) as lost:
+        await stranger.release("doc", forged)
+    assert_is_holder_of(lost.value.holder, lease)
+    other = await make_alocks().acquire("other")
+    with pytest.raises(keymutex.LockLost):
+        await stranger.release("doc", other.token)
+    assert_is_holder_of(await stranger.holder("doc"), lease)
+    with pytest.raises(keymutex.LockLost) as lost:
+        await stranger.renew("free", lease.token)
+    assert lost.value.key == "free"
+    assert lost.value.holder is None
+    assert await stranger.holder("free") is None
+    await lease.release()
+    await other.release()
+
+
+def test_old_token_is_refused_after_the_key_changed_hands(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    # The displaced window's next heartbeat learns that the lock is held by someone else.
+    alice = make_locks(owner="alice")
+    first = alice.acquire("doc", ttl=SHORT_TTL)
+    second = make_locks(owner="bob").acquire("doc", timeout=PATIENCE)  # after expiry
+    heartbeat = make_locks()
+    with pytest.raises(keymutex.LockLost) as lost:
+        heartbeat.renew("doc", first.token)
+    assert_is_holder_of(lost.value.holder, second)
+    assert lost.value.holder.owner == "bob"  # type: ignore[union-attr]
+    with pytest.raises(keymutex.LockLost) as lost:
+        heartbeat.release("doc", first.token)
+    assert_is_holder_of(lost.value.holder, second)
+    assert_is_holder_of(heartbeat.holder("doc"), second)
+    second.release()
+
+
+@pytest.mark.asyncio
+async def test_old_token_is_refused_after_the_key_changed_hands_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    first = await make_alocks(owner="alice").acquire("doc", ttl=SHORT_TTL)
+    second = await make_alocks(owner="bob").acquire("doc", timeout=PATIENCE)
+    heartbeat = make_alocks()
+    with pytest.raises(keymutex.LockLost) as lost:
+        await heartbeat.renew("doc", first.token)
+    assert_is_holder_of(lost.value.holder, second)
+    with pytest.raises(keymutex.LockLost) as lost:
+        await heartbeat.release("doc", first.token)
+    assert_is_holder_of(lost.value.holder, second)
+    assert_is_holder_of(await heartbeat.holder("doc"), second)
+    await second.release()
+
+
+def test_release_twice_raises_lock_lost(make_locks: Callable[..., keymutex.Locks]) -> None:
+    locks = make_locks()
+    lease = locks.acquire("doc")
+    lease.release()
+    with pytest.raises(keymutex.LockLost) as lost:
+        lease.release()
+    assert lost.value.key == "doc"
+    assert lost.value.holder is None
+    with pytest.raises(keymutex.LockLost):
+        locks.release("doc", lease.token)
+    with pytest.raises(keymutex.LockLost):
+        make_locks().release("doc", lease.token)
+    with pytest.raises(keymutex.LockLost):
+        lease.renew()
+    assert locks.holder("doc") is None
+
+
+@pytest.mark.asyncio
+async def test_release_twice_raises_lock_lost_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    alocks = make_alocks()
+    lease = await alocks.acquire("doc")
+    await lease.release()
+    with pytest.raises(keymutex.LockLost) as lost:
+        await lease.release()
+    assert lost.value.key == "doc"
+    assert lost.value.holder is None
+    with pytest.raises(keymutex.LockLost):
+        await alocks.release("doc", lease.token)
+    with pytest.raises(keymutex.LockLost):
+        await make_alocks().release("doc", lease.token)
+    with pytest.raises(keymutex.LockLost):
+        await lease.renew()
+    assert await alocks.holder("doc") is None
+
+
+def test_released_token_cannot_touch_the_next_holder(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    # "delete can remove somebody else's lock" (story 4) must be impossible.
+    locks = make_locks()
+    first = locks.acquire("doc")
+    first.release()
+    second = make_locks().acquire("doc")
+    with pytest.raises(keymutex.LockLost) as lost:
+        first.release()
+    assert_is_holder_of(lost.value.holder, second)
+    with pytest.raises(keymutex.LockLost):
+        locks.release("doc", first.token)
+    assert_is_holder_of(locks.holder("doc"), second)
+    second.release()
+
+
+@pytest.mark.asyncio
+async def test_released_token_cannot_touch_the_next_holder_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    alocks = make_alocks()
+    first = await alocks.acquire("doc")
+    await first.release()
+    second = await make_alocks().acquire("doc")
+    with pytest.raises(keymutex.LockLost) as lost:
+        await first.release()
+    assert_is_holder_of(lost.value.holder, second)
+    with pytest.raises(keymutex.LockLost):
+        await alocks.release("doc", first.token)
+    assert_is_holder_of(await alocks.holder("doc"), second)
+    await second.release()
+
+
+def test_lease_renew_extends_with_new_ttl(locks: keymutex.Locks) -> None:
+    lease = locks.acquire("doc", ttl=SHORT_TTL)
+    lease.renew(ttl=60)
+    assert 30 < lease.remaining <= 60
+    assert lease.expires_at >= time.time() + 30
+    assert lease.lost is False
+    seen = locks.holder("doc")
+    assert seen is not None
+    assert seen.expires_at >= time.time() + 30
+    lease.release()
+
+
+@pytest.mark.asyncio
+async def test_lease_renew_extends_with_new_ttl_async(alocks: keymutex.AsyncLocks) -> None:
+    lease = await alocks.acquire("doc", ttl=SHORT_TTL)
+    await lease.renew(ttl=60)
+    assert 30 < lease.remaining <= 60
+    assert lease.expires_at >= time.time() + 30
+    assert lease.lost is False
+    seen = await alocks.holder("doc")
+    assert seen is not None
+    assert seen.expires_at >= time.time() + 30
+    await lease.release()
