@@ -11,6 +11,7 @@ before anything touches a store.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,9 +31,12 @@ def _describe(holder: Holder | None) -> str:
 
 
 class Locked(LockError):
-    """The key was not acquired within the timeout; ``holder`` is who had it, if known."""
+    """The key was not acquired within the timeout; ``holder`` is who had it, if known.
 
-    def __init__(self, key: str, holder: Holder | None, message: str | None = None) -> None:
+    ``key`` is a ``str`` for lease locks, any hashable for the in-process ``KeyedLock``.
+    """
+
+    def __init__(self, key: Hashable, holder: Holder | None, message: str | None = None) -> None:
         self.key = key
         self.holder = holder
         super().__init__(message or f"{key!r} is locked: {_describe(holder)}")

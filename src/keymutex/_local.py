@@ -16,7 +16,16 @@ that waiter) or deletes the entry when nobody waits. Because of the direct hand-
 
 A free key costs one dict entry and nothing else: no lock, no future, no queue. Parking
 primitives (a ``threading.Lock`` or an ``asyncio.Future`` per waiter) are allocated only
-when a caller has to wait, and dropped as soon as it stops waiting.
+when a caller has to wait, and dropped as soon as it stops waiting. A dict never shrinks
+its table when entries are deleted, so the table is dropped (``clear()``) whenever the
+last entry goes: a burst of 100,000 keys held at once leaves no memory behind. That
+costs nothing measurable for ``str`` keys (CPython recycles small tables).
+
+The context managers returned by ``kl(key)`` / ``akl(key)`` repeat a few lines of
+``acquire`` and ``release`` (the thread one: both fast paths; the asyncio one: all of
+``acquire``) instead of calling them: every call saved there shows in
+``benchmarks/bench_local.py``. Tests run every behaviour through both the context
+managers and ``acquire``/``release``, so the copies cannot drift unnoticed.
 """
 
 from __future__ import annotations
@@ -25,8 +34,9 @@ import asyncio
 import contextlib
 import enum
 import threading
+import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from types import TracebackType
 from typing import Final
 
@@ -34,6 +44,10 @@ from keymutex._errors import Locked
 from keymutex._validate import check_timeout
 
 __all__ = ["AsyncKeyedLock", "KeyedLock"]
+
+# How often a thread yields the GIL to the holder of a KeyedLock's guard before it
+# blocks (see _take_guard).
+_GUARD_SPINS = 100
 
 
 class _Free(enum.Enum):
@@ -45,17 +59,22 @@ class _Free(enum.Enum):
 _FREE: Final = _Free.FREE
 
 
-def _bad_key(key: object, exc: TypeError) -> TypeError:
-    """The error for a key the dict refused: ours if the key is unhashable, else the original."""
+def _check_hashable(key: object) -> None:
+    """Raise a ``TypeError`` that names the problem if ``key`` cannot be a dict key.
+
+    Called only after the dict raised ``TypeError``; returns if the key is hashable
+    (its ``__eq__`` raised instead), and the caller re-raises the original error.
+    """
     try:
         hash(key)
-    except TypeError:
-        return TypeError(f"key must be hashable (usable as a dict key), not {type(key).__name__}")
-    return exc  # a hashable key whose __eq__ raised: not ours to reword
+    except TypeError as exc:
+        raise TypeError(
+            f"key must be hashable (usable as a dict key), not {type(key).__name__}"
+        ) from exc
 
 
 def _not_held(key: object) -> RuntimeError:
-    return RuntimeError(f"release of {key!r}, which is not held")
+    return RuntimeError(f"cannot release {key!r}: it is not held")
 
 
 def _timed_out(key: Hashable, timeout: float) -> Locked:
@@ -65,12 +84,35 @@ def _timed_out(key: Hashable, timeout: float) -> Locked:
         message = f"{key!r} is locked (in-process) after waiting {timeout:g} s"
     # Locked.key is annotated ``str`` for store keys; in-process keys are any hashable
     # and are only stored as ``.key``.
-    return Locked(key, None, message)  # type: ignore[arg-type]
+    return Locked(key, None, message)
 
 
-def _check_timeout(timeout: float | None) -> float | None:
-    # The common case (no timeout) skips the call.
-    return None if timeout is None else check_timeout(timeout)
+def _take_guard(guard: threading.Lock) -> None:
+    """Take a ``KeyedLock``'s guard after a first non-blocking try failed.
+
+    The guarded sections never block (unless a key's ``__hash__`` or ``__eq__`` does), so
+    a guard that is taken belongs to a thread that lost the GIL inside one. Blocking in the kernel here would have that thread wait for
+    the GIL and every later one queue behind it: a convoy that cuts throughput by up to
+    ten times (``benchmarks/bench_local.py``, the ref-counted dict). Yielding the GIL
+    lets the holder finish its few operations; if that does not happen soon (a
+    free-threaded build, a holder stopped in a debugger), we block after all.
+    """
+    for _ in range(_GUARD_SPINS):
+        time.sleep(0)  # releases the GIL, if only for an instant
+        if guard.acquire(False):
+            return
+    guard.acquire()
+
+
+@contextlib.contextmanager
+def _guarded(guard: threading.Lock) -> Iterator[None]:
+    """``with _guarded(guard):`` for the cold paths; the hot paths spell it out (cheaper)."""
+    if not guard.acquire(False):
+        _take_guard(guard)
+    try:
+        yield
+    finally:
+        guard.release()
 
 
 class KeyedLock:
@@ -91,17 +133,21 @@ class KeyedLock:
       ever with ``timeout=None``); pass a ``timeout`` to fail with ``Locked`` instead;
     - ownership: like ``threading.Lock``, any thread may release a held key, not only
       the one that acquired it;
-    - fairness between different keys, or across processes (see ``keymutex.Locks``).
+    - anything across processes: that is what ``keymutex.Locks`` is for.
 
     ``KeyboardInterrupt`` and other exceptions raised while waiting leave no trace: a key
-    handed over at that moment is passed on to the next waiter.
+    handed over at that moment is passed on to the next waiter. First come, first served
+    has a price on a hot key: every hand-off wakes a parked thread, where
+    ``threading.Lock`` lets the releasing thread take the lock again at once (more
+    acquires per second, but a waiter can starve).
     """
 
     __slots__ = ("__weakref__", "_entries", "_guard")
 
     def __init__(self) -> None:
         # One guard for the whole table: held only for a few dict and deque operations,
-        # never while anyone waits, so it is cheaper than a lock object per key.
+        # never while anyone waits, so it is cheaper than a lock object per key. It is
+        # taken with a non-blocking try first (see _take_guard for why).
         self._guard = threading.Lock()
         self._entries: dict[Hashable, deque[threading.Lock] | None] = {}
 
@@ -111,7 +157,9 @@ class KeyedLock:
         The timeout is checked here, the key when entering. The same object may be
         entered again after it exits; it never holds more than the one key.
         """
-        return _Held(self, key, _check_timeout(timeout))
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        return _Held(self, key, timeout)
 
     def acquire(self, key: Hashable, timeout: float | None = None) -> bool:
         """Hold ``key``: ``True`` once held, ``False`` if ``timeout`` ran out first.
@@ -122,12 +170,16 @@ class KeyedLock:
         """
         if timeout is not None:
             timeout = check_timeout(timeout)
-        with self._guard:
+        guard = self._guard
+        if not guard.acquire(False):
+            _take_guard(guard)
+        try:
             entries = self._entries
             try:
                 waiters = entries.get(key, _FREE)
-            except TypeError as exc:
-                raise _bad_key(key, exc) from exc
+            except TypeError:
+                _check_hashable(key)
+                raise
             if waiters is _FREE:
                 entries[key] = None
                 return True
@@ -139,6 +191,8 @@ class KeyedLock:
             parker = threading.Lock()
             parker.acquire()
             waiters.append(parker)
+        finally:
+            guard.release()
         return self._park(key, waiters, parker, timeout)
 
     def _park(
@@ -157,18 +211,17 @@ class KeyedLock:
             else:
                 granted = parker.acquire(timeout=min(timeout, threading.TIMEOUT_MAX))
         except BaseException:  # KeyboardInterrupt, or anything a signal handler raises
-            with self._guard:
-                try:
-                    waiters.remove(parker)
-                except ValueError:  # handed to us meanwhile: pass it on
-                    self._release_held(key)
+            if self._withdraw(waiters, parker):
+                self.release(key)  # handed to us meanwhile: pass it on
             raise
-        if granted:
-            return True
-        with self._guard:
+        return granted or self._withdraw(waiters, parker)
+
+    def _withdraw(self, waiters: deque[threading.Lock], parker: threading.Lock) -> bool:
+        """Stop waiting; ``True`` if the key was handed to us first (we hold it now)."""
+        with _guarded(self._guard):
             try:
                 waiters.remove(parker)
-            except ValueError:  # handed to us between the timeout and the guard
+            except ValueError:  # popped by release: the key is ours
                 return True
         return False
 
@@ -177,34 +230,40 @@ class KeyedLock:
 
         Raises ``RuntimeError`` if ``key`` is not held. Any thread may release.
         """
-        with self._guard:
-            self._release_held(key)
-
-    def _release_held(self, key: Hashable) -> None:
-        # Caller holds the guard.
-        entries = self._entries
+        guard = self._guard
+        if not guard.acquire(False):
+            _take_guard(guard)
         try:
-            waiters = entries.get(key, _FREE)
-        except TypeError as exc:
-            raise _bad_key(key, exc) from exc
-        if waiters is _FREE:
-            raise _not_held(key)
-        if waiters:
-            waiters.popleft().release()  # direct hand-off: the entry stays, the waiter owns it
-        else:
-            del entries[key]
+            entries = self._entries
+            try:
+                waiters = entries.get(key, _FREE)
+            except TypeError:
+                _check_hashable(key)
+                raise
+            if waiters is _FREE:
+                raise _not_held(key)
+            if waiters:
+                # Direct hand-off: the entry stays and the first waiter owns the key.
+                waiters.popleft().release()
+            else:
+                del entries[key]
+                if not entries:
+                    entries.clear()  # drop the table too (see the module docstring)
+        finally:
+            guard.release()
 
     def locked(self, key: Hashable) -> bool:
         """Whether ``key`` is held right now (by anyone); stale as soon as it returns."""
-        with self._guard:
+        with _guarded(self._guard):
             try:
                 return key in self._entries
-            except TypeError as exc:
-                raise _bad_key(key, exc) from exc
+            except TypeError:
+                _check_hashable(key)
+                raise
 
     def _waiting(self, key: Hashable) -> int:
         """How many callers wait for ``key`` (for tests and debugging)."""
-        with self._guard:
+        with _guarded(self._guard):
             return len(self._entries.get(key) or ())
 
     def __len__(self) -> int:
@@ -226,9 +285,28 @@ class _Held:
         self._timeout = timeout
 
     def __enter__(self) -> None:
-        if not self._lock.acquire(self._key, self._timeout):
+        # KeyedLock.acquire's fast path (the key is free), repeated here to save a call
+        # per ``with`` (see the module docstring).
+        lock = self._lock
+        key = self._key
+        guard = lock._guard
+        if not guard.acquire(False):
+            _take_guard(guard)
+        try:
+            entries = lock._entries
+            try:
+                waiters = entries.get(key, _FREE)
+            except TypeError:
+                _check_hashable(key)
+                raise
+            if waiters is _FREE:
+                entries[key] = None
+                return
+        finally:
+            guard.release()
+        if not lock.acquire(key, self._timeout):
             assert self._timeout is not None  # only a timeout can refuse
-            raise _timed_out(self._key, self._timeout)
+            raise _timed_out(key, self._timeout)
 
     def __exit__(
         self,
@@ -236,7 +314,22 @@ class _Held:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._lock.release(self._key)
+        # KeyedLock.release's fast path (nobody waits) inlined.
+        lock = self._lock
+        key = self._key
+        guard = lock._guard
+        if not guard.acquire(False):
+            _take_guard(guard)
+        try:
+            entries = lock._entries
+            if entries.get(key, _FREE) is None:
+                del entries[key]
+                if not entries:
+                    entries.clear()  # drop the table too (see the module docstring)
+                return
+        finally:
+            guard.release()
+        lock.release(key)
 
 
 def _expire(waiter: asyncio.Future[bool], waiters: deque[asyncio.Future[bool]]) -> None:
@@ -300,8 +393,9 @@ class AsyncKeyedLock:
         entries = self._entries
         try:
             waiters = entries.get(key, _FREE)
-        except TypeError as exc:
-            raise _bad_key(key, exc) from exc
+        except TypeError:
+            _check_hashable(key)
+            raise
         if waiters is _FREE:
             entries[key] = None
             return True
@@ -320,6 +414,11 @@ class AsyncKeyedLock:
         waiters: deque[asyncio.Future[bool]] | None,
         timeout: float | None,
     ) -> asyncio.Future[bool]:
+        """Queue a waiter for a held key: a future that ``release`` completes with ``True``.
+
+        With a timeout, a timer completes it with ``False`` first; the timer is cancelled
+        whenever the future completes, however that happens.
+        """
         loop = asyncio.get_running_loop()
         if waiters is None:
             waiters = self._entries[key] = deque()
@@ -331,14 +430,20 @@ class AsyncKeyedLock:
         return waiter
 
     def _abandon(self, key: Hashable, waiter: asyncio.Future[bool]) -> None:
+        """Stop waiting after the waiting task was cancelled (or its coroutine closed).
+
+        If the key was handed to the waiter just before, pass it on: we hold it.
+        """
         if waiter.done() and not waiter.cancelled() and waiter.result():
             self.release(key)
-        else:
-            waiter.cancel()
-            waiters = self._entries.get(key)
-            if waiters:
-                with contextlib.suppress(ValueError):
-                    waiters.remove(waiter)
+            return
+        # Still queued unless a release popped it (cancelled) or the timer removed it.
+        waiters = self._entries.get(key)
+        if waiters:
+            with contextlib.suppress(ValueError):
+                waiters.remove(waiter)
+        if not waiter.done():  # the coroutine was closed or thrown into, not cancelled
+            waiter.cancel()  # also cancels the timer (see _enqueue)
 
     def release(self, key: Hashable) -> None:
         """Let go of ``key``; the first waiter, if any, holds it at once.
@@ -346,34 +451,22 @@ class AsyncKeyedLock:
         Raises ``RuntimeError`` if ``key`` is not held. Any task may release; call it
         from the event loop's thread.
         """
-        entries = self._entries
-        try:
-            waiters = entries.get(key, _FREE)
-        except TypeError as exc:
-            raise _bad_key(key, exc) from exc
-        if waiters is _FREE:
-            raise _not_held(key)
-        if waiters:
-            popleft = waiters.popleft
-            while waiters:
-                waiter = popleft()
-                # Skip waiters cancelled since they queued (their task removes them too,
-                # but may not have run yet).
-                if not waiter.done():
-                    waiter.set_result(True)  # direct hand-off: the entry stays
-                    return
-        del entries[key]
+        _release(self._entries, key)
 
     def locked(self, key: Hashable) -> bool:
         """Whether ``key`` is held right now (by anyone)."""
         try:
             return key in self._entries
-        except TypeError as exc:
-            raise _bad_key(key, exc) from exc
+        except TypeError:
+            _check_hashable(key)
+            raise
 
     def _waiting(self, key: Hashable) -> int:
-        """How many tasks wait for ``key`` (for tests and debugging)."""
-        return sum(not waiter.done() for waiter in self._entries.get(key) or ())
+        """How many waiters are queued for ``key`` (for tests and debugging).
+
+        A cancelled waiter stays queued until its task has run (or a release skipped it).
+        """
+        return len(self._entries.get(key) or ())
 
     def __len__(self) -> int:
         """The number of keys that have a holder or a waiter."""
@@ -394,14 +487,15 @@ class _AsyncHeld:
         self._timeout = timeout
 
     async def __aenter__(self) -> None:
-        # AsyncKeyedLock.acquire's fast path, inlined: one coroutine less per entry,
-        # which is measurable (benchmarks/bench_local.py).
+        # AsyncKeyedLock.acquire, repeated here to save a coroutine per entry (see the
+        # module docstring).
         key = self._key
         entries = self._lock._entries
         try:
             waiters = entries.get(key, _FREE)
-        except TypeError as exc:
-            raise _bad_key(key, exc) from exc
+        except TypeError:
+            _check_hashable(key)
+            raise
         if waiters is _FREE:
             entries[key] = None
             return
@@ -426,10 +520,25 @@ class _AsyncHeld:
         traceback: TracebackType | None,
     ) -> None:
         # Also on CancelledError: a task cancelled while it holds the key releases it here.
-        # AsyncKeyedLock.release's fast path (nobody waits) inlined.
-        key = self._key
-        entries = self._lock._entries
-        if entries.get(key, _FREE) is None:
-            del entries[key]
-        else:
-            self._lock.release(key)
+        _release(self._lock._entries, self._key)
+
+
+def _release(entries: dict[Hashable, deque[asyncio.Future[bool]] | None], key: Hashable) -> None:
+    """``AsyncKeyedLock.release``; ``__aexit__`` calls it directly (one call less)."""
+    try:
+        waiters = entries.get(key, _FREE)
+    except TypeError:
+        _check_hashable(key)
+        raise
+    if waiters is _FREE:
+        raise _not_held(key)
+    while waiters:
+        waiter = waiters.popleft()
+        # Skip waiters cancelled since they queued (their task removes them too, but
+        # may not have run yet).
+        if not waiter.done():
+            waiter.set_result(True)  # direct hand-off: the entry stays
+            return
+    del entries[key]
+    if not entries:
+        entries.clear()  # drop the table too (see the module docstring)
