@@ -60,20 +60,24 @@ SWEEP_EVERY = 16  # grants of one store between two sweeps
 SWEEP_BATCH = 32  # rows a sweep deletes at most: more than SWEEP_EVERY, so it keeps up
 
 # Tables. leases: one row per live lease. waiters: one row per client waiting for a
-# key, seq giving arrival order (AUTOINCREMENT: a seq is never reused, so a waiter's
-# own seq never names another's row). meta: 'schema' version, 'fence' counter, 'boot' id.
+# key, seq giving arrival order (from a counter: a seq is never reused, so a waiter's
+# own seq never names another's row). meta: 'schema' version, 'fence' and 'queue'
+# counters, 'boot' id. Both row tables are clustered on their key (WITHOUT ROWID) and
+# have no other index: a step changes as few pages as it can, and each changed page
+# is written whole to the WAL at commit.
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS keymutex_meta (name TEXT PRIMARY KEY, value ANY) STRICT",
     "CREATE TABLE IF NOT EXISTS keymutex_leases ("
     " namespace TEXT NOT NULL, key TEXT NOT NULL, token TEXT NOT NULL, owner TEXT NOT NULL,"
     " info TEXT, fence INTEGER NOT NULL, acquired_at REAL NOT NULL, expires REAL NOT NULL,"
-    " wake BLOB, PRIMARY KEY (namespace, key)) STRICT",
-    "CREATE INDEX IF NOT EXISTS keymutex_leases_expires ON keymutex_leases (expires)",
+    " wake BLOB, PRIMARY KEY (namespace, key)) STRICT, WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS keymutex_waiters ("
-    " seq INTEGER PRIMARY KEY AUTOINCREMENT, namespace TEXT NOT NULL, key TEXT NOT NULL, address BLOB,"
+    " namespace TEXT NOT NULL, key TEXT NOT NULL, seq INTEGER NOT NULL, address BLOB,"
     " expires REAL NOT NULL, token TEXT NOT NULL, owner TEXT NOT NULL, info TEXT,"
-    " ttl REAL NOT NULL) STRICT",
-    "CREATE INDEX IF NOT EXISTS keymutex_waiters_key ON keymutex_waiters (namespace, key, seq)",
+    " ttl REAL NOT NULL, PRIMARY KEY (namespace, key, seq)) STRICT, WITHOUT ROWID",
+    "CREATE TRIGGER IF NOT EXISTS keymutex_queued AFTER INSERT ON keymutex_waiters BEGIN"
+    " UPDATE keymutex_meta SET value = NEW.seq WHERE name = 'queue';"
+    " END",
     # Every grant inserts a lease with the next fence: the trigger moves the counter
     # and takes the grantee out of the queue, inside the same statement.
     "CREATE TRIGGER IF NOT EXISTS keymutex_granted AFTER INSERT ON keymutex_leases BEGIN"
@@ -82,6 +86,7 @@ _SCHEMA = (
     " WHERE namespace = NEW.namespace AND key = NEW.key AND token = NEW.token;"
     " END",
 )
+_DELETE_WAITER = "DELETE FROM keymutex_waiters WHERE namespace = ? AND key = ? AND seq = ?"
 _SELECT_LEASE = (
     "SELECT token, owner, info, fence, acquired_at, expires FROM keymutex_leases"
     " WHERE namespace = ? AND key = ?"
@@ -281,13 +286,14 @@ class SqliteStore:
         self._synchronous = synchronous
         self._busy_timeout = busy_timeout
         self._mutex = threading.Lock()
+        self._pid = os.getpid()
+        self._grants = 0
+        self._sweep_from = ("", "")
+        self._conn = self._connect()  # first: if it fails, there is nothing to close
         self._sockets = _SocketPool()
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if NOTIFIES else None
         if self._sender is not None:
             self._sender.setblocking(False)
-        self._pid = os.getpid()
-        self._grants = 0
-        self._conn = self._connect()
 
     # -- connection and transactions -----------------------------------------------
 
@@ -299,6 +305,9 @@ class SqliteStore:
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open SQLite database {self._path!r}: {exc}") from exc
         try:
+            # Small pages: each step touches a few rows in a few b-trees, and every page
+            # it changes is written whole to the WAL at commit.
+            conn.execute("PRAGMA page_size=1024")  # only takes effect on a new file
             self._retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))
             conn.execute(f"PRAGMA synchronous={self._synchronous}")
             self._transaction(conn, self._prepare)
@@ -325,7 +334,9 @@ class SqliteStore:
             "INSERT OR REPLACE INTO keymutex_meta (name, value) VALUES (?, ?)",
             [("schema", SCHEMA_VERSION), ("boot", boot)],
         )
-        conn.execute("INSERT OR IGNORE INTO keymutex_meta (name, value) VALUES ('fence', 0)")
+        conn.execute(
+            "INSERT OR IGNORE INTO keymutex_meta (name, value) VALUES ('fence', 0), ('queue', 0)"
+        )
 
     def _retry_busy(self, attempt: Callable[[], T]) -> T:
         """Run ``attempt``, retrying while the database is busy, with short sleeps.
@@ -396,7 +407,7 @@ class SqliteStore:
                 address = row[1]
                 if address is None or self._sender is None or _ring(self._sender, address):
                     return tuple(row)
-                conn.execute("DELETE FROM keymutex_waiters WHERE seq = ?", (row[0],))
+                conn.execute(_DELETE_WAITER, (self._namespace, key, row[0]))
 
     def _hand_off(self, conn: sqlite3.Connection, key: str, now: float) -> _Handoff | None:
         """Grant a free ``key`` to its first waiter, in the caller's transaction.
@@ -434,18 +445,19 @@ class SqliteStore:
         expires = now + WAITER_TTL
         if waiter.seq is not None:
             updated = conn.execute(
-                "UPDATE keymutex_waiters SET expires = ? WHERE seq = ?", (expires, waiter.seq)
+                "UPDATE keymutex_waiters SET expires = ?"
+                " WHERE namespace = ? AND key = ? AND seq = ?",
+                (expires, self._namespace, waiter.key, waiter.seq),
             )
             if updated.rowcount:
                 return
         token, owner, info_json, ttl = request
-        cursor = conn.execute(
+        (waiter.seq,) = conn.execute(
             "INSERT INTO keymutex_waiters"
-            " (namespace, key, address, expires, token, owner, info, ttl)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            " SELECT ?, ?, value + 1, ?, ?, ?, ?, ?, ? FROM keymutex_meta WHERE name = 'queue'"
+            " RETURNING seq",
             (self._namespace, waiter.key, waiter.address, expires, token, owner, info_json, ttl),
-        )
-        waiter.seq = cursor.lastrowid
+        ).fetchone()
         waiter.token = token
 
     def _leave(self, waiter: _SqliteWaiter) -> None:
@@ -454,7 +466,7 @@ class SqliteStore:
 
         def step(conn: sqlite3.Connection, now: float) -> _Handoff | None:
             if waiter.seq is not None:
-                conn.execute("DELETE FROM keymutex_waiters WHERE seq = ?", (waiter.seq,))
+                conn.execute(_DELETE_WAITER, (namespace, key, waiter.seq))
             if waiter.token is not None:
                 conn.execute(
                     "DELETE FROM keymutex_leases WHERE namespace = ? AND key = ? AND token = ?",
@@ -523,17 +535,24 @@ class SqliteStore:
         return self._write(step)
 
     def _sweep(self, conn: sqlite3.Connection, now: float) -> None:
-        """Delete a few expired leases and stale waiters (bounded work per grant)."""
-        conn.execute(
-            "DELETE FROM keymutex_leases WHERE rowid IN"
-            " (SELECT rowid FROM keymutex_leases WHERE expires <= ? LIMIT ?)",
-            (now, SWEEP_BATCH),
+        """Delete expired leases and stale waiters, a bounded slice per call.
+
+        Leases are visited by a rolling scan in key order (no index on expiry to keep
+        up to date at every step): each call looks at the next SWEEP_BATCH rows, more
+        than the grants between two calls, so the table never outgrows the live leases
+        by much. The waiters table holds only current waiters and is swept whole.
+        """
+        rows = conn.execute(
+            "SELECT namespace, key, expires FROM keymutex_leases"
+            " WHERE (namespace, key) > (?, ?) ORDER BY namespace, key LIMIT ?",
+            (*self._sweep_from, SWEEP_BATCH),
+        ).fetchall()
+        conn.executemany(
+            "DELETE FROM keymutex_leases WHERE namespace = ? AND key = ? AND expires <= ?",
+            [(namespace, key, now) for namespace, key, expires in rows if expires <= now],
         )
-        conn.execute(
-            "DELETE FROM keymutex_waiters WHERE seq IN"
-            " (SELECT seq FROM keymutex_waiters WHERE expires <= ? LIMIT ?)",
-            (now, SWEEP_BATCH),
-        )
+        self._sweep_from = (rows[-1][0], rows[-1][1]) if len(rows) == SWEEP_BATCH else ("", "")
+        conn.execute("DELETE FROM keymutex_waiters WHERE expires <= ?", (now,))
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
         return self.renew_many([RenewRequest(key, token, ttl)])[0]

@@ -1,0 +1,74 @@
+"""What the SQLite store promises beyond the conformance suite: no residue, boots, files."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+import keymutex
+
+
+def rows(db: Path, table: str) -> int:
+    with sqlite3.connect(db) as conn:
+        (count,) = conn.execute(f"SELECT count(*) FROM keymutex_{table}").fetchone()
+    return int(count)
+
+
+def test_released_keys_leave_no_rows(tmp_path: Path) -> None:
+    db = tmp_path / "locks.db"
+    with keymutex.Locks(f"sqlite:///{db}") as locks:
+        for number in range(2000):
+            with locks.lock(f"user:{number}", renew=False):
+                pass
+    assert rows(db, "leases") == 0
+    assert rows(db, "waiters") == 0
+
+
+def test_expired_leases_are_swept_by_later_grants(tmp_path: Path) -> None:
+    db = tmp_path / "locks.db"
+    with keymutex.Locks(f"sqlite:///{db}") as locks:
+        for number in range(300):
+            locks.acquire(f"abandoned:{number}", ttl=0.05)  # never released
+        time.sleep(0.1)
+        for number in range(300):
+            with locks.lock(f"fresh:{number}", renew=False):
+                pass
+        assert rows(db, "leases") < 50, "expired leases were not swept"
+        assert locks.holders("abandoned:") == []
+
+
+def test_leases_of_an_earlier_boot_are_dropped(tmp_path: Path) -> None:
+    db = tmp_path / "locks.db"
+    with keymutex.Locks(f"sqlite:///{db}") as locks:
+        lease = locks.acquire("doc", ttl=3600)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE keymutex_meta SET value = 'another-boot' WHERE name = 'boot'")
+    with keymutex.Locks(f"sqlite:///{db}") as locks:
+        assert locks.holder("doc") is None, "a lease timed by an earlier boot's clock survived"
+        again = locks.acquire("doc", timeout=0)
+        assert again.fence > lease.fence, "fences must survive the reboot"
+
+
+def test_a_missing_directory_is_a_store_error(tmp_path: Path) -> None:
+    with pytest.raises(keymutex.StoreError, match="cannot open"):
+        keymutex.Locks(f"sqlite:///{tmp_path}/no/such/dir/locks.db")
+
+
+@pytest.mark.parametrize(
+    ("url", "error", "match"),
+    [
+        ("sqlite://host/locks.db", ValueError, "no host"),
+        ("sqlite://", ValueError, "names no file"),
+        ("sqlite:///x.db?synchronous=maybe", ValueError, "synchronous"),
+        ("sqlite:///x.db?busy_timeout=-1", ValueError, "busy_timeout"),
+        ("sqlite:///x.db?colour=blue", TypeError, "unknown SQLite store option"),
+    ],
+)
+def test_bad_sqlite_urls_say_what_is_accepted(
+    url: str, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        keymutex.Locks(url)
