@@ -28,6 +28,7 @@ import secrets
 import socket
 import string
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -63,6 +64,18 @@ MAX_NAMESPACE_BYTES = 256
 P = ParamSpec("P")
 R = TypeVar("R")
 OnLost = Callable[[Any], object]
+
+
+_CLIENTS: weakref.WeakSet[Locks | AsyncLocks] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    """A forked child does not inherit the parent's local waiters (they did not come)."""
+    for client in list(_CLIENTS):
+        client._gate = KeyedLock() if isinstance(client, Locks) else AsyncKeyedLock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _new_token() -> str:
@@ -189,6 +202,12 @@ class _RenewalPlan:
             due.append(heapq.heappop(self._heap)[2])
         return due
 
+    def later(self, lease: LeaseState, now: float) -> None:
+        """A renewal of ``lease`` is under way elsewhere: look again shortly."""
+        if self.active(lease):
+            retry = now + max(0.01, min(0.25, lease._ttl / 10))
+            heapq.heappush(self._heap, (retry, next(self._order), lease))
+
     def settle(self, lease: LeaseState, outcome: Outcome, sent_at: float) -> bool:
         """Apply one renewal reply; ``True`` when it showed the lease lost."""
         if not self.active(lease):
@@ -265,24 +284,38 @@ class _Renewer:
             return None
 
     def _run(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            sent_at = _clock.monotonic()
-            requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
+        while (due := self._next_batch()) is not None:
+            # A lease its owner is renewing right now is looked at again shortly.
+            batch: list[Lease] = []
+            for lease in due:
+                assert isinstance(lease, Lease)
+                if lease._renewing.acquire(blocking=False):
+                    batch.append(lease)
+                else:
+                    with self._wakeup:
+                        self._plan.later(lease, _clock.monotonic())
             try:
-                outcomes = self._store.renew_many(requests)
-            except StoreError as exc:
-                _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
-                with self._wakeup:
-                    lost = [x for x in batch if self._plan.failed(x, _clock.monotonic())]
-            else:
-                with self._wakeup:
-                    lost = [
-                        x
-                        for x, o in zip(batch, outcomes, strict=True)
-                        if self._plan.settle(x, o, sent_at)
-                    ]
+                lost = self._renew(batch) if batch else []
+            finally:
+                for lease in batch:
+                    lease._renewing.release()
             for lease in lost:
                 lease._notify_lost()
+
+    def _renew(self, batch: list[Lease]) -> list[Lease]:
+        """Renew ``batch`` in one store call; the leases this showed lost."""
+        sent_at = _clock.monotonic()
+        requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
+        try:
+            outcomes = self._store.renew_many(requests)
+        except Exception as exc:  # StoreError, or a bug: the renewer must live on
+            _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
+            with self._wakeup:
+                return [x for x in batch if self._plan.failed(x, _clock.monotonic())]
+        with self._wakeup:
+            return [
+                x for x, o in zip(batch, outcomes, strict=True) if self._plan.settle(x, o, sent_at)
+            ]
 
     def close(self) -> None:
         with self._wakeup:
@@ -341,6 +374,8 @@ class Locks:
         )
         self._gate: KeyedLock = KeyedLock()
         self._renewer = _Renewer(self._store)
+        self._closed = False
+        _CLIENTS.add(self)
 
     @property
     def url(self) -> str:
@@ -363,6 +398,7 @@ class Locks:
 
     def close(self) -> None:
         """Stop renewing and close the store connection. Held leases are not released."""
+        self._closed = True
         self._renewer.close()
         self._store.close()
 
@@ -455,6 +491,8 @@ class Locks:
     # -- the I/O of acquiring, renewing and releasing ------------------------------
 
     def _acquire(self, request: _Request) -> Lease:
+        if self._closed:
+            raise RuntimeError("this Locks is closed")
         token = _new_token()
         if request.steal or request.timeout == 0:
             return self._attempt_once(request, token)
@@ -532,14 +570,16 @@ class Locks:
 
     def _renew_lease(self, lease: Lease, ttl: float | None) -> None:
         ttl = lease._ttl if ttl is None else check_ttl(ttl)
-        if lease._released or lease._lost:
-            raise LockLost(lease.key, lease._new_holder)
-        sent_at = _clock.monotonic()
-        outcome = self._store.renew(lease.key, lease.token, ttl)
-        if not outcome.ok:
-            self._renewer.discard(lease)
-            raise self._lost(lease, outcome.holder)
-        lease._granted(outcome, sent_at, ttl)
+        with lease._renewing:
+            if lease._released or lease._lost:
+                raise LockLost(lease.key, lease._new_holder)
+            sent_at = _clock.monotonic()
+            outcome = self._store.renew(lease.key, lease.token, ttl)
+            if outcome.ok:
+                lease._granted(outcome, sent_at, ttl)
+                return
+        self._renewer.discard(lease)
+        raise self._lost(lease, outcome.holder)
 
     def _release_lease(self, lease: Lease) -> None:
         self._renewer.discard(lease)
@@ -604,21 +644,35 @@ class _AsyncRenewer:
                 except TimeoutError:
                     pass
                 continue
-            sent_at = _clock.monotonic()
-            requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
+            # A lease its owner is renewing right now is looked at again shortly.
+            mine: list[AsyncLease] = []
+            for lease in batch:
+                assert isinstance(lease, AsyncLease)
+                if lease._renewing.locked():
+                    self._plan.later(lease, now)
+                else:
+                    await lease._renewing.acquire()  # free: returns at once
+                    mine.append(lease)
             try:
-                outcomes = await self._store.renew_many(requests)
-            except StoreError as exc:
-                _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
-                lost = [x for x in batch if self._plan.failed(x, _clock.monotonic())]
-            else:
-                lost = [
-                    x
-                    for x, o in zip(batch, outcomes, strict=True)
-                    if self._plan.settle(x, o, sent_at)
-                ]
+                lost = await self._renew(mine) if mine else []
+            finally:
+                for lease in mine:
+                    lease._renewing.release()
             for lease in lost:
                 self.call_on_lost(lease)
+
+    async def _renew(self, batch: list[AsyncLease]) -> list[AsyncLease]:
+        """Renew ``batch`` in one store call; the leases this showed lost."""
+        sent_at = _clock.monotonic()
+        requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
+        try:
+            outcomes = await self._store.renew_many(requests)
+        except Exception as exc:  # StoreError, or a bug: the renewer must live on
+            _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
+            return [x for x in batch if self._plan.failed(x, _clock.monotonic())]
+        return [
+            x for x, o in zip(batch, outcomes, strict=True) if self._plan.settle(x, o, sent_at)
+        ]
 
     def call_on_lost(self, lease: LeaseState) -> None:
         result = lease._notify_lost()
@@ -683,6 +737,8 @@ class AsyncLocks:
         )
         self._gate: AsyncKeyedLock = AsyncKeyedLock()
         self._renewer = _AsyncRenewer(self._store)
+        self._closed = False
+        _CLIENTS.add(self)
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
@@ -706,6 +762,7 @@ class AsyncLocks:
 
     async def aclose(self) -> None:
         """Stop renewing and close the store connection. Held leases are not released."""
+        self._closed = True
         await self._renewer.aclose()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
@@ -803,6 +860,8 @@ class AsyncLocks:
     # -- the I/O of acquiring, renewing and releasing ------------------------------
 
     async def _acquire(self, request: _Request) -> AsyncLease:
+        if self._closed:
+            raise RuntimeError("this AsyncLocks is closed")
         token = _new_token()
         if request.steal or request.timeout == 0:
             return await self._attempt_once(request, token)
@@ -866,7 +925,10 @@ class AsyncLocks:
             step.add_done_callback(functools.partial(self._undo_grant, request.key, token))
             # And it may still queue the waiter: let it finish before the caller's
             # cleanup leaves the queue, or a release could hand the key to nobody.
-            await asyncio.wait([step])
+            # Further cancellations wait too; the first one goes on afterwards.
+            while not step.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([step])
             raise
 
     def _undo_grant(self, key: str, token: str, step: asyncio.Future[Outcome]) -> None:
@@ -914,14 +976,16 @@ class AsyncLocks:
 
     async def _renew_lease(self, lease: AsyncLease, ttl: float | None) -> None:
         ttl = lease._ttl if ttl is None else check_ttl(ttl)
-        if lease._released or lease._lost:
-            raise LockLost(lease.key, lease._new_holder)
-        sent_at = _clock.monotonic()
-        outcome = await self._store.renew(lease.key, lease.token, ttl)
-        if not outcome.ok:
-            self._renewer.discard(lease)
-            raise self._lost(lease, outcome.holder)
-        lease._granted(outcome, sent_at, ttl)
+        async with lease._renewing:
+            if lease._released or lease._lost:
+                raise LockLost(lease.key, lease._new_holder)
+            sent_at = _clock.monotonic()
+            outcome = await self._store.renew(lease.key, lease.token, ttl)
+            if outcome.ok:
+                lease._granted(outcome, sent_at, ttl)
+                return
+        self._renewer.discard(lease)
+        raise self._lost(lease, outcome.holder)
 
     async def _release_lease(self, lease: AsyncLease) -> None:
         self._renewer.discard(lease)

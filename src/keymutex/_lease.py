@@ -7,6 +7,7 @@ The twins ``Lease`` / ``AsyncLease`` differ only in how they call back into thei
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Callable
@@ -174,7 +175,7 @@ class Lease(LeaseState):
     over, expired, or unreachable until its deadline), unless the block raised.
     """
 
-    __slots__ = ("_locks",)
+    __slots__ = ("_locks", "_renewing")
 
     def __init__(
         self,
@@ -189,6 +190,9 @@ class Lease(LeaseState):
     ) -> None:
         super().__init__(key, token, outcome, ttl=ttl, sent_at=sent_at, on_lost=on_lost)
         self._locks = locks
+        # Held across each renewal's round trip: replies applied in the order the store
+        # applied their requests, so ``remaining`` never overstates the store's grant.
+        self._renewing = threading.Lock()
 
     def renew(self, ttl: float | None = None) -> Lease:
         """Extend the lease by ``ttl`` (default: its current TTL); ``LockLost`` if gone."""
@@ -218,7 +222,7 @@ class AsyncLease(LeaseState):
     unless the block raised (cancellation included).
     """
 
-    __slots__ = ("_locks",)
+    __slots__ = ("_locks", "_renewing")
 
     def __init__(
         self,
@@ -233,6 +237,7 @@ class AsyncLease(LeaseState):
     ) -> None:
         super().__init__(key, token, outcome, ttl=ttl, sent_at=sent_at, on_lost=on_lost)
         self._locks = locks
+        self._renewing = asyncio.Lock()  # as Lease._renewing
 
     async def renew(self, ttl: float | None = None) -> AsyncLease:
         """Extend the lease by ``ttl`` (default: its current TTL); ``LockLost`` if gone."""

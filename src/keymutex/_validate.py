@@ -107,11 +107,16 @@ def check_info(info: object) -> dict[str, Any] | None:
         encoded = json.dumps(info, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"info must be JSON-serialisable (no NaN or infinity): {exc}") from None
+    except RecursionError:
+        raise ValueError("info is nested too deeply to be stored as JSON") from None
     size = _utf8_length(encoded, "info")
     if size > MAX_INFO_BYTES:
         raise ValueError(f"info is {size} bytes as JSON; at most {MAX_INFO_BYTES} are accepted")
     # A copy through JSON: what others see is exactly what the store keeps.
-    decoded: dict[str, Any] = json.loads(encoded)
+    try:
+        decoded: dict[str, Any] = json.loads(encoded)
+    except RecursionError:
+        raise ValueError("info is nested too deeply to be stored as JSON") from None
     return decoded
 
 

@@ -9,6 +9,7 @@ fences start again at 1 in a new process.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -113,6 +114,21 @@ class _Table:
 
 _TABLES: dict[str, _Table] = {}
 _TABLES_MUTEX = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+    """A forked child keeps the tables' leases but none of the parent's waiters or mutexes."""
+    global _TABLES_MUTEX
+    _TABLES_MUTEX = threading.Lock()
+    for table in _TABLES.values():
+        table.mutex = threading.Lock()
+        for queue in table.queues.values():
+            for waiter in queue:
+                waiter.queued = False
+        table.queues.clear()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _holder(key: str, lease: _Lease, now: float) -> Holder:

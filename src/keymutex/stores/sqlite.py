@@ -34,6 +34,7 @@ import sqlite3
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -48,7 +49,7 @@ __all__ = ["SqliteStore", "driver"]
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 1: an unreleased layout of November 2026 (waiters by rowid)
 NOTIFIES = sys.platform == "linux"  # abstract-namespace sockets are Linux only
 CAPABILITIES = Capabilities(
     notifies=NOTIFIES, fair=True, cross_process=True, durable_fences=True, clock="host-boottime"
@@ -86,6 +87,7 @@ _SCHEMA = (
     " WHERE namespace = NEW.namespace AND key = NEW.key AND token = NEW.token;"
     " END",
 )
+_LEASE_COLUMNS = " (namespace, key, token, owner, info, fence, acquired_at, expires, wake)"
 _DELETE_WAITER = "DELETE FROM keymutex_waiters WHERE namespace = ? AND key = ? AND seq = ?"
 _SELECT_LEASE = (
     "SELECT token, owner, info, fence, acquired_at, expires FROM keymutex_leases"
@@ -102,14 +104,16 @@ _SELECT_QUEUE = (
 # Grant to the caller: ? = namespace, key, token, owner, info, acquired_at, expires.
 _GRANT = (
     "INSERT OR REPLACE INTO keymutex_leases"
-    " SELECT ?, ?, ?, ?, ?, value + 1, ?, ?, NULL FROM keymutex_meta WHERE name = 'fence'"
+    + _LEASE_COLUMNS
+    + " SELECT ?, ?, ?, ?, ?, value + 1, ?, ?, NULL FROM keymutex_meta WHERE name = 'fence'"
     " RETURNING fence"
 )
 # Grant to the first live waiter that can be woken: ? = acquired_at, now, namespace, key,
 # now. Returns the lease and where to send the news.
 _HAND_OFF = (
     "INSERT OR REPLACE INTO keymutex_leases"
-    " SELECT namespace, key, token, owner, info,"
+    + _LEASE_COLUMNS
+    + " SELECT namespace, key, token, owner, info,"
     " (SELECT value + 1 FROM keymutex_meta WHERE name = 'fence'), ?, ? + ttl, address"
     " FROM keymutex_waiters WHERE namespace = ? AND key = ? AND expires > ?"
     " AND address IS NOT NULL ORDER BY seq LIMIT 1"
@@ -173,7 +177,8 @@ def _ring(sender: socket.socket, address: bytes, message: bytes = b"!") -> bool:
 class _SqliteWaiter:
     """A waiter's socket and its place in a key's queue (``seq``, once queued).
 
-    ``granted`` is the lease a release handed over, read from the socket.
+    ``granted`` is set when a release said it handed us the key (the datagram
+    carries only our token; the lease itself is read from the database).
     """
 
     def __init__(self, store: SqliteStore, key: str) -> None:
@@ -181,7 +186,7 @@ class _SqliteWaiter:
         self.key = key
         self.seq: int | None = None
         self.token: str | None = None  # the request's token, once queued
-        self.granted: tuple[Any, ...] | None = None
+        self.granted = False
         self.address: bytes | None = None
         self._socket: socket.socket | None = None
         if NOTIFIES:
@@ -198,11 +203,11 @@ class _SqliteWaiter:
             except BlockingIOError:
                 return rung
             rung = True
-            if message.startswith(b"G"):
-                grant = tuple(json.loads(message[1:]))
-                if self.token is not None and grant[0] == self.token:
-                    self.granted = grant
-                    self.seq = None  # the granting transaction removed our row
+            # b"G" + token: the key was handed to that token (maybe a previous user's
+            # of this pooled socket: then it is just a wake-up).
+            if self.token is not None and message == b"G" + self.token.encode():
+                self.granted = True
+                self.seq = None  # the granting transaction removed our row
 
     def wait(self, timeout: float) -> bool:
         if self._socket is None:
@@ -210,8 +215,9 @@ class _SqliteWaiter:
             return False
         if self._drain():
             return True
-        ready, _, _ = select.select([self._socket], [], [], timeout)
-        return bool(ready) and self._drain()
+        poller = select.poll()  # not select(): descriptors may be above 1023
+        poller.register(self._socket, select.POLLIN)
+        return bool(poller.poll(timeout * 1000)) and self._drain()
 
     async def wait_async(self, timeout: float) -> bool:
         if self._socket is None:
@@ -234,7 +240,7 @@ class _SqliteWaiter:
     def close(self) -> None:
         sock, self._socket = self._socket, None
         try:
-            if self.seq is not None or self.granted is not None:
+            if self.seq is not None or self.granted:
                 self._store._leave(self)
         finally:
             if sock is not None:
@@ -253,10 +259,17 @@ class _SocketPool:
         with self._mutex:
             if self._free:
                 return self._free.pop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         address = b"\0keymutex-" + secrets.token_hex(12).encode()
-        sock.bind(address)
-        sock.setblocking(False)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        except OSError as exc:
+            raise StoreError(f"cannot create a socket to wait on: {exc}") from exc
+        try:
+            sock.bind(address)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise StoreError(f"cannot bind a socket to wait on: {exc}") from exc
         return sock, address
 
     def give_back(self, sock: socket.socket, address: bytes) -> None:
@@ -271,6 +284,25 @@ class _SocketPool:
             for sock, _ in self._free:
                 sock.close()
             self._free.clear()
+
+
+def _new_sender() -> socket.socket | None:
+    if not NOTIFIES:
+        return None
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.setblocking(False)
+    return sender
+
+
+_STORES: weakref.WeakSet[SqliteStore] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for store in list(_STORES):
+        store._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 class SqliteStore:
@@ -291,9 +323,21 @@ class SqliteStore:
         self._sweep_from = ("", "")
         self._conn = self._connect()  # first: if it fails, there is nothing to close
         self._sockets = _SocketPool()
-        self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if NOTIFIES else None
+        self._sender = _new_sender()
+        _STORES.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child gets its own mutex and sockets; its connection reopens lazily.
+
+        The child's copies of the parent's waiting sockets are closed, so that a parent
+        that dies is seen as gone, and the child never reads the parent's wake-ups.
+        """
+        self._mutex = threading.Lock()
+        self._sockets.close()
+        self._sockets = _SocketPool()
         if self._sender is not None:
-            self._sender.setblocking(False)
+            self._sender.close()
+        self._sender = _new_sender()
 
     # -- connection and transactions -----------------------------------------------
 
@@ -311,20 +355,24 @@ class SqliteStore:
             self._retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))
             conn.execute(f"PRAGMA synchronous={self._synchronous}")
             self._transaction(conn, self._prepare)
-        except BaseException:
+        except BaseException as exc:
             conn.close()
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"cannot open SQLite database {self._path!r}: {exc}") from exc
             raise
         return conn
 
     def _prepare(self, conn: sqlite3.Connection, now: float) -> None:
-        for statement in _SCHEMA:
-            conn.execute(statement)
+        conn.execute(_SCHEMA[0])  # meta first: the schema version decides the rest
         meta = dict(conn.execute("SELECT name, value FROM keymutex_meta").fetchall())
         version = meta.get("schema", SCHEMA_VERSION)
         if version != SCHEMA_VERSION:
             raise StoreError(
-                f"{self._path!r} has keymutex schema {version}; this version reads {SCHEMA_VERSION}"
+                f"{self._path!r} has keymutex schema {version}; this version reads"
+                f" {SCHEMA_VERSION}: use a new file (leases are short-lived)"
             )
+        for statement in _SCHEMA[1:]:
+            conn.execute(statement)
         boot = _clock.boot_id() or "unknown"
         if meta.get("boot") != boot:
             # Expiry times count from an earlier boot of the host: those leases are gone.
@@ -417,8 +465,8 @@ class SqliteStore:
         row = conn.execute(_HAND_OFF, (time.time(), now, self._namespace, key, now)).fetchone()
         if row is None:
             return None
-        *grant, address = row
-        return _Handoff(key, grant[0], address, b"G" + json.dumps(grant).encode())
+        token, address = row[0], row[6]
+        return _Handoff(key, token, address, b"G" + token.encode())
 
     def _deliver(self, handoff: _Handoff | None) -> None:
         """Tell the waiter it was handed the key; if it is gone, take the lease back."""
@@ -454,6 +502,7 @@ class SqliteStore:
         token, owner, info_json, ttl = request
         (waiter.seq,) = conn.execute(
             "INSERT INTO keymutex_waiters"
+            " (namespace, key, seq, address, expires, token, owner, info, ttl)"
             " SELECT ?, ?, value + 1, ?, ?, ?, ?, ?, ? FROM keymutex_meta WHERE name = 'queue'"
             " RETURNING seq",
             (self._namespace, waiter.key, waiter.address, expires, token, owner, info_json, ttl),
@@ -478,7 +527,7 @@ class SqliteStore:
         with self._mutex:
             self._deliver(self._write_locked(step))
         waiter.seq = None
-        waiter.granted = None
+        waiter.granted = False
 
     # -- the steps -----------------------------------------------------------------
 
@@ -494,10 +543,20 @@ class SqliteStore:
         waiter: Any,
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _SqliteWaiter)
-        if waiter is not None and waiter.granted is not None and not steal:
-            # A release handed us the key: the datagram carried the lease.
-            granted, waiter.granted, waiter.token = waiter.granted, None, None
-            return _outcome(True, key, granted, _clock.monotonic())
+        if waiter is not None and waiter.granted and not steal:
+            # A release handed us the key: read the lease (no write needed). Gone or
+            # expired meanwhile? Then try for it like anybody else, below.
+            waiter.granted = False
+            row = self._read(
+                lambda conn, now: (
+                    conn.execute(_SELECT_LEASE, (self._namespace, key)).fetchone(),
+                    now,
+                )
+            )
+            lease, now = row
+            if lease is not None and lease[0] == token and lease[5] > now:
+                waiter.token = None
+                return _outcome(True, key, lease, now)
         namespace = self._namespace
         info_json = None if info is None else json.dumps(info, separators=(",", ":"))
 
