@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import os
 import secrets
 import select
@@ -48,6 +49,7 @@ from keymutex._store import AsyncStore, Capabilities, RenewRequest, ThreadedAsyn
 __all__ = ["SqliteStore", "driver"]
 
 T = TypeVar("T")
+_LOG = logging.getLogger("keymutex")
 
 SCHEMA_VERSION = 2  # 1: an unreleased layout of November 2026 (waiters by rowid)
 NOTIFIES = sys.platform == "linux"  # abstract-namespace sockets are Linux only
@@ -254,6 +256,7 @@ class _SocketPool:
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._free: list[tuple[socket.socket, bytes]] = []
+        self._closed = False
 
     def take(self) -> tuple[socket.socket, bytes]:
         with self._mutex:
@@ -274,13 +277,14 @@ class _SocketPool:
 
     def give_back(self, sock: socket.socket, address: bytes) -> None:
         with self._mutex:
-            if len(self._free) < 16:
+            if not self._closed and len(self._free) < 16:
                 self._free.append((sock, address))
                 return
         sock.close()
 
     def close(self) -> None:
         with self._mutex:
+            self._closed = True
             for sock, _ in self._free:
                 sock.close()
             self._free.clear()
@@ -591,7 +595,16 @@ class SqliteStore:
             granted = (token, owner, info_json, fence, acquired_at, expires)
             return _outcome(True, key, granted, now)
 
-        return self._write(step)
+        if waiter is None:
+            return self._write(step)
+        # The step notes the waiter's place in the queue as it goes; a transaction that
+        # rolls back must leave the note as it was.
+        noted = waiter.seq, waiter.token
+        try:
+            return self._write(step)
+        except BaseException:
+            waiter.seq, waiter.token = noted
+            raise
 
     def _sweep(self, conn: sqlite3.Connection, now: float) -> None:
         """Delete expired leases and stale waiters, a bounded slice per call.
@@ -648,7 +661,10 @@ class SqliteStore:
 
         with self._mutex:
             outcome, handoff = self._write_locked(step)
-            self._deliver(handoff)
+            try:
+                self._deliver(handoff)
+            except StoreError as exc:  # released all the same; a stray handoff expires
+                _LOG.warning("after releasing %r, handing it on failed: %s", key, exc)
         return outcome
 
     def holder(self, key: str) -> Holder | None:
