@@ -32,6 +32,7 @@ import secrets
 import select
 import socket
 import sqlite3
+import struct
 import sys
 import threading
 import time
@@ -89,6 +90,8 @@ _SCHEMA = (
     " WHERE namespace = NEW.namespace AND key = NEW.key AND token = NEW.token;"
     " END",
 )
+# A handoff datagram: b"G", fence, acquired_at, expires, then the grantee's token.
+_HANDOFF_MESSAGE = struct.Struct("!cqdd")
 _LEASE_COLUMNS = " (namespace, key, token, owner, info, fence, acquired_at, expires, wake)"
 _DELETE_WAITER = "DELETE FROM keymutex_waiters WHERE namespace = ? AND key = ? AND seq = ?"
 _SELECT_LEASE = (
@@ -179,8 +182,8 @@ def _ring(sender: socket.socket, address: bytes, message: bytes = b"!") -> bool:
 class _SqliteWaiter:
     """A waiter's socket and its place in a key's queue (``seq``, once queued).
 
-    ``granted`` is set when a release said it handed us the key (the datagram
-    carries only our token; the lease itself is read from the database).
+    ``granted`` is (fence, acquired_at, expires) when a release said it handed us
+    the key: the datagram carries those and our token (owner and info are ours).
     """
 
     def __init__(self, store: SqliteStore, key: str) -> None:
@@ -188,7 +191,7 @@ class _SqliteWaiter:
         self.key = key
         self.seq: int | None = None
         self.token: str | None = None  # the request's token, once queued
-        self.granted = False
+        self.granted: tuple[int, float, float] | None = None
         self.address: bytes | None = None
         self._socket: socket.socket | None = None
         if NOTIFIES:
@@ -205,10 +208,19 @@ class _SqliteWaiter:
             except BlockingIOError:
                 return rung
             rung = True
-            # b"G" + token: the key was handed to that token (maybe a previous user's
-            # of this pooled socket: then it is just a wake-up).
-            if self.token is not None and message == b"G" + self.token.encode():
-                self.granted = True
+            # A grant for another token (a previous user of this pooled socket) is
+            # just a wake-up.
+            grant = (
+                _HANDOFF_MESSAGE.unpack_from(message)
+                if len(message) > _HANDOFF_MESSAGE.size
+                else None
+            )
+            if (
+                grant
+                and grant[0] == b"G"
+                and message[_HANDOFF_MESSAGE.size :] == (self.token or "").encode()
+            ):
+                self.granted = grant[1:]
                 self.seq = None  # the granting transaction removed our row
 
     def wait(self, timeout: float) -> bool:
@@ -242,7 +254,7 @@ class _SqliteWaiter:
     def close(self) -> None:
         sock, self._socket = self._socket, None
         try:
-            if self.seq is not None or self.granted:
+            if self.seq is not None or self.granted is not None:
                 self._store._leave(self)
         finally:
             if sock is not None:
@@ -469,8 +481,9 @@ class SqliteStore:
         row = conn.execute(_HAND_OFF, (time.time(), now, self._namespace, key, now)).fetchone()
         if row is None:
             return None
-        token, address = row[0], row[6]
-        return _Handoff(key, token, address, b"G" + token.encode())
+        token, _, _, fence, acquired_at, expires, address = row
+        message = _HANDOFF_MESSAGE.pack(b"G", fence, acquired_at, expires) + token.encode()
+        return _Handoff(key, token, address, message)
 
     def _deliver(self, handoff: _Handoff | None) -> None:
         """Tell the waiter it was handed the key; if it is gone, take the lease back."""
@@ -531,7 +544,7 @@ class SqliteStore:
         with self._mutex:
             self._deliver(self._write_locked(step))
         waiter.seq = None
-        waiter.granted = False
+        waiter.granted = None
 
     # -- the steps -----------------------------------------------------------------
 
@@ -547,22 +560,18 @@ class SqliteStore:
         waiter: Any,
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _SqliteWaiter)
-        if waiter is not None and waiter.granted and not steal:
-            # A release handed us the key: read the lease (no write needed). Gone or
-            # expired meanwhile? Then try for it like anybody else, below.
-            waiter.granted = False
-            row = self._read(
-                lambda conn, now: (
-                    conn.execute(_SELECT_LEASE, (self._namespace, key)).fetchone(),
-                    now,
-                )
-            )
-            lease, now = row
-            if lease is not None and lease[0] == token and lease[5] > now:
-                waiter.token = None
-                return _outcome(True, key, lease, now)
-        namespace = self._namespace
         info_json = None if info is None else json.dumps(info, separators=(",", ":"))
+        if waiter is not None and waiter.granted is not None and not steal:
+            # A release handed us the key and told us its fence and times. Expired
+            # meanwhile? Then try for it like anybody else, below.
+            (fence, acquired_at, expires), waiter.granted = waiter.granted, None
+            now = _clock.monotonic()
+            if expires > now:
+                waiter.token = None
+                return _outcome(
+                    True, key, (token, owner, info_json, fence, acquired_at, expires), now
+                )
+        namespace = self._namespace
 
         def step(conn: sqlite3.Connection, now: float) -> Outcome:
             row = conn.execute(_SELECT_LEASE, (namespace, key)).fetchone()
