@@ -6,12 +6,15 @@ errors — lives in plain code shared by both twins (``_Config``, ``_wait``,
 ``_RenewalPlan``); the two classes below only do the I/O, one with threads and one
 with asyncio.
 
-Waiting: the first attempt is a plain ``try_acquire``. When refused, the caller
-registers a waiter with the store and tries again in the same atomic step, so a
-release that follows is sure to wake it; it then parks until notified, until the
-holder's expiry, or (stores that cannot notify) for a jittered backoff step. Within
-one ``Locks``, callers waiting for the same key queue locally (a ``KeyedLock`` gate),
-so only one of them contends at the store.
+Waiting: on a store that notifies, every attempt carries a waiter, so a refusal
+queues it in the same atomic step and a release that follows is sure to wake it; it
+parks until notified, until the holder's expiry, or a safety recheck. On a store that
+cannot notify it parks for a jittered backoff step (never past the holder's expiry).
+Within one ``Locks``, callers waiting for the same key queue locally (a
+``KeyedLock`` gate), so only one of them contends at the store.
+
+Fork: the child gets a fresh gate and renewer (``_reset_after_fork``); the parent's
+waiters and leases stay the parent's.
 """
 
 from __future__ import annotations
@@ -70,9 +73,18 @@ _CLIENTS: weakref.WeakSet[Locks | AsyncLocks] = weakref.WeakSet()
 
 
 def _reset_after_fork() -> None:
-    """A forked child does not inherit the parent's local waiters (they did not come)."""
+    """A forked child keeps none of the parent's local waiters nor renewals.
+
+    Its threads and tasks did not come along, and the parent's leases are the
+    parent's to renew.
+    """
     for client in list(_CLIENTS):
-        client._gate = KeyedLock() if isinstance(client, Locks) else AsyncKeyedLock()
+        if isinstance(client, Locks):
+            client._gate = KeyedLock()
+            client._renewer = _Renewer(client._store)
+        else:
+            client._gate = AsyncKeyedLock()
+            client._renewer = _AsyncRenewer(client._store)
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -247,16 +259,8 @@ class _Renewer:
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._pid = os.getpid()
 
     def add(self, lease: Lease) -> None:
-        if self._pid != os.getpid():
-            # Forked: the renewer thread did not come along, and the parent's leases
-            # are the parent's to renew. Start afresh for the child's own.
-            self._pid = os.getpid()
-            self._plan = _RenewalPlan()
-            self._wakeup = threading.Condition()
-            self._thread = None
         with self._wakeup:
             if self._closed:
                 raise RuntimeError("this Locks is closed")
@@ -596,7 +600,6 @@ class Locks:
 
     def _finish_lease(self, lease: Lease, *, block_failed: bool) -> None:
         """Leave a ``with`` block: release, and report a loss unless the block raised."""
-        self._renewer.discard(lease)
         if lease._released:
             return
         try:
@@ -1002,7 +1005,6 @@ class AsyncLocks:
 
     async def _finish_lease(self, lease: AsyncLease, *, block_failed: bool) -> None:
         """Leave an ``async with`` block: release, and report a loss unless it raised."""
-        self._renewer.discard(lease)
         if lease._released:
             return
         try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 __all__ = [
@@ -141,10 +140,4 @@ def check_bool(value: object, name: str) -> bool:
 def check_callback(value: T | None, name: str) -> T | None:
     if value is not None and not callable(value):
         raise TypeError(f"{name} must be a callable or None, not {type(value).__name__}")
-    return value
-
-
-def check_callable(value: Callable[..., Any], name: str) -> Callable[..., Any]:
-    if not callable(value):
-        raise TypeError(f"{name} must be callable, not {type(value).__name__}")
     return value

@@ -209,12 +209,11 @@ class MemoryStore:
             if current is None or current.token != token:
                 return self._outcome(False, key, table.live(full_key, now), now)
             del table.leases[full_key]
-            if current.expires <= now:  # it had expired: not ours to release any more
-                return Outcome(False)
             successor = table.head(full_key)
-        if successor is not None:
+        if successor is not None:  # the key is free now: wake the first waiter
             successor.ring()
-        return Outcome(True)
+        # A lease past its expiry was no longer ours to release: report it lost.
+        return Outcome(current.expires > now)
 
     def holder(self, key: str) -> Holder | None:
         with self._table.mutex:

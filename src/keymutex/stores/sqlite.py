@@ -45,7 +45,13 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
-from keymutex._store import AsyncStore, Capabilities, RenewRequest, ThreadedAsyncStore
+from keymutex._store import (
+    AsyncStore,
+    Capabilities,
+    RenewRequest,
+    ThreadedAsyncStore,
+    translate_errors,
+)
 
 __all__ = ["SqliteStore", "driver"]
 
@@ -275,16 +281,14 @@ class _SocketPool:
             if self._free:
                 return self._free.pop()
         address = b"\0keymutex-" + secrets.token_hex(12).encode()
-        try:
+        with translate_errors(OSError, what="cannot open a socket to wait on"):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        except OSError as exc:
-            raise StoreError(f"cannot create a socket to wait on: {exc}") from exc
-        try:
-            sock.bind(address)
-            sock.setblocking(False)
-        except OSError as exc:
-            sock.close()
-            raise StoreError(f"cannot bind a socket to wait on: {exc}") from exc
+            try:
+                sock.bind(address)
+                sock.setblocking(False)
+            except OSError:
+                sock.close()
+                raise
         return sock, address
 
     def give_back(self, sock: socket.socket, address: bytes) -> None:
@@ -358,24 +362,20 @@ class SqliteStore:
     # -- connection and transactions -----------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        try:
+        with translate_errors(sqlite3.Error, what=f"cannot open SQLite database {self._path!r}"):
             conn = sqlite3.connect(
                 self._path, isolation_level=None, check_same_thread=False, timeout=0
             )
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open SQLite database {self._path!r}: {exc}") from exc
-        try:
-            # Small pages: each step touches a few rows in a few b-trees, and every page
-            # it changes is written whole to the WAL at commit.
-            conn.execute("PRAGMA page_size=1024")  # only takes effect on a new file
-            self._retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))
-            conn.execute(f"PRAGMA synchronous={self._synchronous}")
-            self._transaction(conn, self._prepare)
-        except BaseException as exc:
-            conn.close()
-            if isinstance(exc, sqlite3.Error):
-                raise StoreError(f"cannot open SQLite database {self._path!r}: {exc}") from exc
-            raise
+            try:
+                # Small pages: each step touches a few rows in a few b-trees, and every
+                # page it changes is written whole to the WAL at commit.
+                conn.execute("PRAGMA page_size=1024")  # only takes effect on a new file
+                self._retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))
+                conn.execute(f"PRAGMA synchronous={self._synchronous}")
+                self._transaction(conn, self._prepare)
+            except BaseException:
+                conn.close()
+                raise
         return conn
 
     def _prepare(self, conn: sqlite3.Connection, now: float) -> None:
@@ -438,18 +438,13 @@ class SqliteStore:
             return self._write_locked(step)
 
     def _write_locked(self, step: Callable[[sqlite3.Connection, float], T]) -> T:
-        try:
+        with translate_errors(sqlite3.Error, what=f"SQLite store {self._path!r}"):
             return self._transaction(self._connection(), step)
-        except sqlite3.Error as exc:
-            raise StoreError(f"SQLite store {self._path!r}: {exc}") from exc
 
     def _read(self, query: Callable[[sqlite3.Connection, float], T]) -> T:
-        with self._mutex:
+        with self._mutex, translate_errors(sqlite3.Error, what=f"SQLite store {self._path!r}"):
             conn = self._connection()
-            try:
-                return self._retry_busy(lambda: query(conn, _clock.monotonic()))
-            except sqlite3.Error as exc:
-                raise StoreError(f"SQLite store {self._path!r}: {exc}") from exc
+            return self._retry_busy(lambda: query(conn, _clock.monotonic()))
 
     def _connection(self) -> sqlite3.Connection:
         if os.getpid() != self._pid:  # forked: a SQLite connection must not cross a fork
