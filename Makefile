@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages the tests need (real servers are added here as stores land).
-APT_PACKAGES :=
+APT_PACKAGES := redis-server redis-sentinel
 
 .PHONY: test demo lint bench sysdeps venv clean
 

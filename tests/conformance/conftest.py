@@ -51,6 +51,8 @@ import pytest_asyncio
 
 import keymutex
 
+from ._http_server import http_sqlite_url  # noqa: F401 - the fixture of the http-sqlite case
+
 # The default TTL of the clients the fixtures make: long enough that no lease expires
 # by accident on a slow machine; tests about expiry pass a short ``ttl`` themselves.
 DEFAULT_TTL = 10.0
@@ -78,6 +80,18 @@ STORES: list[StoreCase] = [
     StoreCase(
         "sqlite",
         lambda request, tmp_path: f"sqlite:///{tmp_path}/locks.db",
+        cross_process=True,
+    ),
+    # A real redis-server on a free port, started once per session (tests/_redis_fixtures.py).
+    StoreCase(
+        "redis",
+        lambda request, tmp_path: request.getfixturevalue("redis_url"),
+        cross_process=True,
+    ),
+    # `keymutex serve` on a SQLite store, started once per session (_http_server.py).
+    StoreCase(
+        "http-sqlite",
+        lambda request, tmp_path: request.getfixturevalue("http_sqlite_url"),
         cross_process=True,
     ),
 ]

@@ -1,0 +1,995 @@
+"""``redis://``, ``rediss://``, ``redis+cluster://``, ``redis+sentinel://``: leases in Redis or Valkey.
+
+- Each step is one round trip: a Lua script, loaded once and called by SHA (reloaded
+  after ``NOSCRIPT``), checks, grants or refuses, and returns the holder in the same
+  reply. ``renew_many`` sends all its scripts in one pipeline.
+- A lease is one small hash (token, owner, info, fence, acquired-at) whose TTL Redis
+  enforces itself (``PEXPIRE``): TTLs are measured by the server's clock, and a
+  crashed holder's key frees itself.
+- Fences come from a counter shared by every key of a *bucket*: one bucket for a
+  single server (one counter for the whole database), 1024 buckets in a cluster so
+  that keys spread over the slots while each script still touches one slot (the
+  bucket is the key's hash tag). Nothing grows with the number of distinct keys ever
+  locked: a released or expired lease leaves no key behind. Fences survive a restart
+  only as far as the counter does: with AOF (``appendonly yes``, ideally
+  ``appendfsync always``) they never go backwards; without persistence they restart
+  at 1, and after a failover to a replica that missed the last writes they can repeat.
+- Waiting: a refused waiter subscribes to the key's channel (one shared pub/sub
+  connection per store, read by one thread or task), then tries once more, so a
+  release that raced the subscription is never missed. A refusal marks the lease as
+  *contended*; releasing a contended lease publishes on the key's channel and
+  reserves the key for the woken waiters for a moment (``RESERVE_MS``), so the
+  releaser cannot barge back in ahead of them. Waiters also wake at the holder's
+  expiry (the reply carries its ``PTTL``). Across processes this serves a key's
+  waiters roughly in arrival order, not strictly (``fair`` is false).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+import redis.asyncio
+import redis.asyncio.client
+import redis.asyncio.cluster
+import redis.asyncio.sentinel
+import redis.client
+import redis.cluster
+import redis.sentinel
+from redis.exceptions import NoScriptError, RedisError
+
+from keymutex._errors import StoreError
+from keymutex._lease import Holder, Outcome
+from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex.stores._doorbell import Doorbell
+
+__all__ = ["AsyncRedisStore", "RedisStore", "driver"]
+
+_LOG = logging.getLogger("keymutex")
+
+CAPABILITIES = Capabilities(
+    notifies=True, fair=False, cross_process=True, durable_fences=False, clock="server"
+)
+# How long a released contended key is kept for the waiters it woke: long enough for a
+# woken waiter on a busy host to send its try, short enough that a key whose waiters
+# all vanished is not held up for anyone noticeably.
+RESERVE_MS = 25
+CLUSTER_BUCKETS = 1024
+SCAN_COUNT = 1000
+DEFAULT_SOCKET_TIMEOUT = 5.0
+
+# -- the scripts ---------------------------------------------------------------------
+# Every script validates its arguments before its first write (a script does not roll
+# back) and answers in one shape, the *reply*:
+#   {ok, owner, info, fence, acquired_ms, pttl_ms}
+# ok: 1 or 0; the other fields describe the lease after the step when ok (acquire,
+# renew), else the current holder (all false when the key is free). pttl_ms is the
+# holder's time left; for a refusal by a reservation it is the reservation's.
+
+_PRELUDE = """
+local function holder(ok, key)
+  local h = redis.call('HMGET', key, 'o', 'i', 'f', 'a')
+  if not h[1] then return {ok, false, false, false, false, false} end
+  return {ok, h[1], h[2] or false, h[3], h[4], redis.call('PTTL', key)}
+end
+local function positive(value, name)
+  local n = tonumber(value)
+  if not n or n <= 0 or n ~= math.floor(n) then
+    return redis.error_reply('keymutex: ' .. name .. ' must be a positive integer')
+  end
+  return nil
+end
+"""
+
+ACQUIRE = (
+    _PRELUDE
+    + """
+-- Contract: try to grant KEYS[1] (the lease hash) to ARGV[1] (token).
+-- KEYS: 1 lease, 2 fence counter of the key's bucket, 3 reservation marker.
+-- ARGV: 1 token, 2 ttl ms, 3 owner, 4 info JSON or '', 5 steal '1'/'0',
+--       6 waiting '1'/'0' (the caller was refused before and is subscribed).
+-- Grants when the key is free (and not reserved for woken waiters, unless the caller
+-- is one of them) or when stealing: a new fence from KEYS[2], PEXPIRE ttl.
+-- Refuses otherwise with the holder; a refused waiter marks the lease contended
+-- (field 'w') so that its release wakes the waiters. Reply: see the module.
+local err = positive(ARGV[2], 'ttl')
+if err then return err end
+if ARGV[1] == '' then return redis.error_reply('keymutex: empty token') end
+if ARGV[5] ~= '1' then
+  if redis.call('EXISTS', KEYS[1]) == 1 then
+    if ARGV[6] == '1' then redis.call('HSET', KEYS[1], 'w', '1') end
+    return holder(0, KEYS[1])
+  end
+  if ARGV[6] ~= '1' then
+    local reserved = redis.call('PTTL', KEYS[3])
+    if reserved > 0 then return {0, false, false, false, false, reserved} end
+  end
+end
+local fence = redis.call('INCR', KEYS[2])
+local t = redis.call('TIME')
+local acquired = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('DEL', KEYS[1], KEYS[3])
+if ARGV[4] == '' then
+  redis.call('HSET', KEYS[1], 't', ARGV[1], 'o', ARGV[3], 'f', fence, 'a', acquired)
+else
+  redis.call('HSET', KEYS[1], 't', ARGV[1], 'o', ARGV[3], 'i', ARGV[4], 'f', fence,
+             'a', acquired)
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1, ARGV[3], ARGV[4] ~= '' and ARGV[4] or false, fence, acquired, tonumber(ARGV[2])}
+"""
+)
+
+RENEW = (
+    _PRELUDE
+    + """
+-- Contract: extend KEYS[1] (the lease hash) to ARGV[2] ms from now if ARGV[1] (token)
+-- holds it. KEYS: 1 lease. ARGV: 1 token, 2 ttl ms. Reply: see the module.
+local err = positive(ARGV[2], 'ttl')
+if err then return err end
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return holder(0, KEYS[1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return holder(1, KEYS[1])
+"""
+)
+
+RELEASE = (
+    _PRELUDE
+    + """
+-- Contract: delete KEYS[1] (the lease hash) if ARGV[1] (token) holds it. A contended
+-- lease publishes its release on ARGV[2] (the key's channel) with ARGV[4] ('publish',
+-- or 'spublish' in a cluster) and, if someone is subscribed, reserves the key for
+-- ARGV[3] ms for the waiters it woke (KEYS[2], the reservation marker).
+-- KEYS: 1 lease, 2 reservation marker.
+-- ARGV: 1 token, 2 channel, 3 reservation ms, 4 publish command.
+-- Reply: see the module ({1, false...} once released).
+local err = positive(ARGV[3], 'reservation')
+if err then return err end
+if ARGV[4] ~= 'publish' and ARGV[4] ~= 'spublish' then
+  return redis.error_reply('keymutex: unknown publish command')
+end
+local lease = redis.call('HMGET', KEYS[1], 't', 'w')
+if lease[1] ~= ARGV[1] then return holder(0, KEYS[1]) end
+redis.call('DEL', KEYS[1])
+if lease[2] and redis.call(ARGV[4], ARGV[2], '') > 0 then
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
+end
+return {1, false, false, false, false, false}
+"""
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Script:
+    name: str
+    source: str
+    sha: str
+
+
+def _script(name: str, source: str) -> _Script:
+    return _Script(name, source, hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest())
+
+
+_ACQUIRE = _script("acquire", ACQUIRE)
+_RENEW = _script("renew", RENEW)
+_RELEASE = _script("release", RELEASE)
+
+
+# -- keys ----------------------------------------------------------------------------
+
+
+class _Layout:
+    """Names of one namespace's Redis keys.
+
+    ``km:{B}:L:NS:KEY`` is a lease hash, ``km:{B}:r:L:NS:KEY`` its reservation marker,
+    ``km:{B}:fence`` the bucket's fence counter, where L is the namespace's length (so
+    that namespace and key never run into each other) and B the key's bucket. The
+    lease's name is also its channel (sharded in a cluster). With one bucket the braces
+    are left out.
+    """
+
+    __slots__ = ("_buckets", "_middle", "namespace", "publish")
+
+    def __init__(self, namespace: str, buckets: int) -> None:
+        self.namespace = namespace
+        self._buckets = buckets
+        self._middle = f"{len(namespace)}:{namespace}:"
+        # In a cluster, a sharded channel lives on the key's own node, so PUBLISH's count
+        # of receivers is exact there too.
+        self.publish = "spublish" if buckets > 1 else "publish"
+
+    def bucket(self, key: str) -> str:
+        if self._buckets == 1:
+            return "km:"
+        number = zlib.crc32(f"{self._middle}{key}".encode()) % self._buckets
+        return f"km:{{{number}}}:"
+
+    def lease(self, key: str) -> str:
+        return f"{self.bucket(key)}{self._middle}{key}"
+
+    def reservation(self, key: str) -> str:
+        return f"{self.bucket(key)}r:{self._middle}{key}"
+
+    def fence(self, key: str) -> str:
+        return f"{self.bucket(key)}fence"
+
+    def pattern(self, prefix: str) -> str:
+        """A SCAN pattern that matches at least the leases of keys starting with prefix."""
+        bucket = "km:" if self._buckets == 1 else "km:{*}:"
+        return f"{bucket}{_glob_escape(self._middle + prefix)}*"
+
+    def key_of(self, name: str) -> str | None:
+        """The key of a lease hash's name, or ``None`` if it is not one of ours."""
+        start = name.find("}:") + 2 if self._buckets > 1 else len("km:")
+        if not name.startswith(self._middle, start):
+            return None
+        return name[start + len(self._middle) :]
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+# -- arguments and replies (no I/O) --------------------------------------------------
+
+
+def _ttl_ms(ttl: float) -> int:
+    # Rounded up: the store never grants less than the client counts on.
+    return max(1, math.ceil(ttl * 1000))
+
+
+def _holder(key: str, reply: Sequence[Any], now: float) -> Holder | None:
+    if reply[1] is None:
+        return None
+    pttl = int(reply[5])
+    return Holder(
+        key=key,
+        owner=reply[1],
+        info=None if reply[2] is None else json.loads(reply[2]),
+        fence=int(reply[3]),
+        acquired_at=int(reply[4]) / 1000,
+        expires_at=now + max(pttl, 0) / 1000,
+    )
+
+
+def _outcome(key: str, reply: Sequence[Any]) -> Outcome:
+    ok = int(reply[0]) == 1
+    holder = _holder(key, reply, time.time())
+    remaining = None if reply[5] is None or int(reply[5]) < 0 else int(reply[5]) / 1000
+    return Outcome(ok, holder, remaining)
+
+
+def _release_outcome(key: str, reply: Sequence[Any]) -> Outcome:
+    return Outcome(True) if int(reply[0]) == 1 else _outcome(key, reply)
+
+
+def _hash_reply(key: str, fields: Sequence[Any], pttl: Any) -> Holder | None:
+    if fields[0] is None or pttl is None or int(pttl) <= 0:
+        return None  # gone between SCAN and read, or expiring this instant
+    return _holder(key, [0, *fields, pttl], time.time())
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One script invocation: the script, its keys and arguments, and how to read it."""
+
+    script: _Script
+    keys: tuple[str, ...]
+    args: tuple[str | int, ...]
+    key: str
+    read: Callable[[str, Sequence[Any]], Outcome]
+
+
+class _Steps:
+    """The arguments of every step, for the sync and async stores alike."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, layout: _Layout) -> None:
+        self.layout = layout
+
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiting: bool,
+    ) -> _Call:
+        layout = self.layout
+        return _Call(
+            _ACQUIRE,
+            (layout.lease(key), layout.fence(key), layout.reservation(key)),
+            (
+                token,
+                _ttl_ms(ttl),
+                owner,
+                "" if info is None else json.dumps(info, separators=(",", ":")),
+                "1" if steal else "0",
+                "1" if waiting else "0",
+            ),
+            key,
+            _outcome,
+        )
+
+    def renew(self, request: RenewRequest) -> _Call:
+        return _Call(
+            _RENEW,
+            (self.layout.lease(request.key),),
+            (request.token, _ttl_ms(request.ttl)),
+            request.key,
+            _outcome,
+        )
+
+    def release(self, key: str, token: str) -> _Call:
+        lease = self.layout.lease(key)
+        return _Call(
+            _RELEASE,
+            (lease, self.layout.reservation(key)),
+            (token, lease, RESERVE_MS, self.layout.publish),
+            key,
+            _release_outcome,
+        )
+
+
+# -- waiting -------------------------------------------------------------------------
+
+
+class _RedisWaiter(Doorbell):
+    """A waiter of the sync store: rung by the store's pub/sub reader thread."""
+
+    __slots__ = ("_hub", "channel", "refused", "subscribed")
+
+    def __init__(self, hub: _Subscriptions, channel: str) -> None:
+        super().__init__()
+        self._hub = hub
+        self.channel = channel
+        self.refused = False
+        self.subscribed = False
+
+    def close(self) -> None:
+        if self.subscribed:
+            self.subscribed = False
+            self._hub.leave(self)
+
+
+class _Subscriptions:
+    """One pub/sub connection per sync store, read by one daemon thread.
+
+    ``join`` subscribes a waiter's channel (if no other waiter of this store has) and
+    returns once Redis has confirmed the subscription: a release published after that
+    is sure to reach the waiter.
+    """
+
+    def __init__(self, make_pubsub: Callable[[], Any]) -> None:
+        self._make_pubsub = make_pubsub
+        self._mutex = threading.Lock()
+        self._waiters: dict[str, set[_RedisWaiter]] = {}
+        self._confirmed: dict[str, threading.Event] = {}
+        self._pubsub: Any = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._pid = os.getpid()
+
+    def join(self, waiter: _RedisWaiter, timeout: float) -> None:
+        with self._mutex:
+            if self._closed:
+                raise RuntimeError("this store is closed")
+            if self._pid != os.getpid():  # forked: the parent's connection is not ours
+                self._pid, self._pubsub, self._thread = os.getpid(), None, None
+                self._waiters.clear()
+                self._confirmed.clear()
+            waiters = self._waiters.setdefault(waiter.channel, set())
+            waiters.add(waiter)
+            confirmed = self._confirmed.get(waiter.channel)
+            if confirmed is None:
+                confirmed = self._confirmed[waiter.channel] = threading.Event()
+                try:
+                    if self._pubsub is None:
+                        self._pubsub = self._make_pubsub()
+                    self._pubsub.subscribe(waiter.channel)
+                except BaseException:
+                    self._forget(waiter)
+                    raise
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._read, name="keymutex-redis-pubsub", daemon=True
+                    )
+                    self._thread.start()
+        waiter.subscribed = True
+        if not confirmed.wait(timeout):
+            raise StoreError(f"Redis did not confirm the subscription within {timeout} s")
+
+    def _forget(self, waiter: _RedisWaiter) -> None:
+        waiters = self._waiters.get(waiter.channel)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._waiters[waiter.channel]
+                self._confirmed.pop(waiter.channel, None)
+                if self._pubsub is not None:
+                    with contextlib.suppress(RedisError, OSError):
+                        self._pubsub.unsubscribe(waiter.channel)
+
+    def leave(self, waiter: _RedisWaiter) -> None:
+        with self._mutex:
+            if self._pid == os.getpid() and not self._closed:
+                self._forget(waiter)
+
+    def _read(self) -> None:
+        failures = 0
+        while True:
+            with self._mutex:
+                pubsub = self._pubsub
+                if self._closed or pubsub is None:
+                    return
+            try:
+                message = pubsub.get_message(timeout=0.5)
+                failures = 0
+            except Exception as exc:  # the driver's, or a socket closed under it by close()
+                if self._closed:
+                    return
+                failures += 1
+                _LOG.warning("Redis pub/sub connection failed (%s); reconnecting", exc)
+                time.sleep(min(1.0, 0.05 * 2**failures))
+                continue
+            if message is not None:
+                self._dispatch(message)
+
+    def _dispatch(self, message: Mapping[str, Any]) -> None:
+        channel = message.get("channel")
+        with self._mutex:
+            if message.get("type") == "subscribe":
+                confirmed = self._confirmed.get(channel)  # type: ignore[arg-type]
+                if confirmed is not None:
+                    confirmed.set()
+                return
+            if message.get("type") != "message":
+                return
+            waiters = list(self._waiters.get(channel, ()))  # type: ignore[arg-type]
+        for waiter in waiters:
+            waiter.ring()
+
+    def close(self) -> None:
+        with self._mutex:
+            self._closed = True
+            pubsub, self._pubsub = self._pubsub, None
+            thread = self._thread
+        if pubsub is not None and self._pid == os.getpid():
+            with contextlib.suppress(RedisError, OSError):
+                pubsub.close()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+
+
+class _AsyncRedisWaiter:
+    __slots__ = ("_event", "_hub", "channel", "refused", "subscribed")
+
+    def __init__(self, hub: _AsyncSubscriptions, channel: str) -> None:
+        self._hub = hub
+        self._event = asyncio.Event()
+        self.channel = channel
+        self.refused = False
+        self.subscribed = False
+
+    def ring(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float) -> bool:
+        if not self._event.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
+        rung = self._event.is_set()
+        self._event.clear()
+        return rung
+
+    async def aclose(self) -> None:
+        if self.subscribed:
+            self.subscribed = False
+            await self._hub.leave(self)
+
+
+class _AsyncSubscriptions:
+    """One pub/sub connection per async store, read by one task on the store's loop."""
+
+    def __init__(self, make_pubsub: Callable[[], Any]) -> None:
+        self._make_pubsub = make_pubsub
+        self._mutex = asyncio.Lock()
+        self._waiters: dict[str, set[_AsyncRedisWaiter]] = {}
+        self._confirmed: dict[str, asyncio.Event] = {}
+        self._pubsub: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def join(self, waiter: _AsyncRedisWaiter, timeout: float) -> None:
+        async with self._mutex:
+            if self._closed:
+                raise RuntimeError("this store is closed")
+            self._waiters.setdefault(waiter.channel, set()).add(waiter)
+            confirmed = self._confirmed.get(waiter.channel)
+            if confirmed is None:
+                confirmed = self._confirmed[waiter.channel] = asyncio.Event()
+                try:
+                    if self._pubsub is None:
+                        self._pubsub = self._make_pubsub()
+                    await self._pubsub.subscribe(waiter.channel)
+                except BaseException:
+                    await self._forget(waiter)
+                    raise
+                if self._task is None:
+                    self._task = asyncio.create_task(self._read(), name="keymutex-redis-pubsub")
+        waiter.subscribed = True
+        try:
+            async with asyncio.timeout(timeout):
+                await confirmed.wait()
+        except TimeoutError:
+            raise StoreError(
+                f"Redis did not confirm the subscription within {timeout} s"
+            ) from None
+
+    async def _forget(self, waiter: _AsyncRedisWaiter) -> None:
+        waiters = self._waiters.get(waiter.channel)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._waiters[waiter.channel]
+                self._confirmed.pop(waiter.channel, None)
+                if self._pubsub is not None:
+                    with contextlib.suppress(RedisError, OSError):
+                        await self._pubsub.unsubscribe(waiter.channel)
+
+    async def leave(self, waiter: _AsyncRedisWaiter) -> None:
+        async with self._mutex:
+            if not self._closed:
+                await self._forget(waiter)
+
+    async def _read(self) -> None:
+        failures = 0
+        while not self._closed:
+            try:
+                message = await self._pubsub.get_message(timeout=0.5)
+                failures = 0
+            except Exception as exc:  # the driver's, or a socket closed under it by aclose()
+                if self._closed:
+                    return
+                failures += 1
+                _LOG.warning("Redis pub/sub connection failed (%s); reconnecting", exc)
+                await asyncio.sleep(min(1.0, 0.05 * 2**failures))
+                continue
+            if message is None:
+                continue
+            channel = message.get("channel")
+            if message.get("type") == "subscribe":
+                confirmed = self._confirmed.get(channel)
+                if confirmed is not None:
+                    confirmed.set()
+            elif message.get("type") == "message":
+                for waiter in list(self._waiters.get(channel, ())):
+                    waiter.ring()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()
+
+
+# -- the stores ----------------------------------------------------------------------
+
+_DRIVER_ERRORS = (RedisError, OSError)
+
+
+class RedisStore:
+    """The Redis store for one namespace (sync, on redis-py)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, client: Any, make_pubsub: Callable[[], Any], layout: _Layout) -> None:
+        self._client = client
+        self._steps = _Steps(layout)
+        self._layout = layout
+        self._hub = _Subscriptions(make_pubsub)
+        self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
+
+    def _run(self, call: _Call) -> Outcome:
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis {call.script.name} of {call.key!r}"):
+            try:
+                reply = self._client.evalsha(
+                    call.script.sha, len(call.keys), *call.keys, *call.args
+                )
+            except NoScriptError:  # a restarted or flushed server: load and go again
+                self._client.script_load(call.script.source)
+                reply = self._client.evalsha(
+                    call.script.sha, len(call.keys), *call.keys, *call.args
+                )
+        return call.read(call.key, reply)
+
+    def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Any,
+    ) -> Outcome:
+        assert waiter is None or isinstance(waiter, _RedisWaiter)
+        waiting = waiter is not None and waiter.refused
+        outcome = self._run(self._steps.acquire(key, token, ttl, owner, info, steal, waiting))
+        if outcome.ok or waiter is None:
+            return outcome
+        waiter.refused = True
+        if waiter.subscribed:
+            return outcome
+        # Subscribe, then look again: a release between the refusal and the
+        # subscription would otherwise go unnoticed.
+        self._hub.join(waiter, self._subscribe_timeout)
+        return self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
+
+    def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        return self._run(self._steps.renew(RenewRequest(key, token, ttl)))
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        if not requests:
+            return []
+        calls = [self._steps.renew(request) for request in requests]
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis renewal of {len(calls)} leases"):
+            try:
+                replies = self._pipeline(calls)
+            except NoScriptError:
+                self._client.script_load(_RENEW.source)
+                replies = self._pipeline(calls)
+        return [call.read(call.key, reply) for call, reply in zip(calls, replies, strict=True)]
+
+    def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for call in calls:
+            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def release(self, key: str, token: str) -> Outcome:
+        return self._run(self._steps.release(key, token))
+
+    def holder(self, key: str) -> Holder | None:
+        name = self._layout.lease(key)
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis read of {key!r}"):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hmget(name, "o", "i", "f", "a")
+            pipe.pttl(name)
+            fields, pttl = pipe.execute()
+        return _hash_reply(key, fields, pttl)
+
+    def holders(self, prefix: str) -> list[Holder]:
+        layout = self._layout
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis scan of {prefix!r}"):
+            names = {
+                name: key
+                for name in self._client.scan_iter(match=layout.pattern(prefix), count=SCAN_COUNT)
+                if (key := layout.key_of(name)) is not None
+                and key.startswith(prefix)
+                and name == layout.lease(key)
+            }
+            found: list[Holder] = []
+            ordered = sorted(names.items(), key=lambda item: item[1])
+            for start in range(0, len(ordered), SCAN_COUNT):
+                batch = ordered[start : start + SCAN_COUNT]
+                pipe = self._client.pipeline(transaction=False)
+                for name, _ in batch:
+                    pipe.hmget(name, "o", "i", "f", "a")
+                    pipe.pttl(name)
+                replies = pipe.execute()
+                for index, (_, key) in enumerate(batch):
+                    holder = _hash_reply(key, replies[2 * index], replies[2 * index + 1])
+                    if holder is not None:
+                        found.append(holder)
+        return found
+
+    def waiter(self, key: str) -> _RedisWaiter:
+        return _RedisWaiter(self._hub, self._layout.lease(key))
+
+    def close(self) -> None:
+        self._hub.close()
+        with contextlib.suppress(*_DRIVER_ERRORS):
+            self._client.close()
+
+
+class AsyncRedisStore:
+    """The Redis store for one namespace (asyncio, on ``redis.asyncio``)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, client: Any, make_pubsub: Callable[[], Any], layout: _Layout) -> None:
+        self._client = client
+        self._steps = _Steps(layout)
+        self._layout = layout
+        self._hub = _AsyncSubscriptions(make_pubsub)
+        self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
+
+    async def _run(self, call: _Call) -> Outcome:
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis {call.script.name} of {call.key!r}"):
+            try:
+                reply = await self._client.evalsha(
+                    call.script.sha, len(call.keys), *call.keys, *call.args
+                )
+            except NoScriptError:
+                await self._client.script_load(call.script.source)
+                reply = await self._client.evalsha(
+                    call.script.sha, len(call.keys), *call.keys, *call.args
+                )
+        return call.read(call.key, reply)
+
+    async def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Any,
+    ) -> Outcome:
+        assert waiter is None or isinstance(waiter, _AsyncRedisWaiter)
+        waiting = waiter is not None and waiter.refused
+        call = self._steps.acquire(key, token, ttl, owner, info, steal, waiting)
+        outcome = await self._run(call)
+        if outcome.ok or waiter is None:
+            return outcome
+        waiter.refused = True
+        if waiter.subscribed:
+            return outcome
+        await self._hub.join(waiter, self._subscribe_timeout)
+        return await self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
+
+    async def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        return await self._run(self._steps.renew(RenewRequest(key, token, ttl)))
+
+    async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        if not requests:
+            return []
+        calls = [self._steps.renew(request) for request in requests]
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis renewal of {len(calls)} leases"):
+            try:
+                replies = await self._pipeline(calls)
+            except NoScriptError:
+                await self._client.script_load(_RENEW.source)
+                replies = await self._pipeline(calls)
+        return [call.read(call.key, reply) for call, reply in zip(calls, replies, strict=True)]
+
+    async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for call in calls:
+            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    async def release(self, key: str, token: str) -> Outcome:
+        return await self._run(self._steps.release(key, token))
+
+    async def holder(self, key: str) -> Holder | None:
+        name = self._layout.lease(key)
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis read of {key!r}"):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hmget(name, "o", "i", "f", "a")
+            pipe.pttl(name)
+            fields, pttl = await pipe.execute()
+        return _hash_reply(key, fields, pttl)
+
+    async def holders(self, prefix: str) -> list[Holder]:
+        layout = self._layout
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis scan of {prefix!r}"):
+            names: dict[str, str] = {}
+            async for name in self._client.scan_iter(
+                match=layout.pattern(prefix), count=SCAN_COUNT
+            ):
+                key = layout.key_of(name)
+                if key is not None and key.startswith(prefix) and name == layout.lease(key):
+                    names[name] = key
+            found: list[Holder] = []
+            ordered = sorted(names.items(), key=lambda item: item[1])
+            for start in range(0, len(ordered), SCAN_COUNT):
+                batch = ordered[start : start + SCAN_COUNT]
+                pipe = self._client.pipeline(transaction=False)
+                for name, _ in batch:
+                    pipe.hmget(name, "o", "i", "f", "a")
+                    pipe.pttl(name)
+                replies = await pipe.execute()
+                for index, (_, key) in enumerate(batch):
+                    holder = _hash_reply(key, replies[2 * index], replies[2 * index + 1])
+                    if holder is not None:
+                        found.append(holder)
+        return found
+
+    async def waiter(self, key: str) -> _AsyncRedisWaiter:
+        return _AsyncRedisWaiter(self._hub, self._layout.lease(key))
+
+    async def aclose(self) -> None:
+        await self._hub.aclose()
+        with contextlib.suppress(*_DRIVER_ERRORS):
+            await self._client.aclose()
+
+
+# -- URLs ----------------------------------------------------------------------------
+
+# Options a user may pass as ``Locks(url, **options)``, handed to redis-py as they are.
+CLIENT_OPTIONS = frozenset(
+    {
+        "username",
+        "password",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "health_check_interval",
+        "client_name",
+        "max_connections",
+        "ssl_ca_certs",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_cert_reqs",
+        "ssl_check_hostname",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """What a URL names: how to reach the server(s), and the client options."""
+
+    kind: str  # "single", "cluster" or "sentinel"
+    url: str  # for "single": the redis-py URL
+    nodes: tuple[tuple[str, int], ...]
+    service: str
+    db: int
+    options: dict[str, Any]
+
+
+def _nodes(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
+    hosts = netloc.rpartition("@")[2]
+    nodes = []
+    for part in hosts.split(","):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{url!r}: expected host:port[,host:port…], got {part!r}")
+        nodes.append((host.strip("[]"), int(port)))
+    return tuple(nodes)
+
+
+def _credentials(netloc: str) -> dict[str, Any]:
+    userinfo, at, _ = netloc.rpartition("@")
+    if not at:
+        return {}
+    user, colon, password = userinfo.partition(":")
+    found: dict[str, Any] = {}
+    if user:
+        found["username"] = unquote(user)
+    if colon:
+        found["password"] = unquote(password)
+    return found
+
+
+def _parse(url: str, options: Mapping[str, object]) -> _Target:
+    unknown = set(options) - CLIENT_OPTIONS
+    if unknown:
+        raise TypeError(
+            f"unknown Redis store options {sorted(unknown)}; accepted: {sorted(CLIENT_OPTIONS)}"
+        )
+    client_options: dict[str, Any] = {
+        "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
+        "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
+        **options,
+        "decode_responses": True,
+    }
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme in ("redis", "rediss", "unix"):
+        try:
+            redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+        except ValueError as exc:
+            raise ValueError(f"{url!r} is not a Redis URL: {exc}") from None
+        return _Target("single", url, (), "", 0, client_options)
+    if parts.query:
+        raise ValueError(
+            f"{url!r}: query parameters are not accepted for {scheme}; pass options"
+            " as keyword arguments, e.g. Locks(url, password=…)"
+        )
+    nodes = _nodes(parts.netloc, url)
+    client_options = {**_credentials(parts.netloc), **client_options}
+    if scheme == "redis+cluster":
+        if parts.path not in ("", "/", "/0"):
+            raise ValueError(f"{url!r}: a Redis cluster has only database 0")
+        return _Target("cluster", url, nodes, "", 0, client_options)
+    if scheme == "redis+sentinel":
+        segments = [s for s in parts.path.split("/") if s]
+        if not segments or len(segments) > 2 or (len(segments) == 2 and not segments[1].isdigit()):
+            raise ValueError(
+                f"{url!r}: expected redis+sentinel://host:port[,host:port…]/SERVICE[/DB]"
+            )
+        db = int(segments[1]) if len(segments) == 2 else 0
+        return _Target("sentinel", url, nodes, unquote(segments[0]), db, client_options)
+    raise ValueError(f"{url!r} is not a Redis URL")
+
+
+class RedisDriver:
+    def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> RedisStore:
+        target = _parse(url, options)
+        buckets = CLUSTER_BUCKETS if target.kind == "cluster" else 1
+        layout = _Layout(namespace, buckets)
+        if target.kind == "single":
+            client = redis.Redis.from_url(target.url, **target.options)
+            return RedisStore(client, client.pubsub, layout)
+        if target.kind == "cluster":
+            nodes = [
+                redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
+                for host, port in target.nodes
+            ]
+            cluster = redis.cluster.RedisCluster(startup_nodes=nodes, **target.options)
+            host, port = target.nodes[0]
+            # Plain PUBLISH reaches subscribers on every node: any node serves waiting.
+            channel_client = redis.Redis(host=host, port=port, **target.options)
+            return RedisStore(cluster, channel_client.pubsub, layout)
+        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            list(target.nodes), sentinel_kwargs=_sentinel_kwargs(target.options), **target.options
+        )
+        master = sentinel.master_for(target.service, db=target.db)  # type: ignore[no-untyped-call]
+        return RedisStore(master, master.pubsub, layout)
+
+    def open_async(
+        self, url: str, *, namespace: str, options: Mapping[str, object]
+    ) -> AsyncRedisStore:
+        target = _parse(url, options)
+        buckets = CLUSTER_BUCKETS if target.kind == "cluster" else 1
+        layout = _Layout(namespace, buckets)
+        if target.kind == "single":
+            client = redis.asyncio.Redis.from_url(target.url, **target.options)
+            return AsyncRedisStore(client, client.pubsub, layout)
+        if target.kind == "cluster":
+            nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in target.nodes]
+            cluster_options = {k: v for k, v in target.options.items() if k != "max_connections"}
+            cluster = redis.asyncio.cluster.RedisCluster(startup_nodes=nodes, **cluster_options)
+            host, port = target.nodes[0]
+            channel_client = redis.asyncio.Redis(host=host, port=port, **target.options)
+            return AsyncRedisStore(cluster, channel_client.pubsub, layout)
+        sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            list(target.nodes), sentinel_kwargs=_sentinel_kwargs(target.options), **target.options
+        )
+        master = sentinel.master_for(target.service, db=target.db)
+        return AsyncRedisStore(master, master.pubsub, layout)
+
+
+def _sentinel_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
+    # Sentinels are asked with the same timeouts; credentials are the data nodes'.
+    return {k: v for k, v in options.items() if k in {"socket_timeout", "socket_connect_timeout"}}
+
+
+driver = RedisDriver()

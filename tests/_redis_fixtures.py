@@ -1,0 +1,93 @@
+"""Session fixtures for real Redis servers, started once per test run and shared.
+
+``tests/conftest.py`` names this module in ``pytest_plugins``, so every test can ask for:
+
+- ``redis_url``: a standalone server without persistence (``redis://127.0.0.1:p/0``);
+- ``redis_cluster_url``: three masters, no replicas (``redis+cluster://…``);
+- ``redis_sentinel_url``: a master, one replica and three sentinels
+  (``redis+sentinel://…/mymaster``);
+
+and for the topology objects behind them (``redis_server``, ``redis_cluster``,
+``redis_sentinel``). Each starts on first use; a run that uses none starts nothing.
+They are shared by every test: never kill, pause, restart or flush them (tests keep
+apart by namespace). A test that breaks a server starts its own, with the helpers of
+``tests/_redis_servers.py`` in a ``with`` block.
+
+Without ``redis-server`` (or ``redis-sentinel``, ``redis-cli``) on ``PATH``, or without
+redis-py, the tests that use them are skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from _redis_servers import RedisCluster, RedisSentinel, RedisServer
+
+__all__ = [
+    "redis_cluster",
+    "redis_cluster_url",
+    "redis_sentinel",
+    "redis_sentinel_url",
+    "redis_server",
+    "redis_url",
+]
+
+
+def require_redis() -> None:
+    """Skip the calling test unless redis-py and the Redis programs are installed."""
+    pytest.importorskip("redis", reason="redis-py is not installed (pip install keymutex[test])")
+    # Imported here so that a missing redis-py skips these tests instead of failing the run.
+    from _redis_servers import missing_executables
+
+    missing = missing_executables()
+    if missing:
+        pytest.skip(
+            f"{', '.join(missing)} not on PATH: the Redis tests run against real servers"
+            " (Debian/Ubuntu: apt install redis-server redis-sentinel)"
+        )
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    require_redis()
+    from _redis_servers import standalone
+
+    with standalone(tmp_path_factory.mktemp("redis-standalone")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    require_redis()
+    from _redis_servers import cluster
+
+    with cluster(tmp_path_factory.mktemp("redis-cluster"), masters=3) as topology:
+        yield topology
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(redis_cluster: RedisCluster) -> str:
+    return redis_cluster.url
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinel]:
+    require_redis()
+    from _redis_servers import sentinel
+
+    with sentinel(tmp_path_factory.mktemp("redis-sentinel"), replicas=1, sentinels=3) as group:
+        yield group
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel_url(redis_sentinel: RedisSentinel) -> str:
+    return redis_sentinel.url

@@ -1,0 +1,250 @@
+"""What the Redis store promises beyond the conformance suite: round trips, residue,
+script reloading, shared subscriptions, no barging, key layout and URL checks.
+
+Against a real redis-server (the session's ``redis_url``); each test has a namespace
+of its own, so tests never see each other's keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+import keymutex
+from keymutex._store import RenewRequest
+from keymutex.stores.redis import RedisStore
+
+
+@pytest.fixture
+def server(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"unit-{uuid.uuid4().hex}"
+
+
+def _commands(server: redis.Redis) -> dict[str, int]:
+    stats = server.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+# What the scripts call inside Redis: counted by INFO commandstats, but no round trip.
+SCRIPT_INTERNAL = frozenset(
+    {"exists", "hmget", "hget", "hset", "pttl", "incr", "del", "pexpire", "time", "publish", "set"}
+)
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Commands the clients sent (not counting our own INFO calls) between two readings."""
+    changed = {name: after[name] - before.get(name, 0) for name in after}
+    return {
+        name: n
+        for name, n in changed.items()
+        if n and name != "info" and name not in SCRIPT_INTERNAL
+    }
+
+
+def test_each_step_is_one_script_call(server: redis.Redis, redis_url: str, namespace: str) -> None:
+    with keymutex.Locks(redis_url, namespace=namespace) as locks:
+        locks.holder("warm-up")  # the connection's own set-up is not a step
+        warm_up = locks.acquire("warm-up", timeout=0)
+        warm_up.renew()
+        warm_up.release()  # every script is loaded now
+        steps = {}
+        before = _commands(server)
+        lease = locks.acquire("k", timeout=0)
+        steps["acquire"] = _delta(before, before := _commands(server))
+        lease.renew()
+        steps["renew"] = _delta(before, before := _commands(server))
+        lease.release()
+        steps["release"] = _delta(before, _commands(server))
+    assert steps == {"acquire": {"evalsha": 1}, "renew": {"evalsha": 1}, "release": {"evalsha": 1}}
+
+
+def test_renewals_of_many_leases_go_in_one_pipeline(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    with keymutex.Locks(redis_url, namespace=namespace, ttl=30) as locks:
+        store = locks._store
+        assert isinstance(store, RedisStore)
+        leases = [locks.acquire(f"k{i}", timeout=0) for i in range(50)]
+        requests = [RenewRequest(lease.key, lease.token, 30.0) for lease in leases]
+        clients_before = int(server.info("stats")["total_connections_received"])
+        before = _commands(server)
+        outcomes = store.renew_many(requests)
+        assert _delta(before, _commands(server)) == {"evalsha": 50}
+        assert int(server.info("stats")["total_connections_received"]) == clients_before
+        assert all(outcome.ok for outcome in outcomes)
+        for lease in leases:
+            lease.release()
+
+
+def test_released_and_expired_leases_leave_nothing_behind(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    with keymutex.Locks(redis_url, namespace=namespace) as locks:
+        locks.acquire("first", timeout=0).release()  # the fence counter exists from now on
+        names_before = set(server.scan_iter(match="km:*"))
+        for i in range(200):
+            locks.acquire(f"key-{i}", timeout=0).release()
+        for i in range(20):
+            locks.acquire(f"short-{i}", ttl=0.05, timeout=0)
+        time.sleep(0.2)
+        assert set(server.scan_iter(match="km:*")) == names_before
+
+
+def test_a_flushed_script_cache_is_reloaded(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    with keymutex.Locks(redis_url, namespace=namespace) as locks:
+        locks.acquire("k", timeout=0).release()
+        server.script_flush()
+        lease = locks.acquire("k", timeout=0)
+        server.script_flush()
+        lease.renew()
+        server.script_flush()
+        lease.release()
+        assert locks.holder("k") is None
+
+
+def test_waiters_of_one_locks_share_one_subscription(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    with (
+        keymutex.Locks(redis_url, namespace=namespace) as holder,
+        keymutex.Locks(redis_url, namespace=namespace) as waiting,
+    ):
+        leases = [holder.acquire(f"k{i}", timeout=0) for i in range(8)]
+        got: list[int] = []
+        threads = [
+            threading.Thread(target=lambda i=i: got.append(waiting.acquire(f"k{i}").fence))
+            for i in range(8)
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 10
+        channels = [holder._store._layout.lease(f"k{i}") for i in range(8)]  # type: ignore[attr-defined]
+        while time.monotonic() < deadline:
+            counts = server.pubsub_numsub(*channels)
+            if all(n == 1 for _, n in counts):
+                break
+            time.sleep(0.01)
+        pubsub_clients = [c for c in server.client_list() if int(c["sub"]) > 0]
+        assert {n for _, n in server.pubsub_numsub(*channels)} == {1}
+        assert len(pubsub_clients) == 1
+        for lease in leases:
+            lease.release()
+        for thread in threads:
+            thread.join(10)
+        assert len(got) == 8
+
+
+def test_a_releaser_cannot_barge_ahead_of_the_waiter_it_woke(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    with (
+        keymutex.Locks(redis_url, namespace=namespace) as first,
+        keymutex.Locks(redis_url, namespace=namespace) as second,
+    ):
+        lease = first.acquire("k", timeout=0)
+        got = threading.Event()
+        waiter = threading.Thread(target=lambda: (second.acquire("k", timeout=10), got.set()))
+        waiter.start()
+        # The waiter has been refused, subscribed and marked the lease contended.
+        deadline = time.monotonic() + 10
+        name = first._store._layout.lease("k")  # type: ignore[attr-defined]
+        while server.hget(name, "w") != "1" and time.monotonic() < deadline:
+            time.sleep(0.005)
+        lease.release()
+        with pytest.raises(keymutex.Locked):
+            first.acquire("k", timeout=0)
+        waiter.join(10)
+        assert got.is_set()
+
+
+def test_namespace_and_key_never_run_into_each_other(redis_url: str) -> None:
+    suffix = uuid.uuid4().hex
+    with (
+        keymutex.Locks(redis_url, namespace=f"a:b{suffix}") as one,
+        keymutex.Locks(redis_url, namespace="a") as other,
+    ):
+        lease = one.acquire("c", timeout=0)
+        # Same characters once joined with ':', but another namespace and key.
+        other.acquire(f"b{suffix}:c", timeout=0).release()
+        assert [h.key for h in one.holders()] == ["c"]
+        lease.release()
+
+
+def test_holders_treats_glob_characters_in_a_prefix_literally(
+    redis_url: str, namespace: str
+) -> None:
+    with keymutex.Locks(redis_url, namespace=namespace) as locks:
+        for key in ["a*b", "a*c", "axb", "[x]", "q?"]:
+            locks.acquire(key, timeout=0)
+        assert [h.key for h in locks.holders("a*")] == ["a*b", "a*c"]
+        assert [h.key for h in locks.holders("[")] == ["[x]"]
+        assert [h.key for h in locks.holders("q?")] == ["q?"]
+        assert len(locks.holders()) == 5
+
+
+@pytest.mark.asyncio
+async def test_async_steps_are_one_script_call_each(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    async with keymutex.AsyncLocks(redis_url, namespace=namespace) as locks:
+        warm_up = await locks.acquire("warm-up", timeout=0)
+        await warm_up.renew()
+        await warm_up.release()
+        before = _commands(server)
+        lease = await locks.acquire("k", timeout=0)
+        await lease.renew()
+        await lease.release()
+        assert _delta(before, _commands(server)) == {"evalsha": 3}
+
+
+@pytest.mark.asyncio
+async def test_async_waiters_are_woken_by_release(redis_url: str, namespace: str) -> None:
+    async with (
+        keymutex.AsyncLocks(redis_url, namespace=namespace) as one,
+        keymutex.AsyncLocks(redis_url, namespace=namespace) as two,
+    ):
+        lease = await one.acquire("k", timeout=0)
+        waiter = asyncio.ensure_future(two.acquire("k", timeout=10))
+        await asyncio.sleep(0.05)
+        released_at = time.monotonic()
+        await lease.release()
+        granted = await waiter
+        # Woken by the release, not by the 1 s safety recheck.
+        assert time.monotonic() - released_at < 0.9
+        assert granted.fence > lease.fence
+        await granted.release()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis+cluster://127.0.0.1", "host:port"),
+        ("redis+cluster://127.0.0.1:7000/3", "only database 0"),
+        ("redis+sentinel://127.0.0.1:26379", "SERVICE"),
+        ("redis+sentinel://127.0.0.1:26379/svc/x", "SERVICE"),
+        ("redis+cluster://127.0.0.1:7000?password=x", "keyword arguments"),
+    ],
+)
+def test_malformed_urls_are_refused_before_connecting(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        keymutex.Locks(url)
+
+
+def test_unknown_options_are_refused_with_the_accepted_ones() -> None:
+    with pytest.raises(TypeError, match="socket_timeout"):
+        keymutex.Locks("redis://127.0.0.1:1/0", sockettimeout=3)
