@@ -88,6 +88,18 @@ STORES: list[StoreCase] = [
         lambda request, tmp_path: request.getfixturevalue("redis_url"),
         cross_process=True,
     ),
+    # Three masters (tests/_redis_fixtures.py): keys spread over the slots.
+    StoreCase(
+        "redis-cluster",
+        lambda request, tmp_path: request.getfixturevalue("redis_cluster_url"),
+        cross_process=True,
+    ),
+    # A master, a replica and three sentinels; the store finds the master through them.
+    StoreCase(
+        "redis-sentinel",
+        lambda request, tmp_path: request.getfixturevalue("redis_sentinel_url"),
+        cross_process=True,
+    ),
     # `keymutex serve` on a SQLite store, started once per session (_http_server.py).
     StoreCase(
         "http-sqlite",

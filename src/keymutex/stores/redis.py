@@ -36,7 +36,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -201,7 +201,7 @@ class _Layout:
     are left out.
     """
 
-    __slots__ = ("_buckets", "_middle", "namespace", "publish")
+    __slots__ = ("_buckets", "_middle", "namespace", "publish", "sharded")
 
     def __init__(self, namespace: str, buckets: int) -> None:
         self.namespace = namespace
@@ -209,7 +209,8 @@ class _Layout:
         self._middle = f"{len(namespace)}:{namespace}:"
         # In a cluster, a sharded channel lives on the key's own node, so PUBLISH's count
         # of receivers is exact there too.
-        self.publish = "spublish" if buckets > 1 else "publish"
+        self.sharded = buckets > 1
+        self.publish = "spublish" if self.sharded else "publish"
 
     def bucket(self, key: str) -> str:
         if self._buckets == 1:
@@ -350,14 +351,31 @@ class _Steps:
 # -- waiting -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _PubSubKind:
+    """The pub/sub command names and message types of plain or sharded channels."""
+
+    subscribe: str
+    unsubscribe: str
+    subscribed: str
+    message: str
+
+
+_PLAIN = _PubSubKind("subscribe", "unsubscribe", "subscribe", "message")
+_SHARDED = _PubSubKind("ssubscribe", "sunsubscribe", "ssubscribe", "smessage")
+
+# Where a channel is served: a name for its server, and how to open a pub/sub there.
+Locate = Callable[[str], tuple[str, Callable[[], Any]]]
+
+
 class _RedisWaiter(Doorbell):
     """A waiter of the sync store: rung by the store's pub/sub reader thread."""
 
-    __slots__ = ("_hub", "channel", "refused", "subscribed")
+    __slots__ = ("channel", "hub", "refused", "subscribed")
 
     def __init__(self, hub: _Subscriptions, channel: str) -> None:
         super().__init__()
-        self._hub = hub
+        self.hub = hub
         self.channel = channel
         self.refused = False
         self.subscribed = False
@@ -365,7 +383,7 @@ class _RedisWaiter(Doorbell):
     def close(self) -> None:
         if self.subscribed:
             self.subscribed = False
-            self._hub.leave(self)
+            self.hub.leave(self)
 
 
 class _Subscriptions:
@@ -376,8 +394,9 @@ class _Subscriptions:
     is sure to reach the waiter.
     """
 
-    def __init__(self, make_pubsub: Callable[[], Any]) -> None:
+    def __init__(self, make_pubsub: Callable[[], Any], *, sharded: bool) -> None:
         self._make_pubsub = make_pubsub
+        self._kind = _SHARDED if sharded else _PLAIN
         self._mutex = threading.Lock()
         self._waiters: dict[str, set[_RedisWaiter]] = {}
         self._confirmed: dict[str, threading.Event] = {}
@@ -402,7 +421,7 @@ class _Subscriptions:
                 try:
                     if self._pubsub is None:
                         self._pubsub = self._make_pubsub()
-                    self._pubsub.subscribe(waiter.channel)
+                    getattr(self._pubsub, self._kind.subscribe)(waiter.channel)
                 except BaseException:
                     self._forget(waiter)
                     raise
@@ -424,7 +443,7 @@ class _Subscriptions:
                 self._confirmed.pop(waiter.channel, None)
                 if self._pubsub is not None:
                     with contextlib.suppress(RedisError, OSError):
-                        self._pubsub.unsubscribe(waiter.channel)
+                        getattr(self._pubsub, self._kind.unsubscribe)(waiter.channel)
 
     def leave(self, waiter: _RedisWaiter) -> None:
         with self._mutex:
@@ -454,12 +473,12 @@ class _Subscriptions:
     def _dispatch(self, message: Mapping[str, Any]) -> None:
         channel = message.get("channel")
         with self._mutex:
-            if message.get("type") == "subscribe":
+            if message.get("type") == self._kind.subscribed:
                 confirmed = self._confirmed.get(channel)  # type: ignore[arg-type]
                 if confirmed is not None:
                     confirmed.set()
                 return
-            if message.get("type") != "message":
+            if message.get("type") != self._kind.message:
                 return
             waiters = list(self._waiters.get(channel, ()))  # type: ignore[arg-type]
         for waiter in waiters:
@@ -477,11 +496,35 @@ class _Subscriptions:
             thread.join(timeout=2.0)
 
 
+class _Hubs:
+    """The subscription hubs of a sync store: one, or one per cluster node in use."""
+
+    def __init__(self, locate: Locate, *, sharded: bool) -> None:
+        self._locate = locate
+        self._sharded = sharded
+        self._mutex = threading.Lock()
+        self._hubs: dict[str, _Subscriptions] = {}
+
+    def for_channel(self, channel: str) -> _Subscriptions:
+        name, make_pubsub = self._locate(channel)
+        with self._mutex:
+            hub = self._hubs.get(name)
+            if hub is None:
+                hub = self._hubs[name] = _Subscriptions(make_pubsub, sharded=self._sharded)
+            return hub
+
+    def close(self) -> None:
+        with self._mutex:
+            hubs, self._hubs = list(self._hubs.values()), {}
+        for hub in hubs:
+            hub.close()
+
+
 class _AsyncRedisWaiter:
-    __slots__ = ("_event", "_hub", "channel", "refused", "subscribed")
+    __slots__ = ("_event", "channel", "hub", "refused", "subscribed")
 
     def __init__(self, hub: _AsyncSubscriptions, channel: str) -> None:
-        self._hub = hub
+        self.hub = hub
         self._event = asyncio.Event()
         self.channel = channel
         self.refused = False
@@ -502,14 +545,15 @@ class _AsyncRedisWaiter:
     async def aclose(self) -> None:
         if self.subscribed:
             self.subscribed = False
-            await self._hub.leave(self)
+            await self.hub.leave(self)
 
 
 class _AsyncSubscriptions:
     """One pub/sub connection per async store, read by one task on the store's loop."""
 
-    def __init__(self, make_pubsub: Callable[[], Any]) -> None:
+    def __init__(self, make_pubsub: Callable[[], Any], *, sharded: bool) -> None:
         self._make_pubsub = make_pubsub
+        self._kind = _SHARDED if sharded else _PLAIN
         self._mutex = asyncio.Lock()
         self._waiters: dict[str, set[_AsyncRedisWaiter]] = {}
         self._confirmed: dict[str, asyncio.Event] = {}
@@ -528,7 +572,7 @@ class _AsyncSubscriptions:
                 try:
                     if self._pubsub is None:
                         self._pubsub = self._make_pubsub()
-                    await self._pubsub.subscribe(waiter.channel)
+                    await getattr(self._pubsub, self._kind.subscribe)(waiter.channel)
                 except BaseException:
                     await self._forget(waiter)
                     raise
@@ -552,7 +596,7 @@ class _AsyncSubscriptions:
                 self._confirmed.pop(waiter.channel, None)
                 if self._pubsub is not None:
                     with contextlib.suppress(RedisError, OSError):
-                        await self._pubsub.unsubscribe(waiter.channel)
+                        await getattr(self._pubsub, self._kind.unsubscribe)(waiter.channel)
 
     async def leave(self, waiter: _AsyncRedisWaiter) -> None:
         async with self._mutex:
@@ -575,11 +619,11 @@ class _AsyncSubscriptions:
             if message is None:
                 continue
             channel = message.get("channel")
-            if message.get("type") == "subscribe":
+            if message.get("type") == self._kind.subscribed:
                 confirmed = self._confirmed.get(channel)
                 if confirmed is not None:
                     confirmed.set()
-            elif message.get("type") == "message":
+            elif message.get("type") == self._kind.message:
                 for waiter in list(self._waiters.get(channel, ())):
                     waiter.ring()
 
@@ -596,7 +640,58 @@ class _AsyncSubscriptions:
                 await pubsub.aclose()
 
 
+class _AsyncHubs:
+    """The subscription hubs of an async store: one, or one per cluster node in use."""
+
+    def __init__(
+        self, locate: Callable[[str], Awaitable[tuple[str, Callable[[], Any]]]], *, sharded: bool
+    ) -> None:
+        self._locate = locate
+        self._sharded = sharded
+        self._hubs: dict[str, _AsyncSubscriptions] = {}
+
+    async def for_channel(self, channel: str) -> _AsyncSubscriptions:
+        name, make_pubsub = await self._locate(channel)
+        hub = self._hubs.get(name)
+        if hub is None:
+            hub = self._hubs[name] = _AsyncSubscriptions(make_pubsub, sharded=self._sharded)
+        return hub
+
+    async def aclose(self) -> None:
+        hubs, self._hubs = list(self._hubs.values()), {}
+        for hub in hubs:
+            await hub.aclose()
+
+
 # -- the stores ----------------------------------------------------------------------
+
+
+class _NodeClients:
+    """Where a batch of calls goes: all to the client, or per cluster node.
+
+    redis-py refuses scripts in a cluster pipeline, so a cluster's batch is split by
+    the node that owns each key and sent as one plain pipeline per node.
+    """
+
+    def __init__(self, open_node: Callable[[str, int], Any] | None) -> None:
+        self._open_node = open_node
+        self._clients: dict[str, Any] = {}
+
+    def split(self, client: Any, calls: Sequence[_Call]) -> list[tuple[Any, list[int]]]:
+        if self._open_node is None:
+            return [(client, list(range(len(calls))))]
+        groups: dict[str, list[int]] = {}
+        for index, call in enumerate(calls):
+            node = client.get_node_from_key(call.keys[0])
+            if node.name not in self._clients:
+                self._clients[node.name] = self._open_node(node.host, node.port)
+            groups.setdefault(node.name, []).append(index)
+        return [(self._clients[name], indices) for name, indices in groups.items()]
+
+    def opened(self) -> list[Any]:
+        clients, self._clients = list(self._clients.values()), {}
+        return clients
+
 
 _DRIVER_ERRORS = (RedisError, OSError)
 
@@ -606,11 +701,20 @@ class RedisStore:
 
     capabilities = CAPABILITIES
 
-    def __init__(self, client: Any, make_pubsub: Callable[[], Any], layout: _Layout) -> None:
+    def __init__(
+        self,
+        client: Any,
+        locate: Locate,
+        layout: _Layout,
+        nodes: _NodeClients | None = None,
+        also_close: Sequence[Any] = (),
+    ) -> None:
         self._client = client
+        self._also_close = also_close
+        self._nodes = nodes or _NodeClients(None)
         self._steps = _Steps(layout)
         self._layout = layout
-        self._hub = _Subscriptions(make_pubsub)
+        self._hubs = _Hubs(locate, sharded=layout.sharded)
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
 
     def _run(self, call: _Call) -> Outcome:
@@ -647,7 +751,7 @@ class RedisStore:
             return outcome
         # Subscribe, then look again: a release between the refusal and the
         # subscription would otherwise go unnoticed.
-        self._hub.join(waiter, self._subscribe_timeout)
+        waiter.hub.join(waiter, self._subscribe_timeout)
         return self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
@@ -666,13 +770,16 @@ class RedisStore:
         return [call.read(call.key, reply) for call, reply in zip(calls, replies, strict=True)]
 
     def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
-        pipe = self._client.pipeline(transaction=False)
-        for call in calls:
-            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+        replies: list[Any] = [None] * len(calls)
+        for client, indices in self._nodes.split(self._client, calls):
+            pipe = client.pipeline(transaction=False)
+            for index in indices:
+                call = calls[index]
+                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+            for index, reply in zip(indices, pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(reply, Exception):
+                    raise reply
+                replies[index] = reply
         return replies
 
     def release(self, key: str, token: str) -> Outcome:
@@ -713,11 +820,15 @@ class RedisStore:
         return found
 
     def waiter(self, key: str) -> _RedisWaiter:
-        return _RedisWaiter(self._hub, self._layout.lease(key))
+        channel = self._layout.lease(key)
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis node of {key!r}"):
+            return _RedisWaiter(self._hubs.for_channel(channel), channel)
 
     def close(self) -> None:
-        self._hub.close()
+        self._hubs.close()
         with contextlib.suppress(*_DRIVER_ERRORS):
+            for client in [*self._nodes.opened(), *self._also_close]:
+                client.close()
             self._client.close()
 
 
@@ -726,11 +837,20 @@ class AsyncRedisStore:
 
     capabilities = CAPABILITIES
 
-    def __init__(self, client: Any, make_pubsub: Callable[[], Any], layout: _Layout) -> None:
+    def __init__(
+        self,
+        client: Any,
+        locate: Callable[[str], Awaitable[tuple[str, Callable[[], Any]]]],
+        layout: _Layout,
+        nodes: _NodeClients | None = None,
+        also_close: Sequence[Any] = (),
+    ) -> None:
         self._client = client
+        self._also_close = also_close
+        self._nodes = nodes or _NodeClients(None)
         self._steps = _Steps(layout)
         self._layout = layout
-        self._hub = _AsyncSubscriptions(make_pubsub)
+        self._hubs = _AsyncHubs(locate, sharded=layout.sharded)
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
 
     async def _run(self, call: _Call) -> Outcome:
@@ -766,7 +886,7 @@ class AsyncRedisStore:
         waiter.refused = True
         if waiter.subscribed:
             return outcome
-        await self._hub.join(waiter, self._subscribe_timeout)
+        await waiter.hub.join(waiter, self._subscribe_timeout)
         return await self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
@@ -785,13 +905,28 @@ class AsyncRedisStore:
         return [call.read(call.key, reply) for call, reply in zip(calls, replies, strict=True)]
 
     async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
-        pipe = self._client.pipeline(transaction=False)
-        for call in calls:
-            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+        replies: list[Any] = [None] * len(calls)
+
+        async def on_node(client: Any, indices: list[int]) -> None:
+            pipe = client.pipeline(transaction=False)
+            for index in indices:
+                call = calls[index]
+                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+            for index, reply in zip(
+                indices, await pipe.execute(raise_on_error=False), strict=True
+            ):
+                if isinstance(reply, Exception):
+                    raise reply
+                replies[index] = reply
+
+        if self._layout.sharded:
+            await self._client.initialize()
+        await asyncio.gather(
+            *(
+                on_node(client, indices)
+                for client, indices in self._nodes.split(self._client, calls)
+            )
+        )
         return replies
 
     async def release(self, key: str, token: str) -> Outcome:
@@ -832,11 +967,15 @@ class AsyncRedisStore:
         return found
 
     async def waiter(self, key: str) -> _AsyncRedisWaiter:
-        return _AsyncRedisWaiter(self._hub, self._layout.lease(key))
+        channel = self._layout.lease(key)
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis node of {key!r}"):
+            return _AsyncRedisWaiter(await self._hubs.for_channel(channel), channel)
 
     async def aclose(self) -> None:
-        await self._hub.aclose()
+        await self._hubs.aclose()
         with contextlib.suppress(*_DRIVER_ERRORS):
+            for client in [*self._nodes.opened(), *self._also_close]:
+                await client.aclose()
             await self._client.aclose()
 
 
@@ -943,48 +1082,82 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
 class RedisDriver:
     def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> RedisStore:
         target = _parse(url, options)
-        buckets = CLUSTER_BUCKETS if target.kind == "cluster" else 1
-        layout = _Layout(namespace, buckets)
-        if target.kind == "single":
-            client = redis.Redis.from_url(target.url, **target.options)
-            return RedisStore(client, client.pubsub, layout)
+        layout = _Layout(namespace, CLUSTER_BUCKETS if target.kind == "cluster" else 1)
         if target.kind == "cluster":
             nodes = [
                 redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
                 for host, port in target.nodes
             ]
-            cluster = redis.cluster.RedisCluster(startup_nodes=nodes, **target.options)
-            host, port = target.nodes[0]
-            # Plain PUBLISH reaches subscribers on every node: any node serves waiting.
-            channel_client = redis.Redis(host=host, port=port, **target.options)
-            return RedisStore(cluster, channel_client.pubsub, layout)
-        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-            list(target.nodes), sentinel_kwargs=_sentinel_kwargs(target.options), **target.options
-        )
-        master = sentinel.master_for(target.service, db=target.db)  # type: ignore[no-untyped-call]
-        return RedisStore(master, master.pubsub, layout)
+            cluster: Any = redis.cluster.RedisCluster(startup_nodes=nodes, **target.options)
+
+            def on_node(channel: str) -> tuple[str, Callable[[], Any]]:
+                # A sharded channel is served by the node that owns its slot.
+                node: Any = cluster.get_node_from_key(channel)
+                on: Any = redis.Redis(host=node.host, port=node.port, **target.options)
+                return node.name, on.pubsub
+
+            return RedisStore(
+                cluster,
+                on_node,
+                layout,
+                _NodeClients(
+                    lambda host, port: redis.Redis(host=host, port=port, **target.options)
+                ),
+            )
+        if target.kind == "single":
+            client = redis.Redis.from_url(target.url, **target.options)
+        else:
+            sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+                list(target.nodes),
+                sentinel_kwargs=_sentinel_kwargs(target.options),
+                **target.options,
+            )
+            client = sentinel.master_for(target.service, db=target.db)  # type: ignore[no-untyped-call]
+            return RedisStore(
+                client, lambda channel: ("", client.pubsub), layout, also_close=sentinel.sentinels
+            )
+        return RedisStore(client, lambda channel: ("", client.pubsub), layout)
 
     def open_async(
         self, url: str, *, namespace: str, options: Mapping[str, object]
     ) -> AsyncRedisStore:
         target = _parse(url, options)
-        buckets = CLUSTER_BUCKETS if target.kind == "cluster" else 1
-        layout = _Layout(namespace, buckets)
-        if target.kind == "single":
-            client = redis.asyncio.Redis.from_url(target.url, **target.options)
-            return AsyncRedisStore(client, client.pubsub, layout)
+        layout = _Layout(namespace, CLUSTER_BUCKETS if target.kind == "cluster" else 1)
         if target.kind == "cluster":
             nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in target.nodes]
             cluster_options = {k: v for k, v in target.options.items() if k != "max_connections"}
             cluster = redis.asyncio.cluster.RedisCluster(startup_nodes=nodes, **cluster_options)
-            host, port = target.nodes[0]
-            channel_client = redis.asyncio.Redis(host=host, port=port, **target.options)
-            return AsyncRedisStore(cluster, channel_client.pubsub, layout)
-        sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
-            list(target.nodes), sentinel_kwargs=_sentinel_kwargs(target.options), **target.options
-        )
-        master = sentinel.master_for(target.service, db=target.db)
-        return AsyncRedisStore(master, master.pubsub, layout)
+
+            async def on_node(channel: str) -> tuple[str, Callable[[], Any]]:
+                await cluster.initialize()  # learns the slots once; a no-op afterwards
+                node: Any = cluster.get_node_from_key(channel)
+                return node.name, lambda: redis.asyncio.Redis(
+                    host=node.host, port=node.port, **target.options
+                ).pubsub()
+
+            return AsyncRedisStore(
+                cluster,
+                on_node,
+                layout,
+                _NodeClients(
+                    lambda host, port: redis.asyncio.Redis(host=host, port=port, **target.options)
+                ),
+            )
+        if target.kind == "single":
+            client = redis.asyncio.Redis.from_url(target.url, **target.options)
+        else:
+            sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+                list(target.nodes),
+                sentinel_kwargs=_sentinel_kwargs(target.options),
+                **target.options,
+            )
+            client = sentinel.master_for(target.service, db=target.db)
+
+        async def anywhere(channel: str) -> tuple[str, Callable[[], Any]]:
+            return "", client.pubsub
+
+        sentinels = sentinel.sentinels if target.kind == "sentinel" else ()
+        return AsyncRedisStore(client, anywhere, layout, also_close=sentinels)
 
 
 def _sentinel_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
