@@ -7,6 +7,7 @@ The checks re-derive every claim from the example's own record of what happened
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import subprocess
 import sys
@@ -129,3 +130,63 @@ def test_orders_per_user_run_one_after_the_other_and_users_in_parallel() -> None
     assert busiest is not None
     assert int(busiest[1]) >= 2
     assert re.search(r"leases left in the store after the last order: 0$", output, re.M)
+
+
+# -- story 4: periodic job and cache lock, on a real Redis ---------------------------
+
+
+def run_example_with(name: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stdout
+
+
+def test_periodic_job_runs_once_per_tick_and_never_overlaps(
+    redis_url: str, tmp_path: Path
+) -> None:
+    record = tmp_path / "runs.jsonl"
+    run_example_with("periodic_job.py", redis_url, "--record", str(record))
+    entries = [json.loads(line) for line in record.read_text().splitlines()]
+    runs = sorted((e for e in entries if "ran" in e), key=lambda e: e["ran"][0])
+    skips = [e for e in entries if "skipped_for" in e]
+    ticks = {e["tick"] for e in entries}
+    # Every tick ran on exactly one worker; every other worker skipped it.
+    assert sorted(run["tick"] for run in runs) == sorted(ticks)
+    assert len(skips) == len(entries) - len(runs)
+    for earlier, later in itertools.pairwise(runs):
+        assert earlier["ran"][1] <= later["ran"][0], (earlier, later)
+        assert earlier["fence"] < later["fence"]
+    # A skipping worker was told who ran the job (its host and pid), and it was another one.
+    for skip in skips:
+        who = skip["skipped_for"]
+        assert who is not None
+        assert who["worker"] != skip["worker"]
+        assert {"host", "pid"} <= set(who)
+
+
+def test_cache_lock_shows_the_holes_of_the_hand_rolled_lock_and_their_fixes(
+    redis_url: str,
+) -> None:
+    output = run_example_with("cache_lock.py", redis_url)
+    assert "hand-rolled: still locked after the holder died: True" in output
+    assert "keymutex: free again after the 0.2 s TTL: True" in output
+    assert "hand-rolled: workers inside at once: ['B', 'C'] (1 overlap)" in output
+    assert "keymutex: A's late release raised LockLost" in output
+    assert "keymutex: C refused, B still holds it: True" in output
+    fences = re.search(r"fences A (\d+) < B (\d+)", output)
+    assert fences
+    assert int(fences[1]) < int(fences[2])
+    polled = re.search(r"hand-rolled: (\d+) commands while waiting", output)
+    notified = re.search(r"keymutex: (\d+) commands while waiting", output)
+    assert polled
+    assert notified
+    # Polling every 100 ms for a second costs about ten commands; notification a few.
+    assert int(notified[1]) < int(polled[1])
+    assert re.search(r"held by \S+ with info \{'host': '[^']+', 'pid': \d+\}", output)

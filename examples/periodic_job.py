@@ -1,0 +1,103 @@
+"""Story 4: only one instance of a periodic job runs at a time, whichever worker fires it.
+
+A scheduler (Celery beat, cron on several hosts, a Kubernetes CronJob with replicas)
+fires the nightly report on every worker at once. Each worker wraps the job in
+``@locks.locked(..., timeout=0)``: the first one runs it, the others skip at once and
+say who is running it (host and pid are in the holder's info). The lease is renewed
+while the job runs, and a crashed worker's lease expires after its TTL.
+
+    python examples/periodic_job.py [REDIS_URL]      # default: $KEYMUTEX_STORE or redis://127.0.0.1:6379/0
+
+Each worker records what it did as JSON lines (``--record FILE``), so the claims can be
+checked: the runs never overlap, and every run has a larger fence than the one before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import keymutex
+
+WORKERS = 4
+TICKS = 3  # the scheduler fires the job this many times on every worker
+JOB_SECONDS = 0.8
+
+
+def worker(url: str, namespace: str, number: int, record: str, fire: Any) -> None:
+    with keymutex.Locks(url, namespace=namespace, ttl=5) as locks:
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "worker": number}
+
+        @locks.locked("job:nightly-report", timeout=0, info=info)
+        def nightly_report(tick: int) -> None:
+            lease_holder = locks.holder("job:nightly-report")
+            fence = lease_holder.fence if lease_holder else -1
+            started = time.time()
+            time.sleep(JOB_SECONDS)  # the report itself
+            write(
+                record,
+                {"worker": number, "tick": tick, "ran": [started, time.time()], "fence": fence},
+            )
+
+        for tick in range(TICKS):
+            fire.wait()  # the scheduler fires the job on every worker at the same moment
+            try:
+                nightly_report(tick)
+            except keymutex.Locked as refused:
+                holder = refused.holder
+                who = holder.info if holder else None
+                print(
+                    f"worker {number}, tick {tick}: skipped, already running on {who}",
+                    flush=True,
+                )
+                write(record, {"worker": number, "tick": tick, "skipped_for": who})
+
+
+def write(record: str, entry: dict[str, object]) -> None:
+    with open(record, "a", encoding="utf-8") as file:
+        file.write(json.dumps(entry) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "url", nargs="?", default=os.environ.get("KEYMUTEX_STORE", "redis://127.0.0.1:6379/0")
+    )
+    parser.add_argument("--record", help="JSON-lines file of what each worker did")
+    args = parser.parse_args()
+    record = args.record or str(Path(tempfile.mkdtemp()) / "runs.jsonl")
+    namespace = f"periodic-{os.getpid()}"
+    fire = multiprocessing.Barrier(WORKERS)
+    processes = [
+        multiprocessing.Process(target=worker, args=(args.url, namespace, n, record, fire))
+        for n in range(WORKERS)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    if any(process.exitcode for process in processes):
+        print("a worker failed", file=sys.stderr)
+        return 1
+    entries = [json.loads(line) for line in Path(record).read_text().splitlines()]
+    runs = sorted((e for e in entries if "ran" in e), key=lambda e: e["ran"][0])
+    print(
+        f"{len(runs)} runs for {TICKS} ticks on {WORKERS} workers;"
+        f" {len(entries) - len(runs)} skips"
+    )
+    for run in runs:
+        print(f"tick {run['tick']}: ran on worker {run['worker']} with fence {run['fence']}")
+    print(f"record: {record}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
