@@ -16,6 +16,13 @@ from keymutex._store import StoreDriver
 __all__ = ["driver_for", "known_schemes", "scheme_of"]
 
 ENTRY_POINT_GROUP = "keymutex.stores"
+# The extra that installs a scheme's client library, where it is not named as the scheme.
+_EXTRAS = {
+    "rediss": "redis",
+    "redis+cluster": "redis",
+    "redis+sentinel": "redis",
+    "https": "http",
+}
 _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.\-]*):")
 
 
@@ -45,7 +52,13 @@ def driver_for(url: object) -> StoreDriver:
     """The driver of the URL's scheme; ``ValueError`` for an unknown scheme."""
     scheme = scheme_of(url)
     for ep in entry_points(group=ENTRY_POINT_GROUP, name=scheme):
-        return cast(StoreDriver, ep.load())
+        try:
+            return cast(StoreDriver, ep.load())
+        except ModuleNotFoundError as exc:  # the store's client library is an extra
+            extra = _EXTRAS.get(scheme, scheme)
+            raise ImportError(
+                f"the {scheme}:// store needs {exc.name!r}: pip install 'keymutex[{extra}]'"
+            ) from exc
     hint = ""
     if scheme in {"redis", "rediss", "postgresql", "postgres", "mongodb", "memcached", "etcd"}:
         hint = f" (the {scheme} store is not installed in this version of keymutex)"

@@ -8,6 +8,8 @@ of its own, so tests never see each other's keys.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -248,3 +250,18 @@ def test_malformed_urls_are_refused_before_connecting(url: str, message: str) ->
 def test_unknown_options_are_refused_with_the_accepted_ones() -> None:
     with pytest.raises(TypeError, match="socket_timeout"):
         keymutex.Locks("redis://127.0.0.1:1/0", sockettimeout=3)
+
+
+def test_without_redis_py_the_error_names_the_extra_to_install() -> None:
+    code = (
+        "import sys; sys.modules['redis'] = None\n"
+        "import keymutex\n"
+        "try:\n"
+        "    keymutex.Locks('redis+cluster://127.0.0.1:7000')\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert "pip install 'keymutex[redis]'" in result.stdout, result.stdout + result.stderr

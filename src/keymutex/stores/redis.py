@@ -751,7 +751,8 @@ class RedisStore:
             return outcome
         # Subscribe, then look again: a release between the refusal and the
         # subscription would otherwise go unnoticed.
-        waiter.hub.join(waiter, self._subscribe_timeout)
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
+            waiter.hub.join(waiter, self._subscribe_timeout)
         return self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
@@ -886,7 +887,8 @@ class AsyncRedisStore:
         waiter.refused = True
         if waiter.subscribed:
             return outcome
-        await waiter.hub.join(waiter, self._subscribe_timeout)
+        with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
+            await waiter.hub.join(waiter, self._subscribe_timeout)
         return await self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:

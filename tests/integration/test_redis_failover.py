@@ -1,0 +1,410 @@
+"""What a user of the Redis store can expect when Redis crashes, restarts or fails over.
+
+Real topologies (tests/_redis_servers.py), real SIGKILLs, the public API only. Each test
+states in its docstring what was observed and what keymutex guarantees; the asserts are
+exactly those guarantees.
+
+Common ground, observed on Redis 7.0 with redis-py 8.1:
+
+- While no master serves a key, every call about it raises ``StoreError`` at once
+  (connection refused; with Sentinel also "No master found"): nothing hangs. A renewing
+  lease rides this out as long as the store is back before the lease's deadline; the
+  first call after the promotion succeeds (redis-py finds the new master by itself).
+- Kill to promotion, on this 2-core machine: Sentinel 2.2-2.4 s
+  (``down-after-milliseconds 1000``), Cluster 3.3-4.7 s (``cluster-node-timeout 2000``).
+- Replication is asynchronous and keymutex does not ``WAIT``: a grant the master
+  acknowledged can be missing on the replica that replaces it. Fences are strictly
+  greater than every fence *the new master has seen*; a fence the dying master granted
+  in its last moments can be granted again (see
+  ``test_sentinel_a_grant_the_replica_never_received_is_forgotten``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+import _redis_servers as servers
+import keymutex
+from _redis_fixtures import require_redis
+
+T = TypeVar("T")
+
+pytestmark = pytest.mark.usefixtures("_needs_redis")
+
+# How long the store may stay unusable after a crash before we call it a failure:
+# failover takes about 2-4 s here (1-2 s to notice, then a vote or an election).
+PATIENCE = 30.0
+# Leases held across a failover: longer than the outage, so that they can survive it.
+TTL = 8.0
+
+
+@pytest.fixture
+def _needs_redis() -> None:
+    require_redis()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"failover-{uuid.uuid4().hex[:12]}"
+
+
+def served(call: Callable[[], T], what: str) -> tuple[T, list[keymutex.StoreError], float]:
+    """Retry ``call`` while it raises ``StoreError``: its result, the errors, seconds taken."""
+    errors: list[keymutex.StoreError] = []
+    started = time.monotonic()
+    while True:
+        try:
+            return call(), errors, time.monotonic() - started
+        except keymutex.StoreError as exc:
+            errors.append(exc)
+            if time.monotonic() - started > PATIENCE:
+                raise AssertionError(f"{what}: still failing after {PATIENCE} s") from exc
+            time.sleep(0.05)
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + PATIENCE
+    while not served(condition, what)[0]:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {PATIENCE} s waiting until {what}")
+        time.sleep(0.05)
+
+
+class Waiter:
+    """A thread blocked in ``locks.acquire(key, timeout=PATIENCE)``; keeps what it got."""
+
+    def __init__(self, locks: keymutex.Locks, key: str) -> None:
+        self.result: keymutex.Lease | BaseException | None = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(locks, key), daemon=True)
+        self._thread.start()
+
+    def _run(self, locks: keymutex.Locks, key: str) -> None:
+        try:
+            self.result = locks.acquire(key, timeout=PATIENCE)
+        except BaseException as exc:  # handed to the test by outcome()
+            self.result = exc
+        self.done.set()
+
+    def outcome(self) -> keymutex.Lease | BaseException:
+        self._thread.join(PATIENCE + 5)
+        assert self.result is not None, "the waiter is still waiting"
+        return self.result
+
+
+def grant_fences(locks: keymutex.Locks, key: str, times: int) -> list[int]:
+    fences = []
+    for _ in range(times):
+        lease = locks.acquire(key, timeout=0)
+        fences.append(lease.fence)
+        lease.release()
+    return fences
+
+
+def describe(errors: list[keymutex.StoreError]) -> str:
+    kinds = sorted({f"{type(e.__cause__).__name__}: {e.__cause__}"[:100] for e in errors})
+    return f"{len(errors)} StoreError(s) {kinds}"
+
+
+# -- Sentinel --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sentinel_failover_keeps_leases_and_fences_that_reached_the_replica(
+    tmp_path: Path, namespace: str
+) -> None:
+    """Master killed (SIGKILL) after its replica had every write: nothing is lost.
+
+    Observed: calls fail at once with ``StoreError`` (connection refused, then "No
+    master found for 'mymaster'") for about 2.3 s, until the sentinels promote the
+    replica; redis-py's Sentinel client then finds the new master by itself, and the
+    first call after the promotion succeeds. The lease held across the failover is
+    still valid: its renewer retried through the outage, and nobody else can take it.
+    A re-acquire after the failover gets a fence greater than every fence before.
+
+    A caller *waiting* for the held key when the master dies is not as patient as the
+    renewer: its next try during the outage ends the wait with ``StoreError``, however
+    much of its ``timeout`` is left (observed every time here). It never gets the key
+    while the lease is held.
+    """
+    lost_leases: list[keymutex.Lease] = []
+    with (
+        servers.sentinel(tmp_path, replicas=1, sentinels=3, appendonly=True) as group,
+        keymutex.Locks(group.url, namespace=namespace, ttl=10.0) as locks,
+        keymutex.Locks(group.url, namespace=namespace, ttl=10.0, owner="rival") as rival,
+    ):
+        before = grant_fences(locks, "doc", 5)
+        held = locks.acquire("held", ttl=6.0, renew=True, on_lost=lost_leases.append)
+        before.append(held.fence)
+        old = group.master
+        servers.wait_caught_up(old, group.replicas)
+        waiter = Waiter(rival, "held")  # blocked on the held key across the failover
+
+        killed_at = time.monotonic()
+        group.kill_master()
+        try:  # redis-py retries (10 times, backoff up to 1 s) before giving up
+            locks.acquire("during", timeout=0).release()
+            during = "granted"
+        except keymutex.StoreError as exc:
+            during = f"StoreError ({exc.__cause__!r})"
+        during += f" after {time.monotonic() - killed_at:.2f} s"
+        new = group.wait_for_new_master(old)
+        promoted_after = time.monotonic() - killed_at
+
+        fresh, errors, waited = served(lambda: locks.acquire("new-key", timeout=0), "new key")
+        served_after = time.monotonic() - killed_at
+        again, _, _ = served(lambda: grant_fences(locks, "doc", 1), "same key")
+        print(
+            f"\nsentinel: an acquire right after the kill: {during};"
+            f" promoted {new!r} {promoted_after:.2f} s after the kill;"
+            f" first grant {served_after:.2f} s after it ({waited:.2f} s after promotion,"
+            f" {describe(errors)}); fences before {before}, same key after {again},"
+            f" new key {fresh.fence}"
+        )
+
+        assert again[0] > max(before)
+        assert fresh.fence > max(before)  # one counter per database
+        # The held lease survived: still ours, renewable, and nobody else gets it.
+        assert not held.lost
+        assert lost_leases == []
+        held.renew()
+        holder = rival.holder("held")
+        assert holder is not None
+        assert holder.fence == held.fence
+        with pytest.raises(keymutex.Locked):
+            rival.acquire("held", timeout=0)
+        assert not isinstance(waiter.result, keymutex.Lease), "the waiter got a held key"
+        held.release()
+        result = waiter.outcome()
+        print(f"sentinel: the waiter blocked across the failover ended with {result!r}")
+        if isinstance(result, keymutex.Lease):
+            assert result.fence > held.fence
+        else:  # a try during the outage ends the wait, whatever time it had left
+            assert isinstance(result, keymutex.StoreError), result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sentinel_a_grant_the_replica_never_received_is_forgotten(
+    tmp_path: Path, namespace: str
+) -> None:
+    """A grant acknowledged by the master but not replicated is lost with the master.
+
+    Staged deterministically: the replica is frozen and its link cut
+    (``CLIENT KILL TYPE replica``), a lease is granted, the master is SIGKILLed, the
+    replica thawed and promoted. This is the window every asynchronous failover has
+    (keymutex sends no ``WAIT``, and ``appendfsync always`` on the master does not help:
+    the AOF that has the write dies with the master).
+
+    Observed, and asserted as what keymutex can guarantee:
+
+    - the new master has no trace of the lost lease: the key is free, and the next grant
+      gets *the same fence* as the lost one (the fence counter lost its last increment
+      too), never a smaller one than any grant the replica did see;
+    - the holder of the lost lease is not silently a second holder for long: its next
+      renewal (by ``ttl/3``) fails with ``LockLost`` and names the new holder. Until
+      then two clients believe they hold the key, with equal fences: fencing a
+      resource by "reject smaller fences" does not separate them.
+    """
+    with (
+        servers.sentinel(tmp_path, replicas=1, sentinels=3, appendonly=True) as group,
+        keymutex.Locks(group.url, namespace=namespace, ttl=10.0) as locks,
+        keymutex.Locks(group.url, namespace=namespace, ttl=10.0, owner="rival") as rival,
+    ):
+        seen = grant_fences(locks, "doc", 3)
+        old = group.master
+        (replica,) = group.replicas
+        servers.wait_caught_up(old, [replica])
+
+        replica.pause()
+        old.command("CLIENT", "KILL", "TYPE", "replica")
+        ghost = locks.acquire("doc", ttl=10.0)  # only the master ever has this grant
+        old.kill()
+        replica.resume()
+        group.wait_for_new_master(old)
+
+        assert served(lambda: rival.holder("doc"), "holder")[0] is None
+        second = rival.acquire("doc", timeout=0)
+        print(
+            f"\nlost write: fences the replica saw {seen}, lost grant {ghost.fence},"
+            f" first grant after the failover {second.fence}"
+        )
+        assert second.fence > max(seen)
+        assert second.fence == ghost.fence, "the lost grant's fence is granted again"
+        with pytest.raises(keymutex.LockLost) as lost:
+            ghost.renew()
+        assert lost.value.holder is not None
+        assert lost.value.holder.owner == "rival"
+        assert ghost.lost
+        second.release()
+
+
+# -- Cluster ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_cluster_failover_of_a_master_keeps_leases_fences_and_waiting(
+    tmp_path: Path, namespace: str
+) -> None:
+    """A cluster master (the first node of the URL) SIGKILLed; its replica takes over.
+
+    Observed: calls on keys of the dead master's slots fail at once with
+    ``StoreError`` (connection refused) until the replica is promoted (3.3-4.7 s with
+    ``cluster-node-timeout 2000``); keys on the other masters keep working throughout.
+    Afterwards every lease is still held and renewed again (the replica had every
+    write), re-acquires get fences greater than every fence before, and a waiter is
+    woken by a release, although the node that was first in the URL is dead.
+
+    ``appendonly yes`` does not decide this: a failover serves the replica's copy, so
+    fences are as safe as replication is (see the Sentinel test of a lost write, which
+    applies to a cluster shard alike); the AOF matters when a node restarts.
+    """
+    lost_leases: list[keymutex.Lease] = []
+    with (
+        servers.cluster(tmp_path, masters=3, replicas_per_master=1, appendonly=True) as topology,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=10.0) as locks,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=10.0, owner="rival") as rival,
+    ):
+        victim = topology.nodes[0]
+        assert victim in topology.masters()
+        (replica,) = topology.replicas_of(victim)
+        keys = [f"order:{number}" for number in range(30)]
+        before = {key: grant_fences(locks, key, 2) for key in keys}
+        held = {
+            key: locks.acquire(key, ttl=TTL, renew=True, on_lost=lost_leases.append)
+            for key in keys
+        }
+        names = victim.command("KEYS", "*")
+        assert isinstance(names, list)
+        on_victim = [k for k in keys if any(n.endswith(f"{namespace}:{k}") for n in names)]
+        elsewhere = [k for k in keys if k not in on_victim]
+        assert on_victim, "no lease on the master to kill: spread the keys wider"
+        assert elsewhere
+        servers.wait_caught_up(victim, [replica])
+
+        killed_at = time.monotonic()
+        victim.kill()
+        try:
+            rival.holder(on_victim[0])
+            during = "answered"
+        except keymutex.StoreError as exc:
+            during = f"StoreError ({exc})"
+        during += f" after {time.monotonic() - killed_at:.2f} s"
+        # The other masters' slots are still served.
+        other = served(lambda: rival.holder(elsewhere[0]), "a key on a live master")[0]
+        assert other is not None
+        topology.wait_for_promotion(victim)
+        promoted_after = time.monotonic() - killed_at
+        promoted_at = time.time()
+        _, errors, _ = served(lambda: rival.holder(on_victim[0]), "a key of the failed master")
+        served_after = time.monotonic() - killed_at
+
+        for key in keys:
+            holder = rival.holder(key)
+            assert holder is not None, key
+            assert holder.fence == held[key].fence
+        assert lost_leases == []
+
+        # Every lease is renewed after the failover, on the old master's slots and elsewhere.
+        def renewed_since_promotion(key: str) -> bool:
+            holder = rival.holder(key)
+            assert holder is not None, f"the lease on {key!r} expired: it was not renewed"
+            return holder.expires_at > promoted_at + 0.75 * TTL
+
+        for key in keys:
+            wait_until(lambda key=key: renewed_since_promotion(key), f"{key!r} is renewed")
+        assert lost_leases == []
+
+        # A waiter on a held key is woken by its release, after the failover.
+        waiter = Waiter(rival, on_victim[0])
+        time.sleep(0.2)  # let it subscribe first; the release must serve it either way
+        held[on_victim[0]].release()
+        got = waiter.outcome()
+        if isinstance(got, BaseException):
+            raise AssertionError(f"the waiter failed: {got!r}") from got
+        got.release()
+
+        for key in keys:
+            if key != on_victim[0]:
+                held[key].release()
+        after = {key: grant_fences(locks, key, 1)[0] for key in keys}
+        print(
+            f"\ncluster: a call on the dead master's slot right after the kill: {during};"
+            f" promoted {promoted_after:.2f} s after the kill, dead slots served"
+            f" {served_after:.2f} s after it ({describe(errors)}); {len(on_victim)} of"
+            f" {len(keys)} leases were on the dead master"
+        )
+        for key in keys:
+            assert after[key] > max([*before[key], held[key].fence]), key
+
+
+# -- Standalone ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_standalone_with_aof_always_keeps_fences_and_leases_across_a_crash(
+    tmp_path: Path, namespace: str
+) -> None:
+    """``appendonly yes`` + ``appendfsync always``: SIGKILL and restart lose nothing.
+
+    Observed: while the server is down, calls raise ``StoreError``; after the restart
+    (same port) the client reconnects by itself, the lease granted before the crash is
+    still held (its TTL counts on), and fences continue upward on every key.
+    """
+    with (
+        servers.standalone(tmp_path, appendonly=True, appendfsync="always") as server,
+        keymutex.Locks(server.url, namespace=namespace, ttl=10.0) as locks,
+    ):
+        before = grant_fences(locks, "doc", 3) + grant_fences(locks, "other", 2)
+        held = locks.acquire("held", ttl=30.0)
+        server.kill()
+        with pytest.raises(keymutex.StoreError):
+            locks.acquire("doc", timeout=0)
+        server.restart()
+
+        after, _, _ = served(lambda: grant_fences(locks, "doc", 1), "after the restart")
+        assert after[0] > max([*before, held.fence])
+        holder = locks.holder("held")
+        assert holder is not None
+        assert holder.fence == held.fence
+        held.renew()
+        held.release()
+        print(f"\nstandalone AOF: fences {before} + {held.fence}, after restart {after}")
+
+
+@pytest.mark.slow
+def test_standalone_without_persistence_restarts_fences_and_forgets_leases(
+    tmp_path: Path, namespace: str
+) -> None:
+    """No persistence: a restart empties Redis, and that is the documented non-guarantee.
+
+    Observed and asserted: fences start again at 1 (the counter is gone), so a fence
+    granted after the restart can be smaller than one granted before; the lease held
+    across the restart is gone, and its holder learns it at the next renewal
+    (``LockLost``) while someone else may hold the key already.
+    """
+    with (
+        servers.standalone(tmp_path, appendonly=False) as server,
+        keymutex.Locks(server.url, namespace=namespace, ttl=10.0) as locks,
+    ):
+        before = grant_fences(locks, "doc", 3)
+        held = locks.acquire("held", ttl=30.0)
+        server.kill()
+        server.restart()
+
+        after, _, _ = served(lambda: grant_fences(locks, "doc", 1), "after the restart")
+        assert after == [1], "fences restart at 1 without persistence"
+        assert after[0] < max(before)
+        assert locks.holder("held") is None
+        with pytest.raises(keymutex.LockLost):
+            held.renew()
+        assert held.lost
