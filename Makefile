@@ -1,13 +1,14 @@
-# The README's two commands: `make demo` (the lock server's `make serve` comes later)
-# and `make test`. Everything a command needs is installed by it, into .venv.
+# The README's two commands: `make serve` (the lock server, its dashboard and the
+# edit-lock demo on the embedded SQLite store) and `make test`. Everything a command
+# needs is installed by it, into .venv.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages the tests need (real servers are added here as stores land).
-APT_PACKAGES := redis-server redis-sentinel
+APT_PACKAGES := redis-server redis-sentinel postgresql memcached nodejs chromium
 
-.PHONY: test demo lint bench sysdeps venv clean
+.PHONY: test serve demo lint bench sysdeps venv clean
 
 # Debian's own python3 needs python3-venv for `-m venv`: installed here when root.
 $(BIN)/python:
@@ -22,6 +23,10 @@ $(VENV)/.installed-base: $(BIN)/python pyproject.toml
 
 $(VENV)/.installed-test: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	touch $@ $(VENV)/.installed-base $(VENV)/.installed-server
+
+$(VENV)/.installed-server: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[server]'
 	touch $@ $(VENV)/.installed-base
 
 venv: $(VENV)/.installed-base
@@ -44,6 +49,13 @@ lint: $(VENV)/.installed-test
 
 test: sysdeps $(VENV)/.installed-test lint
 	$(BIN)/python -m pytest
+
+# HOST, PORT and STORE may be given: make serve PORT=8000 STORE=redis://localhost:6379/0
+HOST ?= 127.0.0.1
+PORT ?= 7420
+STORE ?=
+serve: $(VENV)/.installed-server
+	$(BIN)/keymutex serve --host $(HOST) --port $(PORT) $(if $(STORE),--store $(STORE))
 
 demo: $(VENV)/.installed-base
 	$(BIN)/python examples/double_ticket_demo.py

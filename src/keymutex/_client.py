@@ -105,6 +105,10 @@ class _Request:
     info: dict[str, Any] | None
     steal: bool
     on_lost: OnLost | None
+    # Set only by the lock server, which acquires for its HTTP callers: their owner,
+    # and the token a caller chose (the http:// store's own); else this client's.
+    owner: str | None = None
+    token: str | None = None
 
 
 class _Config:
@@ -497,7 +501,7 @@ class Locks:
     def _acquire(self, request: _Request) -> Lease:
         if self._closed:
             raise RuntimeError("this Locks is closed")
-        token = _new_token()
+        token = _new_token() if request.token is None else request.token
         if request.steal or request.timeout == 0:
             return self._attempt_once(request, token)
         deadline = Deadline(request.timeout)
@@ -541,7 +545,7 @@ class Locks:
             request.key,
             token=token,
             ttl=request.ttl,
-            owner=self._config.owner_now(),
+            owner=self._config.owner_now() if request.owner is None else request.owner,
             info=request.info,
             steal=request.steal,
             waiter=waiter,
@@ -577,11 +581,17 @@ class Locks:
         with lease._renewing:
             if lease._released or lease._lost:
                 raise LockLost(lease.key, lease._new_holder)
-            sent_at = _clock.monotonic()
-            outcome = self._store.renew(lease.key, lease.token, ttl)
-            if outcome.ok:
-                lease._granted(outcome, sent_at, ttl)
-                return
+            if lease.remaining <= 0:
+                # Past its deadline by our clock, though the store may not have seen it
+                # expire yet: never revive it (a waiter may be granted it any moment).
+                outcome = self._store.release(lease.key, lease.token)
+                outcome = Outcome(False, None if outcome.ok else outcome.holder)
+            else:
+                sent_at = _clock.monotonic()
+                outcome = self._store.renew(lease.key, lease.token, ttl)
+                if outcome.ok:
+                    lease._granted(outcome, sent_at, ttl)
+                    return
         self._renewer.discard(lease)
         raise self._lost(lease, outcome.holder)
 
@@ -865,7 +875,7 @@ class AsyncLocks:
     async def _acquire(self, request: _Request) -> AsyncLease:
         if self._closed:
             raise RuntimeError("this AsyncLocks is closed")
-        token = _new_token()
+        token = _new_token() if request.token is None else request.token
         if request.steal or request.timeout == 0:
             return await self._attempt_once(request, token)
         deadline = Deadline(request.timeout)
@@ -915,7 +925,7 @@ class AsyncLocks:
                 request.key,
                 token=token,
                 ttl=request.ttl,
-                owner=self._config.owner_now(),
+                owner=self._config.owner_now() if request.owner is None else request.owner,
                 info=request.info,
                 steal=request.steal,
                 waiter=waiter,
@@ -982,11 +992,15 @@ class AsyncLocks:
         async with lease._renewing:
             if lease._released or lease._lost:
                 raise LockLost(lease.key, lease._new_holder)
-            sent_at = _clock.monotonic()
-            outcome = await self._store.renew(lease.key, lease.token, ttl)
-            if outcome.ok:
-                lease._granted(outcome, sent_at, ttl)
-                return
+            if lease.remaining <= 0:  # as in Locks._renew_lease
+                outcome = await self._store.release(lease.key, lease.token)
+                outcome = Outcome(False, None if outcome.ok else outcome.holder)
+            else:
+                sent_at = _clock.monotonic()
+                outcome = await self._store.renew(lease.key, lease.token, ttl)
+                if outcome.ok:
+                    lease._granted(outcome, sent_at, ttl)
+                    return
         self._renewer.discard(lease)
         raise self._lost(lease, outcome.holder)
 

@@ -22,6 +22,8 @@ _EXTRAS = {
     "redis+cluster": "redis",
     "redis+sentinel": "redis",
     "https": "http",
+    "postgres": "postgresql",
+    "mongodb+srv": "mongodb",
 }
 _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.\-]*):")
 

@@ -1,5 +1,6 @@
 """The ``keymutex`` command: run a command under a lock, and look at or clear locks.
 
+    keymutex serve [--store URL] [--host 127.0.0.1] [--port 7420] [--token-file F]
     keymutex run KEY [--store URL] [--ttl S] [--timeout S] -- COMMAND [ARG...]
     keymutex ls [PREFIX] [--store URL] [--json]
     keymutex show KEY [--store URL] [--json]
@@ -27,6 +28,7 @@ import contextlib
 import dataclasses
 import datetime
 import getpass
+import ipaddress
 import json
 import logging
 import os
@@ -425,6 +427,133 @@ def release_command(
         lease.release()
     click.echo(f"released {key}: displaced {_describe(holder)}")
     click.echo(f"{key} is free; its next holder gets a fence above {lease.fence}")
+
+
+# -- serve ---------------------------------------------------------------------------
+
+
+class _Stopped(Exception):
+    """SIGINT or SIGTERM reached ``serve`` once uvicorn had shut down (or before it ran)."""
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback address."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(addresses) and all(
+        ipaddress.ip_address(str(address).split("%", 1)[0]).is_loopback for address in addresses
+    )
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: any free port)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@cli.command(name="serve")
+@click.option(
+    "--store",
+    envvar=STORE_ENVVAR,
+    metavar="URL",
+    help=f"Store URL whose locks the server serves.  [default: ${STORE_ENVVAR}, else"
+    f" sqlite:/// a locks.db in {platformdirs.user_data_dir('keymutex', appauthor=False)}]",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=7420,
+    show_default=True,
+    help="Port to listen on (0: any free port; the URL printed says which).",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="F",
+    help="JSON file of API tokens and their grants (docs/http-api.md). Without one,"
+    " every request is allowed and only a loopback --host is accepted.",
+)
+@click.pass_context
+def serve_command(
+    ctx: click.Context, store: str | None, host: str, port: int, token_file: Path | None
+) -> None:
+    """Serve the store's locks over HTTP, with a dashboard at / (Ctrl-C stops).
+
+    Clients in any language use the HTTP API (docs/http-api.md); Python uses
+    Locks("http://HOST:PORT"). Prints the server's URL once it listens.
+    """
+    try:
+        # Imported here: the server extra is optional, and `run` must not need it.
+        import uvicorn
+
+        from keymutex.server import create_app
+        from keymutex.server._auth import load_token_file
+    except ImportError as exc:
+        raise _Unavailable(
+            f"the lock server needs {exc.name or 'its packages'}: pip install 'keymutex[server]'"
+        ) from exc
+    if token_file is None and not _is_loopback(host):
+        raise click.UsageError(
+            f"refusing to serve on {host!r} without --token-file: anyone who can reach it"
+            " could take and release every lock. Use a loopback --host, or --token-file.",
+            ctx,
+        )
+    url = _store_url(store)
+    if token_file is not None:
+        try:
+            load_token_file(token_file)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx, param_hint="'--token-file'") from exc
+    with _store_errors(url):
+        try:
+            app = create_app(url, token_file=token_file)
+        except (TypeError, ValueError) as exc:
+            _bad_store(ctx, exc)
+    try:
+        sock = _listen(host, port)
+    except OSError as exc:
+        raise _Unavailable(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    click.echo(f"keymutex server on http://{shown}:{bound_port}/ (store {_redact(url)})")
+    config = uvicorn.Config(
+        app, log_level="info", timeout_graceful_shutdown=3, lifespan="on", proxy_headers=False
+    )
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with
+    # the handlers it found: ours, which end the command with status 0.
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except _Stopped:
+        pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        sock.close()
+    click.echo("keymutex server stopped", err=True)
 
 
 # -- run -----------------------------------------------------------------------------

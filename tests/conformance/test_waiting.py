@@ -115,7 +115,6 @@ def test_unrelated_keys_never_wait(make_locks: Callable[..., keymutex.Locks]) ->
     held = make_locks().acquire("user:1")
     other = make_locks().acquire("user:2", timeout=0)
     also = make_locks().acquire("user:10", timeout=0)  # not a prefix match either
-    assert other.fence != held.fence
     for lease in (held, other, also):
         lease.release()
 

@@ -42,7 +42,10 @@ def _commands(server: redis.Redis) -> dict[str, int]:
 
 # What the scripts call inside Redis: counted by INFO commandstats, but no round trip.
 SCRIPT_INTERNAL = frozenset(
-    {"exists", "hmget", "hget", "hset", "pttl", "incr", "del", "pexpire", "time", "publish", "set"}
+    {
+        *("hmget", "hget", "hset", "pttl", "incr", "del", "pexpire"),
+        *("lpos", "rpush", "lpop", "lrem", "publish", "spublish"),
+    }
 )
 
 
@@ -162,10 +165,10 @@ def test_a_releaser_cannot_barge_ahead_of_the_waiter_it_woke(
         got = threading.Event()
         waiter = threading.Thread(target=lambda: (second.acquire("k", timeout=10), got.set()))
         waiter.start()
-        # The waiter has been refused, subscribed and marked the lease contended.
+        # The waiter has been refused and queued.
         deadline = time.monotonic() + 10
-        name = first._store._layout.lease("k")  # type: ignore[attr-defined]
-        while server.hget(name, "w") != "1" and time.monotonic() < deadline:
+        queue = first._store._layout.queue("k")  # type: ignore[attr-defined]
+        while server.llen(queue) != 1 and time.monotonic() < deadline:
             time.sleep(0.005)
         lease.release()
         with pytest.raises(keymutex.Locked):
@@ -265,3 +268,68 @@ def test_without_redis_py_the_error_names_the_extra_to_install() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
     )
     assert "pip install 'keymutex[redis]'" in result.stdout, result.stdout + result.stderr
+
+
+def test_releases_hand_the_key_to_waiters_in_arrival_order(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    holder = keymutex.Locks(redis_url, namespace=namespace)
+    waiting = [keymutex.Locks(redis_url, namespace=namespace) for _ in range(4)]
+    queue = holder._store._layout.queue("k")  # type: ignore[attr-defined]
+    order: list[int] = []
+    try:
+        lease = holder.acquire("k", timeout=0)
+
+        def wait(number: int) -> None:
+            with waiting[number].lock("k", timeout=20):
+                order.append(number)
+                time.sleep(0.01)
+
+        threads = []
+        for number in range(4):  # each one queued before the next arrives
+            threads.append(threading.Thread(target=wait, args=(number,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 10
+            while server.llen(queue) != number + 1 and time.monotonic() < deadline:
+                time.sleep(0.002)
+        lease.release()
+        for thread in threads:
+            thread.join(20)
+        assert order == [0, 1, 2, 3]
+        assert server.exists(queue) == 0
+    finally:
+        for locks in [holder, *waiting]:
+            locks.close()
+
+
+def test_a_waiter_that_gives_up_leaves_the_queue(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    with (
+        keymutex.Locks(redis_url, namespace=namespace) as holder,
+        keymutex.Locks(redis_url, namespace=namespace) as waiting,
+    ):
+        lease = holder.acquire("k", timeout=0)
+        with pytest.raises(keymutex.Locked):
+            waiting.acquire("k", timeout=0.2)
+        assert server.exists(holder._store._layout.queue("k")) == 0  # type: ignore[attr-defined]
+        lease.release()
+        # Nobody was handed the key: it is free at once.
+        holder.acquire("k", timeout=0).release()
+
+
+def test_a_process_that_keeps_contending_subscribes_once(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    with (
+        keymutex.Locks(redis_url, namespace=namespace) as holder,
+        keymutex.Locks(redis_url, namespace=namespace) as waiting,
+    ):
+        before = _commands(server)
+        for _ in range(5):
+            lease = holder.acquire("k", timeout=0)
+            releaser = threading.Timer(0.05, lease.release)
+            releaser.start()
+            waiting.acquire("k", timeout=10).release()
+            releaser.join()
+        assert _delta(before, _commands(server)).get("subscribe") == 1

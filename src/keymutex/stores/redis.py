@@ -14,20 +14,28 @@
   only as far as the counter does: with AOF (``appendonly yes``, ideally
   ``appendfsync always``) they never go backwards; without persistence they restart
   at 1, and after a failover to a replica that missed the last writes they can repeat.
-- Waiting: a refused waiter subscribes to the key's channel (one shared pub/sub
-  connection per store, read by one thread or task), then tries once more, so a
-  release that raced the subscription is never missed. A refusal marks the lease as
-  *contended*; releasing a contended lease publishes on the key's channel and
-  reserves the key for the woken waiters for a moment (``RESERVE_MS``), so the
-  releaser cannot barge back in ahead of them. Waiters also wake at the holder's
-  expiry (the reply carries its ``PTTL``). Across processes this serves a key's
-  waiters roughly in arrival order, not strictly (``fair`` is false).
+- Waiting: a refused waiter joins the key's queue in Redis in the same script, and
+  listens on the key's channel (one pub/sub connection per store, read by one thread
+  or task, shared by all its waiters; a channel stays subscribed a few seconds after
+  its last waiter, so a process that keeps contending subscribes once). A waiter
+  that was not listening yet subscribes and tries once more, so no hand-over is
+  missed. A release hands the key over to the first queued waiter in the same
+  script: the key is kept for it for ``HANDOVER_MS`` and its id published, so exactly
+  one waiter wakes, tries once, and gets the key: one round trip to be refused, one
+  to be granted, one to release, and no herd. The releaser cannot barge back in
+  ahead of the queue. A waiter that gives up leaves the queue (passing on a key just
+  handed to it); one that vanished costs the others at most ``HANDOVER_MS`` plus
+  their one-second recheck. Waiters also wake at the holder's expiry (the reply
+  carries its ``PTTL``). A key freed by expiry goes to whoever tries first, so the
+  order is first come, first served through releases, not strictly (``fair`` is
+  false).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -63,10 +71,16 @@ _LOG = logging.getLogger("keymutex")
 CAPABILITIES = Capabilities(
     notifies=True, fair=False, cross_process=True, durable_fences=False, clock="server"
 )
-# How long a released contended key is kept for the waiters it woke: long enough for a
-# woken waiter on a busy host to send its try, short enough that a key whose waiters
-# all vanished is not held up for anyone noticeably.
-RESERVE_MS = 25
+# How long a released key is kept for the waiter it was handed over to: long enough
+# for a woken waiter on a busy host to send its try; if the waiter has vanished, the
+# key is free again after this.
+HANDOVER_MS = 200
+# A key's queue outlives the last refusal of a waiter by this much: waiters look again
+# at least every second, so only the ids of waiters that vanished expire with it.
+QUEUE_LIFETIME_MS = 60_000
+# A channel stays subscribed this long after its last waiter left, so that a process
+# that keeps contending for a key subscribes once, not at every wait.
+LINGER = 5.0
 CLUSTER_BUCKETS = 1024
 SCAN_COUNT = 1000
 DEFAULT_SOCKET_TIMEOUT = 5.0
@@ -76,8 +90,12 @@ DEFAULT_SOCKET_TIMEOUT = 5.0
 # back) and answers in one shape, the *reply*:
 #   {ok, owner, info, fence, acquired_ms, pttl_ms}
 # ok: 1 or 0; the other fields describe the lease after the step when ok (acquire,
-# renew), else the current holder (all false when the key is free). pttl_ms is the
-# holder's time left; for a refusal by a reservation it is the reservation's.
+# renew), else the current holder (all false when the key is free or handed over).
+# pttl_ms is the holder's time left, or the hand-over's.
+#
+# A lease hash has the fields t (token), o (owner), i (info JSON, if any), f (fence)
+# and a (acquired at, wall-clock ms). A key *handed over* to a waiter is a hash with
+# only r (the waiter's id) and a short TTL. A key's queue is a list of waiter ids.
 
 _PRELUDE = """
 local function holder(ok, key)
@@ -92,44 +110,61 @@ local function positive(value, name)
   end
   return nil
 end
+local function hand_on(lease, queue, channel, handover_ms, publish)
+  local head = redis.call('LPOP', queue)
+  if head then
+    redis.call('HSET', lease, 'r', head)
+    redis.call('PEXPIRE', lease, handover_ms)
+    redis.call(publish, channel, head)
+  end
+end
+local function publisher(name)
+  if name ~= 'publish' and name ~= 'spublish' then
+    return redis.error_reply('keymutex: unknown publish command')
+  end
+  return nil
+end
 """
 
 ACQUIRE = (
     _PRELUDE
     + """
--- Contract: try to grant KEYS[1] (the lease hash) to ARGV[1] (token).
--- KEYS: 1 lease, 2 fence counter of the key's bucket, 3 reservation marker.
+-- Contract: try to grant KEYS[1] (the lease hash) to ARGV[1] (token, also the
+-- waiter's id). KEYS: 1 lease, 2 fence counter of the key's bucket, 3 queue.
 -- ARGV: 1 token, 2 ttl ms, 3 owner, 4 info JSON or '', 5 steal '1'/'0',
---       6 waiting '1'/'0' (the caller was refused before and is subscribed).
--- Grants when the key is free (and not reserved for woken waiters, unless the caller
--- is one of them) or when stealing: a new fence from KEYS[2], PEXPIRE ttl.
--- Refuses otherwise with the holder; a refused waiter marks the lease contended
--- (field 'w') so that its release wakes the waiters. Reply: see the module.
-local err = positive(ARGV[2], 'ttl')
+--       6 queue '1'/'0' (a waiter: joins the queue when refused), 7 acquired-at
+--       wall-clock ms, 8 queue lifetime ms.
+-- Grants when the key is free or handed over to this caller, or when stealing: a
+-- new fence from KEYS[2], PEXPIRE ttl; a waiter granted leaves the queue. Refuses
+-- otherwise with the holder; a refused waiter is queued (once) and the queue's
+-- lifetime renewed. Reply: see the module.
+local err = positive(ARGV[2], 'ttl') or positive(ARGV[7], 'acquired-at')
+  or positive(ARGV[8], 'queue lifetime')
 if err then return err end
 if ARGV[1] == '' then return redis.error_reply('keymutex: empty token') end
-if ARGV[5] ~= '1' then
-  if redis.call('EXISTS', KEYS[1]) == 1 then
-    if ARGV[6] == '1' then redis.call('HSET', KEYS[1], 'w', '1') end
-    return holder(0, KEYS[1])
+local cur = redis.call('HMGET', KEYS[1], 't', 'o', 'i', 'f', 'a', 'r')
+if ARGV[5] ~= '1' and (cur[1] or (cur[6] and cur[6] ~= ARGV[1])) then
+  if ARGV[6] == '1' then
+    if not redis.call('LPOS', KEYS[3], ARGV[1]) then
+      redis.call('RPUSH', KEYS[3], ARGV[1])
+    end
+    redis.call('PEXPIRE', KEYS[3], ARGV[8])
   end
-  if ARGV[6] ~= '1' then
-    local reserved = redis.call('PTTL', KEYS[3])
-    if reserved > 0 then return {0, false, false, false, false, reserved} end
-  end
+  local pttl = redis.call('PTTL', KEYS[1])
+  if cur[1] then return {0, cur[2], cur[3] or false, cur[4], cur[5], pttl} end
+  return {0, false, false, false, false, pttl}
 end
 local fence = redis.call('INCR', KEYS[2])
-local t = redis.call('TIME')
-local acquired = t[1] * 1000 + math.floor(t[2] / 1000)
-redis.call('DEL', KEYS[1], KEYS[3])
+if cur[1] or cur[6] then redis.call('DEL', KEYS[1]) end
+if ARGV[6] == '1' then redis.call('LREM', KEYS[3], 1, ARGV[1]) end
 if ARGV[4] == '' then
-  redis.call('HSET', KEYS[1], 't', ARGV[1], 'o', ARGV[3], 'f', fence, 'a', acquired)
+  redis.call('HSET', KEYS[1], 't', ARGV[1], 'o', ARGV[3], 'f', fence, 'a', ARGV[7])
 else
   redis.call('HSET', KEYS[1], 't', ARGV[1], 'o', ARGV[3], 'i', ARGV[4], 'f', fence,
-             'a', acquired)
+             'a', ARGV[7])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1, ARGV[3], ARGV[4] ~= '' and ARGV[4] or false, fence, acquired, tonumber(ARGV[2])}
+return {1, ARGV[3], ARGV[4] ~= '' and ARGV[4] or false, fence, ARGV[7], tonumber(ARGV[2])}
 """
 )
 
@@ -149,23 +184,34 @@ return holder(1, KEYS[1])
 RELEASE = (
     _PRELUDE
     + """
--- Contract: delete KEYS[1] (the lease hash) if ARGV[1] (token) holds it. A contended
--- lease publishes its release on ARGV[2] (the key's channel) with ARGV[4] ('publish',
--- or 'spublish' in a cluster) and, if someone is subscribed, reserves the key for
--- ARGV[3] ms for the waiters it woke (KEYS[2], the reservation marker).
--- KEYS: 1 lease, 2 reservation marker.
--- ARGV: 1 token, 2 channel, 3 reservation ms, 4 publish command.
+-- Contract: delete KEYS[1] (the lease hash) if ARGV[1] (token) holds it, and hand
+-- the key over to the first queued waiter: the key is kept for it for ARGV[3] ms and
+-- its id is published on ARGV[2] (the key's channel) with ARGV[4] ('publish', or
+-- 'spublish' in a cluster). KEYS: 1 lease, 2 queue.
+-- ARGV: 1 token, 2 channel, 3 hand-over ms, 4 publish command.
 -- Reply: see the module ({1, false...} once released).
-local err = positive(ARGV[3], 'reservation')
+local err = positive(ARGV[3], 'hand-over') or publisher(ARGV[4])
 if err then return err end
-if ARGV[4] ~= 'publish' and ARGV[4] ~= 'spublish' then
-  return redis.error_reply('keymutex: unknown publish command')
-end
-local lease = redis.call('HMGET', KEYS[1], 't', 'w')
-if lease[1] ~= ARGV[1] then return holder(0, KEYS[1]) end
+if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return holder(0, KEYS[1]) end
 redis.call('DEL', KEYS[1])
-if lease[2] and redis.call(ARGV[4], ARGV[2], '') > 0 then
-  redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
+hand_on(KEYS[1], KEYS[2], ARGV[2], ARGV[3], ARGV[4])
+return {1, false, false, false, false, false}
+"""
+)
+
+LEAVE = (
+    _PRELUDE
+    + """
+-- Contract: waiter ARGV[1] gives up waiting for KEYS[1]: it leaves the queue, and if
+-- the key had been handed over to it, the key goes to the next waiter (as RELEASE).
+-- KEYS: 1 lease, 2 queue. ARGV: 1 waiter id, 2 channel, 3 hand-over ms, 4 publish
+-- command. Reply: {1, false...}.
+local err = positive(ARGV[3], 'hand-over') or publisher(ARGV[4])
+if err then return err end
+redis.call('LREM', KEYS[2], 1, ARGV[1])
+if redis.call('HGET', KEYS[1], 'r') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  hand_on(KEYS[1], KEYS[2], ARGV[2], ARGV[3], ARGV[4])
 end
 return {1, false, false, false, false, false}
 """
@@ -186,6 +232,7 @@ def _script(name: str, source: str) -> _Script:
 _ACQUIRE = _script("acquire", ACQUIRE)
 _RENEW = _script("renew", RENEW)
 _RELEASE = _script("release", RELEASE)
+_LEAVE = _script("leave", LEAVE)
 
 
 # -- keys ----------------------------------------------------------------------------
@@ -194,7 +241,7 @@ _RELEASE = _script("release", RELEASE)
 class _Layout:
     """Names of one namespace's Redis keys.
 
-    ``km:{B}:L:NS:KEY`` is a lease hash, ``km:{B}:r:L:NS:KEY`` its reservation marker,
+    ``km:{B}:L:NS:KEY`` is a lease hash, ``km:{B}:q:L:NS:KEY`` its queue of waiters,
     ``km:{B}:fence`` the bucket's fence counter, where L is the namespace's length (so
     that namespace and key never run into each other) and B the key's bucket. The
     lease's name is also its channel (sharded in a cluster). With one bucket the braces
@@ -221,8 +268,8 @@ class _Layout:
     def lease(self, key: str) -> str:
         return f"{self.bucket(key)}{self._middle}{key}"
 
-    def reservation(self, key: str) -> str:
-        return f"{self.bucket(key)}r:{self._middle}{key}"
+    def queue(self, key: str) -> str:
+        return f"{self.bucket(key)}q:{self._middle}{key}"
 
     def fence(self, key: str) -> str:
         return f"{self.bucket(key)}fence"
@@ -310,19 +357,21 @@ class _Steps:
         owner: str,
         info: dict[str, Any] | None,
         steal: bool,
-        waiting: bool,
+        queue: bool,
     ) -> _Call:
         layout = self.layout
         return _Call(
             _ACQUIRE,
-            (layout.lease(key), layout.fence(key), layout.reservation(key)),
+            (layout.lease(key), layout.fence(key), layout.queue(key)),
             (
                 token,
                 _ttl_ms(ttl),
                 owner,
                 "" if info is None else json.dumps(info, separators=(",", ":")),
                 "1" if steal else "0",
-                "1" if waiting else "0",
+                "1" if queue else "0",
+                math.floor(time.time() * 1000),
+                QUEUE_LIFETIME_MS,
             ),
             key,
             _outcome,
@@ -338,11 +387,17 @@ class _Steps:
         )
 
     def release(self, key: str, token: str) -> _Call:
+        return self._hand_on(_RELEASE, key, token)
+
+    def leave(self, key: str, waiter_id: str) -> _Call:
+        return self._hand_on(_LEAVE, key, waiter_id)
+
+    def _hand_on(self, script: _Script, key: str, token: str) -> _Call:
         lease = self.layout.lease(key)
         return _Call(
-            _RELEASE,
-            (lease, self.layout.reservation(key)),
-            (token, lease, RESERVE_MS, self.layout.publish),
+            script,
+            (lease, self.layout.queue(key)),
+            (token, lease, HANDOVER_MS, self.layout.publish),
             key,
             _release_outcome,
         )
@@ -369,41 +424,102 @@ Locate = Callable[[str], tuple[str, Callable[[], Any]]]
 
 
 class _RedisWaiter(Doorbell):
-    """A waiter of the sync store: rung by the store's pub/sub reader thread."""
+    """A waiter of the sync store: rung by the store's pub/sub reader thread.
 
-    __slots__ = ("channel", "hub", "refused", "subscribed")
+    Its id is the token of the acquire it waits for (set at the first try): the id
+    queued in Redis, and the message a hand-over publishes.
+    """
+
+    __slots__ = ("channel", "hub", "id", "on_close", "subscribed")
 
     def __init__(self, hub: _Subscriptions, channel: str) -> None:
         super().__init__()
         self.hub = hub
         self.channel = channel
-        self.refused = False
+        self.id = ""
         self.subscribed = False
+        # Set while the waiter is queued in Redis: leaves the queue (one round trip).
+        self.on_close: Callable[[], None] | None = None
 
     def close(self) -> None:
-        if self.subscribed:
-            self.subscribed = False
-            self.hub.leave(self)
+        on_close, self.on_close = self.on_close, None
+        try:
+            if on_close is not None:
+                on_close()
+        finally:
+            if self.subscribed:
+                self.subscribed = False
+                self.hub.leave(self)
+
+
+class _Channels:
+    """Which waiters listen on which channel, and which channels linger unused.
+
+    Shared bookkeeping of the sync and async hubs (each guards it with its own lock).
+    """
+
+    def __init__(self) -> None:
+        self.waiters: dict[str, set[Any]] = {}
+        self.idle: dict[str, float] = {}  # channel -> monotonic time its last waiter left
+        self.last_sweep = time.monotonic()
+
+    def add(self, channel: str, waiter: Any) -> None:
+        self.waiters.setdefault(channel, set()).add(waiter)
+        self.idle.pop(channel, None)
+
+    def remove(self, channel: str, waiter: Any) -> None:
+        waiters = self.waiters.get(channel)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self.waiters[channel]
+                self.idle[channel] = time.monotonic()
+
+    def expired(self) -> list[str]:
+        """Channels unused for ``LINGER`` seconds (checked about once a second)."""
+        now = time.monotonic()
+        if now - self.last_sweep < 1.0:
+            return []
+        self.last_sweep = now
+        gone = [channel for channel, since in self.idle.items() if now - since >= LINGER]
+        for channel in gone:
+            del self.idle[channel]
+        return gone
+
+    def addressees(self, channel: str, data: Any) -> list[Any]:
+        """The waiters a hand-over message is for (its data is the waiter's id)."""
+        return [w for w in self.waiters.get(channel, ()) if w.id == data]
 
 
 class _Subscriptions:
-    """One pub/sub connection per sync store, read by one daemon thread.
+    """One pub/sub connection per sync store (per node in a cluster), read by one thread.
 
-    ``join`` subscribes a waiter's channel (if no other waiter of this store has) and
-    returns once Redis has confirmed the subscription: a release published after that
-    is sure to reach the waiter.
+    ``join`` subscribes a waiter's channel (unless it is subscribed already) and
+    returns once Redis has confirmed the subscription: a hand-over published after
+    that is sure to reach the waiter. A channel stays subscribed for ``LINGER``
+    seconds after its last waiter left.
     """
 
     def __init__(self, make_pubsub: Callable[[], Any], *, sharded: bool) -> None:
         self._make_pubsub = make_pubsub
         self._kind = _SHARDED if sharded else _PLAIN
         self._mutex = threading.Lock()
-        self._waiters: dict[str, set[_RedisWaiter]] = {}
+        self._channels = _Channels()
         self._confirmed: dict[str, threading.Event] = {}
         self._pubsub: Any = None
         self._thread: threading.Thread | None = None
         self._closed = False
         self._pid = os.getpid()
+
+    def try_join(self, waiter: _RedisWaiter) -> bool:
+        """Join without I/O if the channel is subscribed and confirmed already."""
+        with self._mutex:
+            confirmed = self._confirmed.get(waiter.channel)
+            if self._pid != os.getpid() or confirmed is None or not confirmed.is_set():
+                return False
+            self._channels.add(waiter.channel, waiter)
+        waiter.subscribed = True
+        return True
 
     def join(self, waiter: _RedisWaiter, timeout: float) -> None:
         with self._mutex:
@@ -411,10 +527,9 @@ class _Subscriptions:
                 raise RuntimeError("this store is closed")
             if self._pid != os.getpid():  # forked: the parent's connection is not ours
                 self._pid, self._pubsub, self._thread = os.getpid(), None, None
-                self._waiters.clear()
+                self._channels = _Channels()
                 self._confirmed.clear()
-            waiters = self._waiters.setdefault(waiter.channel, set())
-            waiters.add(waiter)
+            self._channels.add(waiter.channel, waiter)
             confirmed = self._confirmed.get(waiter.channel)
             if confirmed is None:
                 confirmed = self._confirmed[waiter.channel] = threading.Event()
@@ -423,7 +538,8 @@ class _Subscriptions:
                         self._pubsub = self._make_pubsub()
                     getattr(self._pubsub, self._kind.subscribe)(waiter.channel)
                 except BaseException:
-                    self._forget(waiter)
+                    self._channels.remove(waiter.channel, waiter)
+                    self._confirmed.pop(waiter.channel, None)
                     raise
                 if self._thread is None:
                     self._thread = threading.Thread(
@@ -434,21 +550,10 @@ class _Subscriptions:
         if not confirmed.wait(timeout):
             raise StoreError(f"Redis did not confirm the subscription within {timeout} s")
 
-    def _forget(self, waiter: _RedisWaiter) -> None:
-        waiters = self._waiters.get(waiter.channel)
-        if waiters is not None:
-            waiters.discard(waiter)
-            if not waiters:
-                del self._waiters[waiter.channel]
-                self._confirmed.pop(waiter.channel, None)
-                if self._pubsub is not None:
-                    with contextlib.suppress(RedisError, OSError):
-                        getattr(self._pubsub, self._kind.unsubscribe)(waiter.channel)
-
     def leave(self, waiter: _RedisWaiter) -> None:
         with self._mutex:
             if self._pid == os.getpid() and not self._closed:
-                self._forget(waiter)
+                self._channels.remove(waiter.channel, waiter)
 
     def _read(self) -> None:
         failures = 0
@@ -457,7 +562,12 @@ class _Subscriptions:
                 pubsub = self._pubsub
                 if self._closed or pubsub is None:
                     return
+                unused = self._channels.expired()
+                for channel in unused:
+                    self._confirmed.pop(channel, None)
             try:
+                if unused:
+                    getattr(pubsub, self._kind.unsubscribe)(*unused)
                 message = pubsub.get_message(timeout=0.5)
                 failures = 0
             except Exception as exc:  # the driver's, or a socket closed under it by close()
@@ -480,7 +590,7 @@ class _Subscriptions:
                 return
             if message.get("type") != self._kind.message:
                 return
-            waiters = list(self._waiters.get(channel, ()))  # type: ignore[arg-type]
+            waiters = self._channels.addressees(channel, message.get("data"))  # type: ignore[arg-type]
         for waiter in waiters:
             waiter.ring()
 
@@ -521,14 +631,17 @@ class _Hubs:
 
 
 class _AsyncRedisWaiter:
-    __slots__ = ("_event", "channel", "hub", "refused", "subscribed")
+    """A waiter of the async store: rung by the store's pub/sub reader task."""
+
+    __slots__ = ("_event", "channel", "hub", "id", "on_close", "subscribed")
 
     def __init__(self, hub: _AsyncSubscriptions, channel: str) -> None:
         self.hub = hub
         self._event = asyncio.Event()
         self.channel = channel
-        self.refused = False
+        self.id = ""
         self.subscribed = False
+        self.on_close: Callable[[], Awaitable[None]] | None = None
 
     def ring(self) -> None:
         self._event.set()
@@ -543,29 +656,45 @@ class _AsyncRedisWaiter:
         return rung
 
     async def aclose(self) -> None:
-        if self.subscribed:
-            self.subscribed = False
-            await self.hub.leave(self)
+        on_close, self.on_close = self.on_close, None
+        try:
+            if on_close is not None:
+                await on_close()
+        finally:
+            if self.subscribed:
+                self.subscribed = False
+                self.hub.leave(self)
 
 
 class _AsyncSubscriptions:
-    """One pub/sub connection per async store, read by one task on the store's loop."""
+    """One pub/sub connection per async store (per node in a cluster), read by one task.
+
+    The same as ``_Subscriptions`` for asyncio: everything runs on the store's loop.
+    """
 
     def __init__(self, make_pubsub: Callable[[], Any], *, sharded: bool) -> None:
         self._make_pubsub = make_pubsub
         self._kind = _SHARDED if sharded else _PLAIN
-        self._mutex = asyncio.Lock()
-        self._waiters: dict[str, set[_AsyncRedisWaiter]] = {}
+        self._mutex = asyncio.Lock()  # serialises subscribing, not the bookkeeping
+        self._channels = _Channels()
         self._confirmed: dict[str, asyncio.Event] = {}
         self._pubsub: Any = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
+    def try_join(self, waiter: _AsyncRedisWaiter) -> bool:
+        confirmed = self._confirmed.get(waiter.channel)
+        if confirmed is None or not confirmed.is_set():
+            return False
+        self._channels.add(waiter.channel, waiter)
+        waiter.subscribed = True
+        return True
+
     async def join(self, waiter: _AsyncRedisWaiter, timeout: float) -> None:
         async with self._mutex:
             if self._closed:
                 raise RuntimeError("this store is closed")
-            self._waiters.setdefault(waiter.channel, set()).add(waiter)
+            self._channels.add(waiter.channel, waiter)
             confirmed = self._confirmed.get(waiter.channel)
             if confirmed is None:
                 confirmed = self._confirmed[waiter.channel] = asyncio.Event()
@@ -574,7 +703,8 @@ class _AsyncSubscriptions:
                         self._pubsub = self._make_pubsub()
                     await getattr(self._pubsub, self._kind.subscribe)(waiter.channel)
                 except BaseException:
-                    await self._forget(waiter)
+                    self._channels.remove(waiter.channel, waiter)
+                    self._confirmed.pop(waiter.channel, None)
                     raise
                 if self._task is None:
                     self._task = asyncio.create_task(self._read(), name="keymutex-redis-pubsub")
@@ -587,26 +717,20 @@ class _AsyncSubscriptions:
                 f"Redis did not confirm the subscription within {timeout} s"
             ) from None
 
-    async def _forget(self, waiter: _AsyncRedisWaiter) -> None:
-        waiters = self._waiters.get(waiter.channel)
-        if waiters is not None:
-            waiters.discard(waiter)
-            if not waiters:
-                del self._waiters[waiter.channel]
-                self._confirmed.pop(waiter.channel, None)
-                if self._pubsub is not None:
-                    with contextlib.suppress(RedisError, OSError):
-                        await getattr(self._pubsub, self._kind.unsubscribe)(waiter.channel)
-
-    async def leave(self, waiter: _AsyncRedisWaiter) -> None:
-        async with self._mutex:
-            if not self._closed:
-                await self._forget(waiter)
+    def leave(self, waiter: _AsyncRedisWaiter) -> None:
+        if not self._closed:
+            self._channels.remove(waiter.channel, waiter)
 
     async def _read(self) -> None:
         failures = 0
         while not self._closed:
             try:
+                unused = self._channels.expired()
+                for channel in unused:
+                    self._confirmed.pop(channel, None)
+                if unused:
+                    async with self._mutex:
+                        await getattr(self._pubsub, self._kind.unsubscribe)(*unused)
                 message = await self._pubsub.get_message(timeout=0.5)
                 failures = 0
             except Exception as exc:  # the driver's, or a socket closed under it by aclose()
@@ -624,7 +748,7 @@ class _AsyncSubscriptions:
                 if confirmed is not None:
                     confirmed.set()
             elif message.get("type") == self._kind.message:
-                for waiter in list(self._waiters.get(channel, ())):
+                for waiter in self._channels.addressees(channel, message.get("data")):
                     waiter.ring()
 
     async def aclose(self) -> None:
@@ -742,18 +866,27 @@ class RedisStore:
         waiter: Any,
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _RedisWaiter)
-        waiting = waiter is not None and waiter.refused
-        outcome = self._run(self._steps.acquire(key, token, ttl, owner, info, steal, waiting))
-        if outcome.ok or waiter is None:
-            return outcome
-        waiter.refused = True
-        if waiter.subscribed:
-            return outcome
-        # Subscribe, then look again: a release between the refusal and the
-        # subscription would otherwise go unnoticed.
-        with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
-            waiter.hub.join(waiter, self._subscribe_timeout)
-        return self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
+        if waiter is None:
+            return self._run(self._steps.acquire(key, token, ttl, owner, info, steal, False))
+        if not waiter.id:  # the first try of this acquire
+            waiter.id = token
+            waiter.hub.try_join(waiter)  # a channel this store listens to already
+        outcome = self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
+        if not outcome.ok and not waiter.subscribed:
+            # Queued now, but not listening yet: subscribe, then look again, for a
+            # hand-over published before the subscription would go unheard.
+            waiter.on_close = functools.partial(self._leave, key, waiter.id)
+            with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
+                waiter.hub.join(waiter, self._subscribe_timeout)
+            outcome = self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
+        waiter.on_close = None if outcome.ok else functools.partial(self._leave, key, waiter.id)
+        return outcome
+
+    def _leave(self, key: str, waiter_id: str) -> None:
+        try:
+            self._run(self._steps.leave(key, waiter_id))
+        except StoreError as exc:  # its queue entry expires; a hand-over to it lapses
+            _LOG.warning("could not leave the queue of %r: %s", key, exc)
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
         return self._run(self._steps.renew(RenewRequest(key, token, ttl)))
@@ -879,17 +1012,27 @@ class AsyncRedisStore:
         waiter: Any,
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _AsyncRedisWaiter)
-        waiting = waiter is not None and waiter.refused
-        call = self._steps.acquire(key, token, ttl, owner, info, steal, waiting)
-        outcome = await self._run(call)
-        if outcome.ok or waiter is None:
-            return outcome
-        waiter.refused = True
-        if waiter.subscribed:
-            return outcome
-        with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
-            await waiter.hub.join(waiter, self._subscribe_timeout)
-        return await self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
+        if waiter is None:
+            return await self._run(self._steps.acquire(key, token, ttl, owner, info, steal, False))
+        if not waiter.id:
+            waiter.id = token
+            waiter.hub.try_join(waiter)
+        outcome = await self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
+        if not outcome.ok and not waiter.subscribed:
+            waiter.on_close = functools.partial(self._leave, key, waiter.id)
+            with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
+                await waiter.hub.join(waiter, self._subscribe_timeout)
+            outcome = await self._run(
+                self._steps.acquire(key, token, ttl, owner, info, steal, True)
+            )
+        waiter.on_close = None if outcome.ok else functools.partial(self._leave, key, waiter.id)
+        return outcome
+
+    async def _leave(self, key: str, waiter_id: str) -> None:
+        try:
+            await self._run(self._steps.leave(key, waiter_id))
+        except StoreError as exc:
+            _LOG.warning("could not leave the queue of %r: %s", key, exc)
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
         return await self._run(self._steps.renew(RenewRequest(key, token, ttl)))

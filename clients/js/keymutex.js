@@ -1,0 +1,1 @@
+../../src/keymutex/server/static/keymutex.js

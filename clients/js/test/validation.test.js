@@ -1,0 +1,136 @@
+// Bad arguments throw TypeError / RangeError before any request. The client points at
+// a port nobody listens on: had a request been sent, the error would be a StoreError.
+import assert from 'node:assert/strict';
+import {describe, test} from 'node:test';
+
+import {LockClient, LockError} from '../keymutex.js';
+
+const client = new LockClient({url: 'http://127.0.0.1:9'});
+const TOKEN = 'A'.repeat(22);
+
+/**
+ * @param {() => Promise<unknown> | unknown} call
+ * @param {typeof TypeError | typeof RangeError} type
+ * @param {RegExp} message
+ */
+async function rejects(call, type, message) {
+  await assert.rejects(
+    async () => call(),
+    (error) => {
+      assert.ok(error instanceof type, `expected ${type.name}, got ${error}`);
+      assert.ok(!(error instanceof LockError), 'a bad argument is not a LockError');
+      assert.match(error.message, message);
+      return true;
+    },
+  );
+}
+
+describe('keys', () => {
+  test('must be non-empty strings', async () => {
+    await rejects(() => client.acquire(''), RangeError, /key must not be empty/);
+    await rejects(() => client.acquire(42), TypeError, /key must be a string, not 42/);
+    await rejects(() => client.holder(undefined), TypeError, /key must be a string/);
+  });
+  test('must be at most 1024 bytes as UTF-8', async () => {
+    await client.holder('é'.repeat(512)).catch((error) => assert.ok(!(error instanceof RangeError)));
+    await rejects(() => client.acquire('é'.repeat(513)), RangeError, /key is 1026 bytes as UTF-8; at most 1024/);
+  });
+  test('must not hold NUL or lone surrogates', async () => {
+    await rejects(() => client.acquire('a\0b'), RangeError, /key must not contain NUL/);
+    await rejects(() => client.acquire('a\uD800b'), RangeError, /key .*lone surrogate/);
+    await rejects(() => client.release('\uDC00', TOKEN), RangeError, /lone surrogate/);
+  });
+  test('prefixes may be empty but follow the same rules', async () => {
+    await rejects(() => client.holders(7), TypeError, /prefix must be a string/);
+    await rejects(() => client.holders('x'.repeat(1025)), RangeError, /prefix is 1025 bytes/);
+  });
+});
+
+describe('times', () => {
+  test('ttl is a number in (0, 86400]', async () => {
+    for (const ttl of [0, -1, 86400.5, Infinity]) {
+      await rejects(() => client.acquire('k', {ttl}), RangeError, /ttl must be greater than 0 and at most 86400/);
+    }
+    await rejects(() => client.acquire('k', {ttl: NaN}), RangeError, /ttl must be a number of seconds, not NaN/);
+    await rejects(() => client.acquire('k', {ttl: '5'}), TypeError, /ttl must be a number of seconds, not "5"/);
+    await rejects(() => client.renew('k', TOKEN, {ttl: true}), TypeError, /ttl must be a number/);
+  });
+  test('timeout is null, 0 or finite seconds', async () => {
+    await rejects(() => client.acquire('k', {timeout: -0.5}), RangeError, /timeout must be null .* not -0.5/);
+    await rejects(() => client.acquire('k', {timeout: Infinity}), RangeError, /timeout must be null/);
+    await rejects(() => client.wait('k', null, NaN), RangeError, /timeout must be a number of seconds, not NaN/);
+    await rejects(() => client.acquire('k', {timeout: false}), TypeError, /timeout must be a number/);
+  });
+  test('a client-wide ttl is checked when the client is made', () => {
+    assert.throws(() => new LockClient({url: 'http://127.0.0.1:9', ttl: 0}), RangeError);
+  });
+});
+
+describe('info', () => {
+  test('is a plain JSON object', async () => {
+    await rejects(() => client.acquire('k', {info: 'Alice'}), TypeError, /info must be a plain object or null/);
+    await rejects(() => client.acquire('k', {info: ['Alice']}), TypeError, /info must be a plain object/);
+    await rejects(() => client.acquire('k', {info: {when: new Date()}}), TypeError, /info\.when is an object \(Date\)/);
+    await rejects(() => client.acquire('k', {info: {f: () => 1}}), TypeError, /info\.f is function/);
+    await rejects(() => client.acquire('k', {info: {n: 1n}}), TypeError, /info\.n is bigint/);
+    await rejects(() => client.acquire('k', {info: {u: undefined}}), TypeError, /info\.u is undefined/);
+  });
+  test('has no NaN, infinity or cycles', async () => {
+    await rejects(() => client.acquire('k', {info: {a: [1, NaN]}}), RangeError, /info\.a\[1\] is NaN/);
+    const cycle = {name: 'x'};
+    cycle.self = cycle;
+    await rejects(() => client.acquire('k', {info: cycle}), RangeError, /info\.self refers to itself/);
+  });
+  test('is at most 4 KiB as JSON', async () => {
+    await rejects(() => client.acquire('k', {info: {text: 'x'.repeat(4096)}}), RangeError, /info is 4107 bytes as JSON; at most 4096/);
+  });
+});
+
+describe('other arguments', () => {
+  test('tokens are URL-safe strings', async () => {
+    await rejects(() => client.renew('k', ''), RangeError, /token must be 1 to 256 URL-safe characters/);
+    await rejects(() => client.release('k', 'a b'), RangeError, /token must be 1 to 256 URL-safe/);
+    await rejects(() => client.release('k', null), TypeError, /token must be a string, not null/);
+  });
+  test('steal is a boolean, signal an AbortSignal', async () => {
+    await rejects(() => client.acquire('k', {steal: 1}), TypeError, /steal must be true or false, not 1/);
+    await rejects(() => client.acquire('k', {signal: 'stop'}), TypeError, /signal must be an AbortSignal/);
+  });
+  test('unknown options are refused by name', async () => {
+    await rejects(() => client.acquire('k', {ttL: 5}), TypeError, /acquire: unknown option "ttL"; accepted: ttl, timeout/);
+    await rejects(() => client.renew('k', TOKEN, {timeout: 1}), TypeError, /renew: unknown option "timeout"/);
+    await rejects(() => client.acquire('k', 5), TypeError, /acquire: options must be an object, not 5/);
+  });
+  test('wait needs a fence from a holder, or null', async () => {
+    await rejects(() => client.wait('k', -1, 1), TypeError, /fence must be null or a non-negative integer/);
+    await rejects(() => client.wait('k', 1.5, 1), TypeError, /fence must be null or a non-negative integer/);
+  });
+  test('withLock needs a function; onLost too', async () => {
+    await rejects(() => client.withLock('k', 'go'), TypeError, /fn must be a function, not "go"/);
+    await rejects(() => client.withLock('k', () => 1, {onLost: 1}), TypeError, /onLost must be a function/);
+  });
+  test('force release needs a reason of 1 to 500 characters', async () => {
+    await rejects(() => client.forceRelease('k', ''), RangeError, /reason must be 1 to 500 characters, not 0/);
+    await rejects(() => client.forceRelease('k', '😀'.repeat(501)), RangeError, /not 501/);
+    await client.forceRelease('k', '😀'.repeat(500)).catch((error) => assert.ok(error instanceof LockError));
+  });
+  test('the client checks its own settings', () => {
+    assert.throws(() => new LockClient(), TypeError, /url must be a string or URL/);
+    assert.throws(() => new LockClient({url: 'ftp://host'}), /url must start with http:\/\/ or https:\/\//);
+    assert.throws(() => new LockClient({url: 'not a url'}), /url does not parse/);
+    assert.throws(() => new LockClient({url: 'http://h/?x=1'}), /must not contain credentials, a query/);
+    assert.throws(() => new LockClient({url: 'http://h', namespace: 'n'.repeat(257)}), /namespace is 257 bytes/);
+    assert.throws(() => new LockClient({url: 'http://h', token: 'x'}), /unknown option "token"; accepted: url, namespace, apiToken/);
+    assert.equal(new LockClient({url: 'http://h:1/locks/'}).url, 'http://h:1/locks');
+  });
+});
+
+test('an unreachable server is a StoreError naming the URL', async () => {
+  const {StoreError} = await import('../keymutex.js');
+  await assert.rejects(client.holder('k'), (error) => {
+    assert.ok(error instanceof StoreError);
+    assert.equal(error.status, null);
+    assert.match(error.message, /cannot reach the lock server at http:\/\/127\.0\.0\.1:9/);
+    return true;
+  });
+});

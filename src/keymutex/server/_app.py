@@ -1,0 +1,711 @@
+"""The lock server: the HTTP API of docs/http-api.md over any store, on ``AsyncLocks``.
+
+Each namespace is served by one ``AsyncLocks`` (opened lazily, the idle ones closed
+beyond a bound), so validation and waiting are the library's own: an acquire with a
+timeout waits inside ``AsyncLocks``, woken by the store's notification when it has
+one. The server acquires *for* its callers: their owner, and the token the ``http://``
+store chose (a private field of the client's request, ``_Request.owner``/``token``).
+
+``wait`` (a long poll for "the lease with this fence no longer holds the key") checks
+the key on arrival, then parks until a change made through this server, the holder's
+expiry, or a recheck every ``RECHECK_INTERVAL`` (for changes made in the store by
+others). On a store whose waiters are woken without queueing for the key
+(``notifies`` and not ``fair``) it also listens to the store's own waiter; a fair
+store's waiter queues for the key and would be handed it, so it is not used there.
+
+Every answer is JSON: errors are 4xx with a stable ``error`` code, 503 when the store
+fails; an unexpected exception is logged and answered 503 ``internal_error``, never
+with a stack trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import FileResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from keymutex import _clock
+from keymutex._client import AsyncLocks
+from keymutex._errors import Locked, LockLost, StoreError
+from keymutex._lease import AsyncLease, Holder
+from keymutex._store import Capabilities, RenewRequest
+from keymutex._urls import scheme_of
+from keymutex._validate import check_ttl
+from keymutex._wait import EXPIRY_MARGIN, RECHECK_INTERVAL
+from keymutex.server import _input as field
+from keymutex.server._auth import Auth, Identity, load_token_file
+from keymutex.server._input import (
+    DEFAULT_TTL,
+    MAX_BODY_BYTES,
+    ApiError,
+    Fields,
+    holder_json,
+    invalid,
+    parse_body,
+    query_fields,
+    too_large,
+)
+from keymutex.server._metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
+from keymutex.server._openapi import openapi_document
+from keymutex.server._state import Changes, Namespaces
+
+__all__ = ["create_app"]
+
+T = TypeVar("T")
+LOG = logging.getLogger("keymutex.server")
+
+STATIC = Path(__file__).parent / "static"
+HEARTBEAT = 4.0  # seconds between event-stream snapshots when nothing changes (doc: <= 5)
+COALESCE = 0.1  # after a change, an event stream waits this long: one snapshot per burst
+FORCE_RELEASE_TTL = 5.0  # the lease force-release takes over, then gives back at once
+HEALTH_KEY = "keymutex:healthz"  # read (never written) by /healthz to reach the store
+
+
+class JSONResponse(Response):
+    """JSON as UTF-8; text that UTF-8 cannot carry (a lone surrogate) as \\u escapes."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+        except UnicodeEncodeError:
+            return json.dumps(content, separators=(",", ":")).encode()
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _store_failed(exc: StoreError) -> JSONResponse:
+    LOG.warning("the store failed: %s", exc)
+    return JSONResponse(
+        {"error": "store_unavailable", "message": f"the lock server's store failed: {exc}"},
+        status_code=503,
+    )
+
+
+# -- exception handling --------------------------------------------------------------
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
+
+
+async def _on_store_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StoreError)
+    return _store_failed(exc)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        error, message = "not_found", f"no such route: {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        error, message = "method_not_allowed", f"{request.method} is not allowed here"
+    else:
+        error, message = "invalid_argument", str(exc.detail)
+    status = exc.status_code if 400 <= exc.status_code < 500 else 400
+    return JSONResponse(
+        {"error": error, "message": message}, status_code=status, headers=exc.headers
+    )
+
+
+class _Guard:
+    """The last line: an exception no handler took is logged and answered 503 JSON."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except ClientDisconnect:
+            return  # nobody to answer
+        except Exception:
+            LOG.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            if not started:
+                response = JSONResponse(
+                    {
+                        "error": "internal_error",
+                        "message": "the lock server failed to answer; the error was logged",
+                    },
+                    status_code=503,
+                )
+                await response(scope, receive, send)
+
+
+@contextlib.contextmanager
+def _arguments() -> Any:
+    """A ``TypeError``/``ValueError`` from the library's own checks is a 400."""
+    try:
+        yield
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise invalid(str(exc)) from None
+
+
+# -- waiting ---------------------------------------------------------------------------
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; cancel it if the caller goes away first (``ClientDisconnect``).
+
+    A waiting acquire that is cancelled gives back a grant landing meanwhile
+    (``AsyncLocks``), so a caller that hangs up leaves no lease behind.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in (task, gone):
+            if not future.done():
+                future.cancel()
+        results = await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled() or isinstance(results[0], asyncio.CancelledError):
+        raise ClientDisconnect()
+    return task.result()
+
+
+async def _park(event: asyncio.Event, store_wait: Awaitable[bool] | None, seconds: float) -> None:
+    """Until ``event`` is set, the store's waiter rings, or ``seconds`` pass."""
+    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(event.wait())]
+    if store_wait is not None:
+        waits.append(asyncio.ensure_future(store_wait))
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in waits:
+            future.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
+def _ttl_from(received: float, ttl: float) -> float:
+    """The TTL to ask the store for, so that a lease lasts ``ttl`` from the request's arrival.
+
+    The time the server spends before the store's step (opening a namespace, say) is
+    not added to the lease: a client counting ``ttl`` from when it sent the request
+    sees the lease expire at most one network trip before the store does. Never below
+    a tenth of ``ttl`` (a lease that would be born expired is still granted, briefly).
+    """
+    return max(ttl - (_clock.monotonic() - received), ttl / 10)
+
+
+def _sse(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {JSONResponse(None).render(data).decode()}\n\n"
+
+
+# -- the API -----------------------------------------------------------------------------
+
+
+class _Server:
+    """The endpoints and what they share."""
+
+    def __init__(
+        self,
+        store_url: str,
+        default: AsyncLocks,
+        *,
+        auth: Auth,
+        max_wait: float,
+        max_namespaces: int,
+    ) -> None:
+        self.scheme = scheme_of(store_url)
+        self.capabilities: Capabilities = default._store.capabilities
+        self.auth = auth
+        self.max_wait = max_wait
+        self.metrics = Metrics()
+        self.changes = Changes(self.metrics.waiting.set)
+        self.namespaces = Namespaces(store_url, max_namespaces)
+        self.namespaces.add("", default)
+
+    # -- request plumbing
+
+    def identify(self, request: Request) -> Identity | None:
+        return self.auth.identify(request.headers.get("authorization"))
+
+    @staticmethod
+    async def body(request: Request, allowed: Iterable[str]) -> Fields:
+        content_type = request.headers.get("content-type", "")
+        if content_type.split(";", 1)[0].strip().lower() != "application/json":
+            raise ApiError(
+                415,
+                "unsupported_media_type",
+                "send the body as JSON with 'Content-Type: application/json'",
+            )
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise invalid("Content-Length must be a number of bytes")
+            if int(declared) > MAX_BODY_BYTES:
+                raise too_large()
+        received = bytearray()
+        async for chunk in request.stream():
+            received += chunk
+            if len(received) > MAX_BODY_BYTES:
+                break
+        return Fields(parse_body(bytes(received)), allowed, where="field")
+
+    @staticmethod
+    def query(request: Request, allowed: Iterable[str]) -> Fields:
+        return query_fields(request.query_params.multi_items(), allowed)
+
+    @staticmethod
+    def peer(request: Request) -> str:
+        return request.client.host if request.client else "unknown"
+
+    async def waiting(
+        self, request: Request, namespace: str, key: str, kind: str, work: Awaitable[T]
+    ) -> T:
+        """Run ``work`` as a request waiting on ``key``: counted, timed, cancelled on hang-up."""
+        self.metrics.waits.labels(namespace, kind).inc()
+        started = _clock.monotonic()
+        try:
+            with self.changes.waiting_on(namespace, key):
+                return await _unless_disconnected(request, work)
+        finally:
+            self.metrics.wait_seconds.labels(namespace, kind).observe(_clock.monotonic() - started)
+
+    @staticmethod
+    def lease_json(lease: AsyncLease, ttl: float, received: float) -> dict[str, Any]:
+        """A lease as the API shows it to its holder.
+
+        ``expires_in`` counts from when the request was ``received`` (at most ``ttl``):
+        a client that counts it from when it sent the request never overstates what
+        the store granted, and loses only the request's way here, not the server's work.
+        """
+        return {
+            "key": lease.key,
+            "owner": lease.owner,
+            "info": lease.info,
+            "fence": lease.fence,
+            "acquired_at": lease.acquired_at,
+            "expires_at": lease.expires_at,
+            "expires_in": max(0.0, min(ttl, lease.remaining + _clock.monotonic() - received)),
+            "token": lease.token,
+            "ttl": ttl,
+        }
+
+    # -- /v1 endpoints
+
+    async def acquire(self, request: Request) -> Response:
+        received = _clock.monotonic()
+        who = self.identify(request)
+        fields = await self.body(
+            request, ("namespace", "key", "ttl", "timeout", "info", "steal", "owner", "token")
+        )
+        namespace = fields.get("namespace", field.namespace, "")
+        key = fields.get("key", field.key)
+        ttl = fields.get("ttl", field.ttl, DEFAULT_TTL)
+        timeout = fields.get("timeout", field.timeout, 0.0)
+        info = fields.get("info", field.info, None)
+        steal = fields.get("steal", field.flag, False)
+        owner = fields.get("owner", field.owner, None)
+        token = fields.get("token", field.caller_token, None)
+        self.auth.require_key(who, "lock", namespace, [key])
+        if owner is None:
+            owner = who.name if who is not None else self.peer(request)
+        limit = 0.0 if steal else min(timeout, self.max_wait)
+        async with self.namespaces.using(namespace) as locks:
+            with _arguments():
+                plan = dataclasses.replace(
+                    locks._config.request(
+                        key,
+                        ttl if limit > 0 else _ttl_from(received, ttl),
+                        limit,
+                        False,
+                        info,
+                        steal,
+                        None,
+                    ),
+                    owner=owner,
+                    token=token,
+                )
+            try:
+                if limit > 0:
+                    lease = await self.waiting(
+                        request, namespace, key, "acquire", locks._acquire(plan)
+                    )
+                else:
+                    lease = await locks._acquire(plan)
+            except Locked as exc:
+                self.metrics.refusals.labels(namespace).inc()
+                held = f"held by {exc.holder.owner}" if exc.holder else "not free"
+                raise ApiError(
+                    409,
+                    "locked",
+                    f"{key} is {held}",
+                    extra={"holder": holder_json(exc.holder, now=time.time())},
+                ) from None
+        self.metrics.acquires.labels(namespace).inc()
+        self.changes.changed(namespace, key)
+        return JSONResponse(self.lease_json(lease, ttl, received))
+
+    async def renew(self, request: Request) -> Response:
+        received = _clock.monotonic()
+        who = self.identify(request)
+        fields = await self.body(request, ("namespace", "key", "token", "ttl"))
+        namespace = fields.get("namespace", field.namespace, "")
+        key = fields.get("key", field.key)
+        token = fields.get("token", field.token)
+        ttl = fields.get("ttl", field.ttl, DEFAULT_TTL)
+        self.auth.require_key(who, "lock", namespace, [key])
+        async with self.namespaces.using(namespace) as locks:
+            try:
+                with _arguments():
+                    lease = await locks.renew(key, token, _ttl_from(received, ttl))
+            except LockLost as exc:
+                raise self.lost(namespace, exc) from None
+        self.metrics.renewals.labels(namespace).inc()
+        return JSONResponse(self.lease_json(lease, ttl, received))
+
+    def lost(self, namespace: str, exc: LockLost) -> ApiError:
+        self.metrics.lost.labels(namespace).inc()
+        return ApiError(
+            409,
+            "lock_lost",
+            f"the token no longer holds {exc.key}",
+            extra={"holder": holder_json(exc.holder, now=time.time())},
+        )
+
+    async def renew_many(self, request: Request) -> Response:
+        received = _clock.monotonic()
+        who = self.identify(request)
+        fields = await self.body(request, ("namespace", "leases"))
+        namespace = fields.get("namespace", field.namespace, "")
+        leases = fields.get("leases", field.renewals)
+        self.auth.require_key(who, "lock", namespace, [key for key, _, _ in leases])
+        if not leases:
+            return JSONResponse({"results": []})
+        async with self.namespaces.using(namespace) as locks:
+            outcomes = await locks._store.renew_many(
+                [RenewRequest(key, token, _ttl_from(received, ttl)) for key, token, ttl in leases]
+            )
+        now = time.time()
+        results: list[dict[str, Any]] = []
+        for (_, token, ttl), outcome in zip(leases, outcomes, strict=True):
+            shown = holder_json(outcome.holder, now=now)
+            if outcome.ok and shown is not None:
+                if outcome.remaining is not None:  # measured by the store after receipt
+                    shown["expires_in"] = min(ttl, outcome.remaining)
+                results.append({**shown, "token": token, "ttl": ttl})
+                self.metrics.renewals.labels(namespace).inc()
+            else:
+                self.metrics.lost.labels(namespace).inc()
+                results.append(
+                    {
+                        "error": "lock_lost",
+                        "message": "the token no longer holds the key",
+                        "holder": shown,
+                    }
+                )
+        return JSONResponse({"results": results})
+
+    async def release(self, request: Request) -> Response:
+        who = self.identify(request)
+        fields = await self.body(request, ("namespace", "key", "token"))
+        namespace = fields.get("namespace", field.namespace, "")
+        key = fields.get("key", field.key)
+        token = fields.get("token", field.token)
+        self.auth.require_key(who, "lock", namespace, [key])
+        async with self.namespaces.using(namespace) as locks:
+            try:
+                with _arguments():
+                    await locks.release(key, token)
+            except LockLost as exc:
+                self.changes.changed(namespace, key)  # an expired lease was cleared
+                raise self.lost(namespace, exc) from None
+        self.metrics.releases.labels(namespace).inc()
+        self.changes.changed(namespace, key)
+        return JSONResponse({"released": True})
+
+    async def wait(self, request: Request) -> Response:
+        who = self.identify(request)
+        fields = await self.body(request, ("namespace", "key", "fence", "timeout"))
+        namespace = fields.get("namespace", field.namespace, "")
+        key = fields.get("key", field.key)
+        fence = fields.get("fence", field.fence)
+        timeout = fields.get("timeout", field.timeout)
+        self.auth.require_key(who, "lock", namespace, [key])
+        limit = min(timeout, self.max_wait)
+        async with self.namespaces.using(namespace) as locks:
+            changed, holder = await self.waiting(
+                request, namespace, key, "wait", self.watch(locks, namespace, key, fence, limit)
+            )
+        return JSONResponse({"changed": changed, "holder": holder_json(holder, now=time.time())})
+
+    async def watch(
+        self, locks: AsyncLocks, namespace: str, key: str, fence: int | None, limit: float
+    ) -> tuple[bool, Holder | None]:
+        """Until ``key`` is free or held by another fence than ``fence``, or ``limit`` s."""
+        deadline = _clock.monotonic() + limit
+        store = locks._store
+        listens = store.capabilities.notifies and not store.capabilities.fair
+        waiter = await store.waiter(key) if listens else None
+        try:
+            while True:
+                # Taken before the read: a change landing after it still wakes us.
+                event = self.changes.keys.event((namespace, key))
+                holder = await locks.holder(key)
+                if holder is None or holder.fence != fence:
+                    return True, holder
+                left = deadline - _clock.monotonic()
+                if left <= 0:
+                    return False, holder
+                until_expiry = max(0.0, holder.expires_at - time.time()) + EXPIRY_MARGIN
+                park = min(left, RECHECK_INTERVAL, until_expiry)
+                await _park(event, None if waiter is None else waiter.wait(park), park)
+        finally:
+            if waiter is not None:
+                await waiter.aclose()
+
+    async def holder(self, request: Request) -> Response:
+        who = self.identify(request)
+        query = self.query(request, ("namespace", "key"))
+        namespace = query.get("namespace", field.namespace, "")
+        key = query.get("key", field.key)
+        self.auth.require_key(who, "read", namespace, [key])
+        async with self.namespaces.using(namespace) as locks:
+            holder = await locks.holder(key)
+        return JSONResponse({"holder": holder_json(holder, now=time.time())})
+
+    async def snapshot(self, namespace: str, prefix: str, visible: list[str]) -> dict[str, Any]:
+        """What ``holders`` answers: the holders and waiting counts the caller may see."""
+        async with self.namespaces.using(namespace) as locks:
+            holders = await locks.holders(prefix)
+        now = time.time()
+
+        def shown(key: str) -> bool:
+            return key.startswith(prefix) and any(key.startswith(p) for p in visible)
+
+        return {
+            "holders": [holder_json(h, now=now) for h in holders if shown(h.key)],
+            "waiting": {
+                key: count
+                for key, count in sorted(self.changes.waiting_in(namespace).items())
+                if shown(key)
+            },
+        }
+
+    async def holders(self, request: Request) -> Response:
+        who = self.identify(request)
+        query = self.query(request, ("namespace", "prefix"))
+        namespace = query.get("namespace", field.namespace, "")
+        prefix = query.get("prefix", field.prefix, "")
+        visible = self.auth.readable_prefixes(who, namespace, prefix)
+        return JSONResponse(await self.snapshot(namespace, prefix, visible))
+
+    async def force_release(self, request: Request) -> Response:
+        who = self.identify(request)
+        fields = await self.body(request, ("namespace", "key", "reason"))
+        namespace = fields.get("namespace", field.namespace, "")
+        key = fields.get("key", field.key)
+        reason = fields.get("reason", field.reason)
+        self.auth.require_key(who, "admin", namespace, [key])
+        by = who.name if who is not None else f"anonymous at {self.peer(request)}"
+        async with self.namespaces.using(namespace) as locks:
+            previous = await locks.holder(key)
+            if previous is None:
+                return JSONResponse({"released": False, "holder": None})
+            # Take it over, then give it back: the fence moves on, the old token is dead.
+            with _arguments():
+                plan = dataclasses.replace(
+                    locks._config.request(
+                        key, FORCE_RELEASE_TTL, 0, False, {"force_release": reason}, True, None
+                    ),
+                    owner=f"force-release by {by}"[:200],
+                )
+            lease = await locks._acquire(plan)
+            with contextlib.suppress(LockLost):  # expired already on a very slow store: free
+                await lease.release()
+        LOG.warning(
+            "force-release of %r in namespace %r by %s, reason %r: displaced %r (fence %d)",
+            key,
+            namespace,
+            by,
+            reason,
+            previous.owner,
+            previous.fence,
+        )
+        self.metrics.force_releases.labels(namespace).inc()
+        self.changes.changed(namespace, key)
+        return JSONResponse({"released": True, "holder": holder_json(previous, now=time.time())})
+
+    async def events(self, request: Request) -> Response:
+        who = self.identify(request)
+        query = self.query(request, ("namespace", "prefix"))
+        namespace = query.get("namespace", field.namespace, "")
+        prefix = query.get("prefix", field.prefix, "")
+        visible = self.auth.readable_prefixes(who, namespace, prefix)
+        # Taken before the first snapshot, so no change slips in between. The first
+        # snapshot is read before answering: a failing store is a plain 503.
+        changed = self.changes.namespaces.event(namespace)
+        first = await self.snapshot(namespace, prefix, visible)
+        return StreamingResponse(
+            self.stream(namespace, prefix, visible, changed, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def stream(
+        self,
+        namespace: str,
+        prefix: str,
+        visible: list[str],
+        changed: asyncio.Event,
+        snapshot: dict[str, Any],
+    ) -> AsyncIterator[str]:
+        """A snapshot now, within ``COALESCE`` of each change, and every ``HEARTBEAT``."""
+        while True:
+            yield _sse("holders", {**snapshot, "server_time": time.time()})
+            try:
+                async with asyncio.timeout(HEARTBEAT):
+                    await changed.wait()
+            except TimeoutError:
+                yield ": ping\n\n"
+            else:
+                await asyncio.sleep(COALESCE)
+            changed = self.changes.namespaces.event(namespace)
+            while True:
+                try:
+                    snapshot = await self.snapshot(namespace, prefix, visible)
+                    break
+                except StoreError as exc:
+                    yield _sse("error", {"error": "store_unavailable", "message": str(exc)})
+                    await asyncio.sleep(HEARTBEAT)
+
+    # -- the rest
+
+    async def healthz(self, request: Request) -> Response:
+        async with self.namespaces.using("") as locks:
+            await locks.holder(HEALTH_KEY)
+        return JSONResponse(
+            {
+                "ok": True,
+                "store": self.scheme,
+                "durable_fences": self.capabilities.durable_fences,
+            }
+        )
+
+    async def metrics_page(self, request: Request) -> Response:
+        who = self.identify(request)
+        self.auth.require_any(who, "read")
+        held: dict[str, int] = {}
+        for namespace in self.namespaces.names():
+            with contextlib.suppress(StoreError):
+                async with self.namespaces.using(namespace) as locks:
+                    held[namespace] = len(await locks.holders(""))
+        self.metrics.set_held(held)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_document())
+
+    @staticmethod
+    def page(name: str) -> Callable[[Request], Awaitable[Response]]:
+        async def serve(request: Request) -> Response:
+            path = STATIC / name
+            if not path.is_file():
+                raise ApiError(404, "not_found", f"this server has no page {name!r} installed")
+            return FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+        return serve
+
+    def routes(self) -> list[BaseRoute]:
+        post, get = ["POST"], ["GET"]
+        return [
+            Route("/v1/acquire", self.acquire, methods=post),
+            Route("/v1/renew", self.renew, methods=post),
+            Route("/v1/renew-many", self.renew_many, methods=post),
+            Route("/v1/release", self.release, methods=post),
+            Route("/v1/wait", self.wait, methods=post),
+            Route("/v1/holder", self.holder, methods=get),
+            Route("/v1/holders", self.holders, methods=get),
+            Route("/v1/force-release", self.force_release, methods=post),
+            Route("/v1/events", self.events, methods=get),
+            Route("/healthz", self.healthz, methods=get),
+            Route("/metrics", self.metrics_page, methods=get),
+            Route("/openapi.json", self.openapi, methods=get),
+            Route("/", self.page("index.html"), methods=get),
+            Route("/demo/edit/{key:path}", self.page("edit.html"), methods=get),
+            Mount("/static", app=StaticFiles(directory=STATIC, check_dir=False), name="static"),
+        ]
+
+
+def create_app(
+    store_url: str,
+    *,
+    token_file: str | Path | None = None,
+    max_wait: float = 30.0,
+    max_namespaces: int = 64,
+) -> Starlette:
+    """The lock server as an ASGI app, serving the store at ``store_url``.
+
+    - ``token_file``: API tokens and their grants (docs/http-api.md, Auth); without it
+      every request is allowed (bind to loopback only).
+    - ``max_wait``: the longest a request waits at the server (acquire, wait).
+    - ``max_namespaces``: idle namespace clients kept open.
+
+    Raises ``ValueError``/``TypeError`` for a bad URL or token file and ``StoreError``
+    when the store cannot be opened, before serving anything. The store is closed when
+    the app's lifespan ends.
+    """
+    max_wait = check_ttl(max_wait, "max_wait")
+    if isinstance(max_namespaces, bool) or not isinstance(max_namespaces, int):
+        raise TypeError(f"max_namespaces must be an int, not {max_namespaces!r}")
+    auth = Auth(None if token_file is None else load_token_file(token_file))
+    default = AsyncLocks(store_url, namespace="")
+    server = _Server(
+        store_url, default, auth=auth, max_wait=float(max_wait), max_namespaces=max_namespaces
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await server.namespaces.aclose()
+
+    app = Starlette(
+        routes=server.routes(),
+        middleware=[Middleware(MetricsMiddleware, metrics=server.metrics), Middleware(_Guard)],
+        exception_handlers={
+            ApiError: _on_api_error,
+            StoreError: _on_store_error,
+            HTTPException: _on_http_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.keymutex = server
+    return app

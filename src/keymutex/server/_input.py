@@ -1,0 +1,299 @@
+"""Strict reading of what an HTTP caller sends, and the errors the API answers with.
+
+No I/O here: the endpoints hand over the raw body bytes or the query parameters, and
+get back checked values or an ``ApiError`` that names the field and what is accepted.
+Field checks reuse the library's own (``keymutex._validate``), so a key the Python API
+refuses is refused over HTTP with the same message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NoReturn, TypeVar
+
+from keymutex._client import MAX_NAMESPACE_BYTES, MAX_OWNER_BYTES
+from keymutex._lease import Holder
+from keymutex._validate import (
+    check_bool,
+    check_info,
+    check_key,
+    check_prefix,
+    check_text,
+    check_token,
+    check_ttl,
+)
+
+__all__ = [
+    "DEFAULT_TTL",
+    "MAX_BODY_BYTES",
+    "MAX_RENEWALS",
+    "MAX_TTL",
+    "ApiError",
+    "Fields",
+    "holder_json",
+    "parse_body",
+    "query_fields",
+]
+
+T = TypeVar("T")
+
+MAX_BODY_BYTES = 16 * 1024
+MAX_TTL = 86400.0  # a day: a lease held over HTTP longer than that is a mistake
+DEFAULT_TTL = 30.0
+MAX_RENEWALS = 1000  # leases in one renew-many request
+MAX_REASON_CHARS = 500
+# A caller-chosen lease token must be able to carry 128 bits: 22 base64url characters.
+MIN_CALLER_TOKEN_CHARS = 22
+MAX_FENCE = 2**63 - 1  # what every store can count to; JSON readers lose nothing below
+
+
+class ApiError(Exception):
+    """An answer other than 200: HTTP ``status``, stable ``error`` code, human message.
+
+    ``extra`` fields are added to the JSON body (``holder`` for the 409s).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        error: str,
+        message: str,
+        *,
+        extra: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error = error
+        self.message = message
+        self.extra = dict(extra or {})
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.error, "message": self.message, **self.extra}
+
+
+def invalid(message: str) -> ApiError:
+    return ApiError(400, "invalid_argument", message)
+
+
+def too_large() -> ApiError:
+    return ApiError(413, "payload_too_large", f"the body is over {MAX_BODY_BYTES} bytes")
+
+
+def holder_json(holder: Holder | None, *, now: float) -> dict[str, Any] | None:
+    """A ``Holder`` as the API shows it: its fields plus ``expires_in`` (by wall clock)."""
+    if holder is None:
+        return None
+    return {
+        "key": holder.key,
+        "owner": holder.owner,
+        "info": holder.info,
+        "fence": holder.fence,
+        "acquired_at": holder.acquired_at,
+        "expires_at": holder.expires_at,
+        "expires_in": max(0.0, holder.expires_at - now),
+    }
+
+
+# -- the body ----------------------------------------------------------------------
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in result:
+            raise _Duplicate(f"field {name!r} appears more than once")
+        result[name] = value
+    return result
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"number {text} is out of range")
+    return number
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """One JSON object: UTF-8, no NaN/Infinity, no duplicate fields, no lone surrogates."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise too_large()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise invalid("the body is not UTF-8 text") from None
+    try:
+        data = json.loads(
+            text, object_pairs_hook=_object, parse_constant=_no_constant, parse_float=_finite
+        )
+    except RecursionError:
+        raise invalid("the body is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, duplicates, NaN, too many digits
+        raise invalid(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid(f"the body must be a JSON object, not {type(data).__name__}")
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        # json.loads turns "\ud800" escapes into lone surrogates: no store can keep them.
+        raise invalid("the body contains a lone surrogate (\\ud800-\\udfff) escape") from None
+    return data
+
+
+def query_fields(params: Iterable[tuple[str, str]], allowed: Iterable[str]) -> Fields:
+    """The query parameters as ``Fields``: each at most once, none unknown."""
+    seen: dict[str, Any] = {}
+    for name, value in params:
+        if name in seen:
+            raise invalid(f"query parameter {name!r} appears more than once")
+        seen[name] = value
+    return Fields(seen, allowed, where="query parameter")
+
+
+_MISSING: Any = object()
+
+
+class Fields:
+    """The fields of one request object: each read with a check; unknown ones refused."""
+
+    def __init__(self, data: Mapping[str, Any], allowed: Iterable[str], *, where: str) -> None:
+        self._data = data
+        self._where = where
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            names = ", ".join(repr(name) for name in unknown)
+            raise invalid(f"unknown {where}(s) {names}; accepted: {', '.join(sorted(allowed))}")
+
+    def get(self, name: str, check: Callable[[object, str], T], default: T = _MISSING) -> T:
+        """The field checked by ``check(value, name)``; ``default`` when it is absent."""
+        if name not in self._data:
+            if default is _MISSING:
+                raise invalid(f"{self._where} {name!r} is required")
+            return default
+        return checked(check, self._data[name], name)
+
+
+def checked(check: Callable[[object, str], T], value: object, name: str) -> T:
+    try:
+        return check(value, name)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise invalid(str(exc)) from None
+
+
+# -- field checks: (value, name) -> value, TypeError/ValueError naming the field -----------
+
+
+def namespace(value: object, name: str) -> str:
+    return check_text(value, name, allow_empty=True, max_bytes=MAX_NAMESPACE_BYTES)
+
+
+def key(value: object, name: str) -> str:
+    return check_key(value, name)
+
+
+def prefix(value: object, name: str) -> str:
+    return check_prefix(value)
+
+
+def ttl(value: object, name: str) -> float:
+    seconds = check_ttl(value, name)
+    if seconds > MAX_TTL:
+        raise ValueError(
+            f"{name} must be greater than 0 and at most {MAX_TTL:.0f} s, not {value!r}"
+        )
+    return seconds
+
+
+def timeout(value: object, name: str) -> float:
+    """Seconds to wait: finite, 0 or more (``null`` is not accepted: the server caps it)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, 0 or more, not {value!r}")
+    seconds = float(value)
+    if not 0 <= seconds < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds, 0 or more, not {value!r}")
+    return seconds
+
+
+def info(value: object, name: str) -> dict[str, Any] | None:
+    return check_info(value)
+
+
+def flag(value: object, name: str) -> bool:
+    return check_bool(value, name)
+
+
+def owner(value: object, name: str) -> str:
+    return check_text(value, name, allow_empty=False, max_bytes=MAX_OWNER_BYTES)
+
+
+def token(value: object, name: str) -> str:
+    try:
+        return check_token(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(str(exc).replace("token", name, 1)) from None
+
+
+def caller_token(value: object, name: str) -> str:
+    """A lease token the caller chose: like any token, and long enough to carry 128 bits."""
+    chosen = token(value, name)
+    if len(chosen) < MIN_CALLER_TOKEN_CHARS:
+        raise ValueError(
+            f"{name} must be at least {MIN_CALLER_TOKEN_CHARS} random URL-safe characters"
+            " (128 bits), e.g. secrets.token_urlsafe(18)"
+        )
+    return chosen
+
+
+def fence(value: object, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer (a lease's fence) or null, not {value!r}")
+    if not 0 <= value <= MAX_FENCE:
+        raise ValueError(f"{name} must be between 0 and {MAX_FENCE}, not {value!r}")
+    return value
+
+
+def reason(value: object, name: str) -> str:
+    text = check_text(value, name, allow_empty=False, max_bytes=4 * MAX_REASON_CHARS)
+    if len(text) > MAX_REASON_CHARS:
+        raise ValueError(f"{name} must be 1 to {MAX_REASON_CHARS} characters, not {len(text)}")
+    return text
+
+
+def renewals(value: object, name: str) -> list[tuple[str, str, float]]:
+    """The ``leases`` of renew-many: (key, token, ttl) for each, at most ``MAX_RENEWALS``."""
+    if not isinstance(value, list):
+        raise TypeError(f"{name} must be a list of {{key, token, ttl?}} objects")
+    if len(value) > MAX_RENEWALS:
+        raise ValueError(f"{name} holds {len(value)} leases; at most {MAX_RENEWALS} are accepted")
+    result = []
+    for index, item in enumerate(value):
+        where = f"{name}[{index}]"
+        if not isinstance(item, dict):
+            raise TypeError(f"{where} must be an object {{key, token, ttl?}}")
+        unknown = sorted(set(item) - {"key", "token", "ttl"})
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown} in {where}; accepted: key, token, ttl")
+        for required in ("key", "token"):
+            if required not in item:
+                raise ValueError(f"{where}.{required} is required")
+        result.append(
+            (
+                key(item["key"], f"{where}.key"),
+                token(item["token"], f"{where}.token"),
+                ttl(item["ttl"], f"{where}.ttl") if "ttl" in item else DEFAULT_TTL,
+            )
+        )
+    return result

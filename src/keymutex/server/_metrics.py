@@ -1,0 +1,123 @@
+"""The server's Prometheus metrics, in a registry of its own (one per app).
+
+Names follow Prometheus conventions (``_total`` for counters, ``_seconds`` for
+durations). Labels are bounded: ``namespace`` (namespaces used through this server),
+``route`` (the route's path template, never the raw path) and ``status``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics", "MetricsMiddleware"]
+
+# Waits last from milliseconds up to the server's max_wait (30 s by default).
+WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    """Every metric the server exports, registered in ``registry``."""
+
+    def __init__(self) -> None:
+        registry = self.registry = CollectorRegistry(auto_describe=True)
+        self.acquires = Counter(
+            "keymutex_acquires",
+            "Leases granted (steals included).",
+            ["namespace"],
+            registry=registry,
+        )
+        self.refusals = Counter(
+            "keymutex_refusals",
+            "Acquires answered 409 locked (not acquired within their timeout).",
+            ["namespace"],
+            registry=registry,
+        )
+        self.waits = Counter(
+            "keymutex_waits",
+            "Requests that waited at this server: acquires with a timeout, and waits.",
+            ["namespace", "kind"],
+            registry=registry,
+        )
+        self.wait_seconds = Histogram(
+            "keymutex_wait_seconds",
+            "How long requests waited at this server.",
+            ["namespace", "kind"],
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.renewals = Counter(
+            "keymutex_renewals", "Leases renewed.", ["namespace"], registry=registry
+        )
+        self.lost = Counter(
+            "keymutex_lost_leases",
+            "Renewals and releases answered lock_lost: the token no longer held its key.",
+            ["namespace"],
+            registry=registry,
+        )
+        self.releases = Counter(
+            "keymutex_releases",
+            "Leases released by their holder.",
+            ["namespace"],
+            registry=registry,
+        )
+        self.force_releases = Counter(
+            "keymutex_force_releases",
+            "Keys force-released by an admin.",
+            ["namespace"],
+            registry=registry,
+        )
+        self.held = Gauge(
+            "keymutex_held_locks",
+            "Leases currently held, per namespace open at this server (as of the scrape).",
+            ["namespace"],
+            registry=registry,
+        )
+        self.waiting = Gauge(
+            "keymutex_waiting_requests",
+            "Requests waiting at this server right now.",
+            registry=registry,
+        )
+        self.request_seconds = Histogram(
+            "keymutex_http_request_duration_seconds",
+            "Time to the first byte of each HTTP answer, by route template and status.",
+            ["method", "route", "status"],
+            registry=registry,
+        )
+
+    def set_held(self, counts: Mapping[str, int]) -> None:
+        self.held.clear()
+        for namespace, count in counts.items():
+            self.held.labels(namespace).set(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Times every HTTP request to its response's start (streams count until headers)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                template = getattr(route, "path", None) or "unmatched"
+                self.metrics.request_seconds.labels(
+                    scope["method"], template, str(message["status"])
+                ).observe(time.perf_counter() - started)
+            await send(message)
+
+        await self.app(scope, receive, timed_send)

@@ -1,0 +1,161 @@
+"""What the server keeps between requests: open clients, change signals, waiting counts.
+
+Everything here lives on the server's one event loop and is touched only from it, so
+plain dicts and ``asyncio.Event`` need no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
+from typing import Generic, TypeVar
+
+from keymutex._client import AsyncLocks
+
+__all__ = ["Changes", "Namespaces", "Signals"]
+
+K = TypeVar("K", bound=Hashable)
+
+
+class Signals(Generic[K]):
+    """One ``asyncio.Event`` per watched name, set and replaced each time it fires.
+
+    A watcher takes ``event(name)`` *before* it reads the state it watches, so a change
+    that lands between the read and the wait is never missed. Events exist only while
+    someone watches (``watching``), so nothing grows with the names ever seen.
+    """
+
+    def __init__(self) -> None:
+        self._events: dict[K, asyncio.Event] = {}
+        self._watchers: Counter[K] = Counter()
+
+    def event(self, name: K) -> asyncio.Event:
+        event = self._events.get(name)
+        if event is None:
+            event = self._events[name] = asyncio.Event()
+        return event
+
+    def fire(self, name: K) -> None:
+        event = self._events.pop(name, None)
+        if event is not None:
+            event.set()
+
+    @contextlib.contextmanager
+    def watching(self, name: K) -> Iterator[None]:
+        self._watchers[name] += 1
+        try:
+            yield
+        finally:
+            self._watchers[name] -= 1
+            if self._watchers[name] <= 0:
+                del self._watchers[name]
+                self._events.pop(name, None)
+
+
+class Changes:
+    """Changes made through this server, and the requests waiting at it, per key.
+
+    ``keys`` wakes long polls on one key; ``namespaces`` wakes event streams.
+    ``waiting`` counts the requests waiting per (namespace, key).
+    """
+
+    def __init__(self, on_waiting: Callable[[int], None]) -> None:
+        self.keys: Signals[tuple[str, str]] = Signals()
+        self.namespaces: Signals[str] = Signals()
+        self.waiting: Counter[tuple[str, str]] = Counter()
+        self._on_waiting = on_waiting
+
+    def changed(self, namespace: str, key: str) -> None:
+        self.keys.fire((namespace, key))
+        self.namespaces.fire(namespace)
+
+    @contextlib.contextmanager
+    def waiting_on(self, namespace: str, key: str) -> Iterator[None]:
+        """Count a request as waiting on ``key`` for the block (shown by holders, events)."""
+        name = (namespace, key)
+        self.waiting[name] += 1
+        self._on_waiting(self.waiting.total())
+        self.namespaces.fire(namespace)
+        try:
+            with self.keys.watching(name):
+                yield
+        finally:
+            self.waiting[name] -= 1
+            if self.waiting[name] <= 0:
+                del self.waiting[name]
+            self._on_waiting(self.waiting.total())
+            self.namespaces.fire(namespace)
+
+    def waiting_in(self, namespace: str) -> dict[str, int]:
+        return {key: n for (ns, key), n in self.waiting.items() if ns == namespace}
+
+
+class Namespaces:
+    """One ``AsyncLocks`` per namespace, opened lazily; the least recently used idle
+    ones are closed beyond ``limit`` (those in use stay open until their requests end)."""
+
+    def __init__(self, url: str, limit: int) -> None:
+        self._url = url
+        self._limit = limit
+        self._open: OrderedDict[str, AsyncLocks] = OrderedDict()
+        self._users: Counter[str] = Counter()
+        self._opening: dict[str, asyncio.Future[AsyncLocks]] = {}
+        self._closed = False
+
+    def add(self, namespace: str, locks: AsyncLocks) -> None:
+        """Adopt a client opened beforehand (the default namespace, opened at start)."""
+        self._open[namespace] = locks
+
+    def names(self) -> list[str]:
+        return list(self._open)
+
+    @contextlib.asynccontextmanager
+    async def using(self, namespace: str) -> AsyncIterator[AsyncLocks]:
+        locks = await self._get(namespace)
+        self._users[namespace] += 1
+        try:
+            yield locks
+        finally:
+            self._users[namespace] -= 1
+            if self._users[namespace] <= 0:
+                del self._users[namespace]
+            await self._trim()
+
+    async def _get(self, namespace: str) -> AsyncLocks:
+        if self._closed:
+            raise RuntimeError("the server is shutting down")
+        locks = self._open.get(namespace)
+        if locks is not None:
+            self._open.move_to_end(namespace)
+            return locks
+        pending = self._opening.get(namespace)
+        if pending is None:
+            pending = asyncio.ensure_future(self._open_one(namespace))
+            self._opening[namespace] = pending
+        return await asyncio.shield(pending)
+
+    async def _open_one(self, namespace: str) -> AsyncLocks:
+        try:
+            # Opening may do blocking I/O (SQLite connects and prepares its schema).
+            locks = await asyncio.to_thread(AsyncLocks, self._url, namespace=namespace)
+        finally:
+            del self._opening[namespace]
+        if self._closed:
+            await locks.aclose()
+            raise RuntimeError("the server is shutting down")
+        self._open[namespace] = locks
+        return locks
+
+    async def _trim(self) -> None:
+        idle = [name for name in self._open if not self._users[name]]
+        excess = len(self._open) - self._limit
+        for name in idle[: max(0, excess)]:
+            await self._open.pop(name).aclose()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        while self._open:
+            _, locks = self._open.popitem()
+            await locks.aclose()

@@ -1,0 +1,578 @@
+"""``http://host:port[/base]``: the leases of a keymutex lock server (docs/http-api.md).
+
+- Each step is one HTTP request to the server (``keymutex serve``), which runs it on
+  its own store: ``try_acquire`` is ``/v1/acquire`` with ``timeout: 0``, ``renew_many``
+  one ``/v1/renew-many``, and ``renew``, ``release``, ``holder``, ``holders`` their own
+  endpoints. One pooled ``httpx`` client per store keeps connections alive.
+- Tokens are drawn by the client as for every store, and sent with the acquire: a
+  lease's token works from any process, through any server of the same store.
+- Waiting: a refused ``try_acquire`` records on its waiter the fence of the holder it
+  saw; the waiter long-polls ``/v1/wait`` with that fence, which the server answers as
+  soon as that lease no longer holds the key (checked on arrival: a release between
+  the refusal and the poll is never missed). Not fair across clients: whoever tries
+  first after a release gets the key.
+- Fences, durability and clock are those of the server's store; ``durable_fences`` is
+  read from ``/healthz`` at the first step (``False`` until then). TTLs are measured by
+  the server's store; ``remaining`` is counted from before each request was sent.
+- Errors: an unreachable server, a 5xx or a reply that does not parse raise
+  ``StoreError``, as do 401/403 (a missing or insufficient API token); a 400 raises
+  ``ValueError`` with the server's message (e.g. a ``ttl`` over the server's limit).
+
+Options: ``api_token`` (default ``$KEYMUTEX_API_TOKEN``), ``timeout`` (seconds per
+request, beyond the time a long poll may wait; default 10).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from keymutex._errors import StoreError
+from keymutex._lease import Holder, Outcome
+from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex._version import __version__
+from keymutex._wait import Backoff
+
+__all__ = ["AsyncHttpStore", "HttpStore", "driver"]
+
+CAPABILITIES = Capabilities(
+    notifies=True, fair=False, cross_process=True, durable_fences=False, clock="server"
+)
+TOKEN_ENVVAR = "KEYMUTEX_API_TOKEN"  # noqa: S105 - the name of a variable, not a secret
+DEFAULT_TIMEOUT = 10.0
+MAX_RENEWALS = 1000  # leases per renew-many request (the server's limit)
+MAX_BODY_BYTES = 16 * 1024  # per request body (the server's limit)
+HTTP_ERRORS = (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL)
+
+JSONDict = dict[str, Any]
+
+
+# -- the protocol, without I/O: requests to send, and what their answers mean -------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One request: ``wait`` is how long the server may hold it before answering."""
+
+    method: str
+    path: str
+    body: JSONDict | None = None
+    params: dict[str, str] | None = None
+    wait: float = 0.0
+
+
+def _encode(body: JSONDict) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+@contextlib.contextmanager
+def _reading(what: str) -> Iterator[None]:
+    """A reply that lacks a field or has one of the wrong type is a ``StoreError``."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StoreError(f"the lock server's reply to {what} does not parse: {exc!r}") from exc
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _holder(data: object) -> Holder | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise TypeError(f"expected a holder object, got {data!r}")
+    key, owner, info, fence = data["key"], data["owner"], data["info"], data["fence"]
+    if not isinstance(key, str) or not isinstance(owner, str):
+        raise TypeError("key and owner must be strings")
+    if info is not None and not isinstance(info, dict):
+        raise TypeError("info must be an object or null")
+    if isinstance(fence, bool) or not isinstance(fence, int):
+        raise TypeError("fence must be an integer")
+    return Holder(
+        key=key,
+        owner=owner,
+        info=info,
+        fence=fence,
+        acquired_at=_number(data["acquired_at"]),
+        expires_at=_number(data["expires_at"]),
+    )
+
+
+def _outcome(ok: bool, data: object) -> Outcome:
+    """An ``Outcome`` from a Lease or Holder object (or null): ``remaining`` is expires_in."""
+    holder = _holder(data)
+    if holder is None:
+        return Outcome(ok)
+    assert isinstance(data, dict)
+    return Outcome(ok, holder, _number(data["expires_in"]))
+
+
+def _expect(what: str, status: int, payload: JSONDict, conflict: str | None = None) -> bool:
+    """``True`` for a 200, ``False`` for the 409 ``conflict``; raise for anything else."""
+    if status == 200:
+        return True
+    error, message = payload.get("error"), payload.get("message", "")
+    if status == 409 and conflict is not None and error == conflict:
+        return False
+    if status == 400:
+        raise ValueError(f"the lock server refused {what}: {message}")
+    raise StoreError(f"the lock server answered {what} with {status} {error}: {message}")
+
+
+class _Protocol:
+    """The steps of one namespace as HTTP calls, and their replies as results.
+
+    Shared by ``HttpStore`` and ``AsyncHttpStore``: they only send the calls.
+    """
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+    ) -> _Call:
+        body = {
+            "namespace": self.namespace,
+            "key": key,
+            "token": token,
+            "ttl": ttl,
+            "timeout": 0,
+            "owner": owner,
+            "info": info,
+            "steal": steal,
+        }
+        return _Call("POST", "/v1/acquire", body)
+
+    @staticmethod
+    def acquired(status: int, payload: JSONDict) -> Outcome:
+        ok = _expect("acquire", status, payload, "locked")
+        with _reading("acquire"):
+            return _outcome(True, payload) if ok else _outcome(False, payload["holder"])
+
+    def renew(self, key: str, token: str, ttl: float) -> _Call:
+        body = {"namespace": self.namespace, "key": key, "token": token, "ttl": ttl}
+        return _Call("POST", "/v1/renew", body)
+
+    @staticmethod
+    def renewed(status: int, payload: JSONDict) -> Outcome:
+        ok = _expect("renew", status, payload, "lock_lost")
+        with _reading("renew"):
+            return _outcome(True, payload) if ok else _outcome(False, payload["holder"])
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[tuple[_Call, int]]:
+        """One call per batch that fits the server's limits, and the batch's size."""
+        envelope = len(_encode({"namespace": self.namespace, "leases": []}))
+        batches: list[list[JSONDict]] = [[]]
+        size = envelope
+        for request in requests:
+            lease = {"key": request.key, "token": request.token, "ttl": request.ttl}
+            cost = len(_encode(lease)) + 1  # and a comma
+            if batches[-1] and (size + cost > MAX_BODY_BYTES or len(batches[-1]) == MAX_RENEWALS):
+                batches.append([])
+                size = envelope
+            batches[-1].append(lease)
+            size += cost
+        return [
+            (_Call("POST", "/v1/renew-many", {"namespace": self.namespace, "leases": b}), len(b))
+            for b in batches
+            if b
+        ]
+
+    @staticmethod
+    def renewed_many(status: int, payload: JSONDict, count: int) -> list[Outcome]:
+        _expect("renew-many", status, payload)
+        with _reading("renew-many"):
+            results = payload["results"]
+            if not isinstance(results, list) or len(results) != count:
+                raise ValueError(f"expected {count} results")
+            return [
+                _outcome(False, item["holder"]) if "error" in item else _outcome(True, item)
+                for item in results
+            ]
+
+    def release(self, key: str, token: str) -> _Call:
+        body = {"namespace": self.namespace, "key": key, "token": token}
+        return _Call("POST", "/v1/release", body)
+
+    @staticmethod
+    def released(status: int, payload: JSONDict) -> Outcome:
+        if _expect("release", status, payload, "lock_lost"):
+            return Outcome(True)
+        with _reading("release"):
+            return _outcome(False, payload["holder"])
+
+    def holder(self, key: str) -> _Call:
+        return _Call("GET", "/v1/holder", params={"namespace": self.namespace, "key": key})
+
+    @staticmethod
+    def held(status: int, payload: JSONDict) -> Holder | None:
+        _expect("holder", status, payload)
+        with _reading("holder"):
+            return _holder(payload["holder"])
+
+    def holders(self, prefix: str) -> _Call:
+        return _Call("GET", "/v1/holders", params={"namespace": self.namespace, "prefix": prefix})
+
+    @staticmethod
+    def listed(status: int, payload: JSONDict) -> list[Holder]:
+        _expect("holders", status, payload)
+        with _reading("holders"):
+            found = [_holder(item) for item in payload["holders"]]
+        return sorted((h for h in found if h is not None), key=lambda h: h.key)
+
+    def wait(self, key: str, fence: int | None, timeout: float) -> _Call:
+        body = {"namespace": self.namespace, "key": key, "fence": fence, "timeout": timeout}
+        return _Call("POST", "/v1/wait", body, wait=timeout)
+
+    @staticmethod
+    def waited(status: int, payload: JSONDict) -> tuple[bool, Holder | None]:
+        _expect("wait", status, payload)
+        with _reading("wait"):
+            return bool(payload["changed"]), _holder(payload["holder"])
+
+    @staticmethod
+    def health() -> _Call:
+        return _Call("GET", "/healthz")
+
+    @staticmethod
+    def capabilities(status: int, payload: JSONDict) -> Capabilities:
+        durable = status == 200 and payload.get("durable_fences") is True
+        return dataclasses.replace(CAPABILITIES, durable_fences=durable)
+
+
+def _decode(response: httpx.Response) -> tuple[int, JSONDict]:
+    status = response.status_code
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = None
+    if not isinstance(payload, dict):
+        raise StoreError(
+            f"the lock server answered {status} with a body that is not a JSON object"
+        )
+    return status, payload
+
+
+class _WaiterState:
+    """What a waiter knows: the fence of the holder its last refused try saw.
+
+    ``None`` means the try saw the key free, and was refused all the same (someone
+    queued at the server's store goes first): the server answers such a poll at once,
+    so the waiter then parks a short backoff step instead of polling in a loop.
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.fence: int | None = None
+        self._backoff = Backoff(initial=0.005, maximum=0.1)
+
+    def saw(self, outcome: Outcome) -> None:
+        if not outcome.ok:
+            self.fence = None if outcome.holder is None else outcome.holder.fence
+
+    def pause_after(self, holder: Holder | None, timeout: float) -> float:
+        """Seconds to park after a poll that answered with ``holder``."""
+        if self.fence is None and holder is None:
+            return min(timeout, self._backoff.next())
+        return 0.0
+
+
+_JSON_BODY = {"Content-Type": "application/json"}
+
+
+def _timeout(seconds: float, wait: float) -> httpx.Timeout:
+    return httpx.Timeout(seconds, read=seconds + wait)
+
+
+def _headers(api_token: str | None) -> dict[str, str]:
+    headers = {"User-Agent": f"keymutex/{__version__}"}
+    if api_token is not None:
+        headers["Authorization"] = f"Bearer {api_token}"
+    return headers
+
+
+# -- the synchronous store -------------------------------------------------------------
+
+
+class _HttpWaiter(_WaiterState):
+    def __init__(self, store: HttpStore, key: str) -> None:
+        super().__init__(key)
+        self._store = store
+
+    def wait(self, timeout: float) -> bool:
+        changed, holder = self._store._wait(self.key, self.fence, timeout)
+        pause = self.pause_after(holder, timeout)
+        if pause:
+            time.sleep(pause)
+        return changed
+
+    async def wait_async(self, timeout: float) -> bool:
+        return await asyncio.to_thread(self.wait, timeout)
+
+    def close(self) -> None:
+        """Nothing to leave: the server keeps no queue for this waiter."""
+
+
+class HttpStore:
+    """The ``http://`` store for one namespace, on one pooled ``httpx.Client``."""
+
+    def __init__(self, base_url: str, namespace: str, *, api_token: str | None, timeout: float):
+        self.capabilities = CAPABILITIES
+        self._base_url = base_url
+        self._headers = _headers(api_token)
+        self._timeout = timeout
+        self._protocol = _Protocol(namespace)
+        self._pid = os.getpid()
+        self._client = self._new_client()
+        self._asked_capabilities = False
+
+    def _new_client(self) -> httpx.Client:
+        return httpx.Client(base_url=self._base_url, headers=self._headers, timeout=self._timeout)
+
+    def _send(self, call: _Call) -> tuple[int, JSONDict]:
+        if self._pid != os.getpid():  # a forked child must not share the parent's sockets
+            self._pid, self._client = os.getpid(), self._new_client()
+        with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
+            response = self._client.request(
+                call.method,
+                call.path,
+                content=None if call.body is None else _encode(call.body),
+                headers=None if call.body is None else _JSON_BODY,
+                params=call.params,
+                timeout=_timeout(self._timeout, call.wait),
+            )
+        if not self._asked_capabilities:
+            # After the first step's request, not before: a lease's ``remaining`` counts
+            # from before its request was sent, and must not lose this round trip.
+            self._asked_capabilities = True
+            self._ask_capabilities()
+        return _decode(response)
+
+    def _ask_capabilities(self) -> None:
+        with contextlib.suppress(StoreError):
+            self.capabilities = _Protocol.capabilities(*self._send(_Protocol.health()))
+
+    def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Any,
+    ) -> Outcome:
+        assert waiter is None or isinstance(waiter, _HttpWaiter)
+        call = self._protocol.acquire(key, token, ttl, owner, info, steal)
+        outcome = _Protocol.acquired(*self._send(call))
+        if waiter is not None:
+            waiter.saw(outcome)
+        return outcome
+
+    def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        return _Protocol.renewed(*self._send(self._protocol.renew(key, token, ttl)))
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for call, count in self._protocol.renew_many(requests):
+            outcomes += _Protocol.renewed_many(*self._send(call), count)
+        return outcomes
+
+    def release(self, key: str, token: str) -> Outcome:
+        return _Protocol.released(*self._send(self._protocol.release(key, token)))
+
+    def holder(self, key: str) -> Holder | None:
+        return _Protocol.held(*self._send(self._protocol.holder(key)))
+
+    def holders(self, prefix: str) -> list[Holder]:
+        return _Protocol.listed(*self._send(self._protocol.holders(prefix)))
+
+    def _wait(self, key: str, fence: int | None, timeout: float) -> tuple[bool, Holder | None]:
+        return _Protocol.waited(*self._send(self._protocol.wait(key, fence, timeout)))
+
+    def waiter(self, key: str) -> _HttpWaiter:
+        return _HttpWaiter(self, key)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+# -- the asynchronous store --------------------------------------------------------------
+
+
+class _AsyncHttpWaiter(_WaiterState):
+    def __init__(self, store: AsyncHttpStore, key: str) -> None:
+        super().__init__(key)
+        self._store = store
+
+    async def wait(self, timeout: float) -> bool:
+        changed, holder = await self._store._wait(self.key, self.fence, timeout)
+        pause = self.pause_after(holder, timeout)
+        if pause:
+            await asyncio.sleep(pause)
+        return changed
+
+    async def aclose(self) -> None:
+        """Nothing to leave: the server keeps no queue for this waiter."""
+
+
+class AsyncHttpStore:
+    """The ``http://`` store for one namespace, for asyncio: one ``httpx.AsyncClient``."""
+
+    def __init__(self, base_url: str, namespace: str, *, api_token: str | None, timeout: float):
+        self.capabilities = CAPABILITIES
+        self._base_url = base_url
+        self._headers = _headers(api_token)
+        self._timeout = timeout
+        self._protocol = _Protocol(namespace)
+        self._pid = os.getpid()
+        self._client = self._new_client()
+        self._asked_capabilities = False
+
+    def _new_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self._base_url, headers=self._headers, timeout=self._timeout
+        )
+
+    async def _send(self, call: _Call) -> tuple[int, JSONDict]:
+        if self._pid != os.getpid():  # a forked child must not share the parent's sockets
+            self._pid, self._client = os.getpid(), self._new_client()
+        with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
+            response = await self._client.request(
+                call.method,
+                call.path,
+                content=None if call.body is None else _encode(call.body),
+                headers=None if call.body is None else _JSON_BODY,
+                params=call.params,
+                timeout=_timeout(self._timeout, call.wait),
+            )
+        if not self._asked_capabilities:
+            # After the first step's request, not before: a lease's ``remaining`` counts
+            # from before its request was sent, and must not lose this round trip.
+            self._asked_capabilities = True
+            await self._ask_capabilities()
+        return _decode(response)
+
+    async def _ask_capabilities(self) -> None:
+        with contextlib.suppress(StoreError):
+            self.capabilities = _Protocol.capabilities(*await self._send(_Protocol.health()))
+
+    async def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Any,
+    ) -> Outcome:
+        assert waiter is None or isinstance(waiter, _AsyncHttpWaiter)
+        call = self._protocol.acquire(key, token, ttl, owner, info, steal)
+        outcome = _Protocol.acquired(*await self._send(call))
+        if waiter is not None:
+            waiter.saw(outcome)
+        return outcome
+
+    async def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        return _Protocol.renewed(*await self._send(self._protocol.renew(key, token, ttl)))
+
+    async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for call, count in self._protocol.renew_many(requests):
+            outcomes += _Protocol.renewed_many(*await self._send(call), count)
+        return outcomes
+
+    async def release(self, key: str, token: str) -> Outcome:
+        return _Protocol.released(*await self._send(self._protocol.release(key, token)))
+
+    async def holder(self, key: str) -> Holder | None:
+        return _Protocol.held(*await self._send(self._protocol.holder(key)))
+
+    async def holders(self, prefix: str) -> list[Holder]:
+        return _Protocol.listed(*await self._send(self._protocol.holders(prefix)))
+
+    async def _wait(
+        self, key: str, fence: int | None, timeout: float
+    ) -> tuple[bool, Holder | None]:
+        return _Protocol.waited(*await self._send(self._protocol.wait(key, fence, timeout)))
+
+    async def waiter(self, key: str) -> _AsyncHttpWaiter:
+        return _AsyncHttpWaiter(self, key)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+# -- the driver --------------------------------------------------------------------------
+
+
+def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, float]:
+    """(base URL, API token, timeout) from the URL and the store options."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"lock server URLs are http://host:port[/base] or https://…, not {url!r}")
+    parts.port  # noqa: B018 - raises ValueError for a port that does not parse
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            f"lock server URL {parts.hostname!r} must not carry credentials: pass"
+            f" api_token=… or set ${TOKEN_ENVVAR}"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError(f"lock server URL must have no query or fragment, not {url!r}")
+    base = urlunsplit((parts.scheme.lower(), parts.netloc, parts.path.rstrip("/"), "", ""))
+    merged = dict(options)
+    api_token = merged.pop("api_token", None)
+    if api_token is None:
+        api_token = os.environ.get(TOKEN_ENVVAR) or None
+    if api_token is not None and (not isinstance(api_token, str) or not api_token.isascii()):
+        raise TypeError("api_token must be a str of ASCII characters")
+    timeout = merged.pop("timeout", DEFAULT_TIMEOUT)
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout < float("inf")
+    ):
+        raise ValueError(f"timeout must be seconds > 0, not {timeout!r}")
+    if merged:
+        raise TypeError(
+            f"unknown http store option(s) {sorted(merged)}; accepted: api_token, timeout"
+        )
+    return base, api_token, float(timeout)
+
+
+class HttpDriver:
+    def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> HttpStore:
+        base, api_token, timeout = _options(url, options)
+        return HttpStore(base, namespace, api_token=api_token, timeout=timeout)
+
+    def open_async(
+        self, url: str, *, namespace: str, options: Mapping[str, object]
+    ) -> AsyncHttpStore:
+        base, api_token, timeout = _options(url, options)
+        return AsyncHttpStore(base, namespace, api_token=api_token, timeout=timeout)
+
+
+driver = HttpDriver()

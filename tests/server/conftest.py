@@ -1,0 +1,139 @@
+"""Fixtures of the lock server's tests: the app in-process, and the app on real uvicorn.
+
+- ``api``: an ``httpx.AsyncClient`` calling the ASGI app directly (fast; no sockets).
+- ``live``: the app served by a real uvicorn on a free loopback port, in a thread of
+  this process; ``live.url`` is its base URL. Used by everything that needs real HTTP:
+  long polls, event streams, disconnects, the ``http://`` store, schemathesis.
+
+Each test gets its own store (a ``memory://`` table or a SQLite file), so tests never
+see each other's locks.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import uvicorn
+from starlette.applications import Starlette
+
+from keymutex.server import create_app
+
+ADMIN_TOKEN = "admin-" + "a" * 40
+EDITOR_TOKEN = "editor-" + "e" * 40
+READER_TOKEN = "reader-" + "r" * 40
+TOKENS = [
+    {
+        "name": "ops",
+        "token": ADMIN_TOKEN,
+        "grants": [{"namespace": "*", "prefix": "", "allow": ["lock", "read", "admin"]}],
+    },
+    {
+        "name": "editor-app",
+        "token": EDITOR_TOKEN,
+        "grants": [{"namespace": "cms", "prefix": "doc:", "allow": ["lock", "read"]}],
+    },
+    {
+        "name": "dashboard",
+        "token": READER_TOKEN,
+        "grants": [{"namespace": "cms", "prefix": "", "allow": ["read"]}],
+    },
+]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def write_tokens(directory: Path, tokens: list[dict[str, Any]] = TOKENS) -> Path:
+    path = directory / "tokens.json"
+    path.write_text(json.dumps({"tokens": tokens}))
+    return path
+
+
+async def close_app(app: Starlette) -> None:
+    """What the app's lifespan does at shutdown (ASGITransport runs no lifespan)."""
+    await app.state.keymutex.namespaces.aclose()
+
+
+@pytest_asyncio.fixture
+async def api() -> AsyncIterator[httpx.AsyncClient]:
+    """The app on a fresh memory:// table, without a token file, max_wait 2 s."""
+    app = create_app(f"memory://{uuid.uuid4().hex}", max_wait=2.0)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        yield client
+    await close_app(app)
+
+
+@pytest_asyncio.fixture
+async def secured(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """The app with the token file ``TOKENS``."""
+    app = create_app(f"memory://{uuid.uuid4().hex}", token_file=write_tokens(tmp_path))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        yield client
+    await close_app(app)
+
+
+@dataclass
+class Live:
+    url: str
+    app: Starlette
+
+
+def _serve(app: Starlette) -> Iterator[Live]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield Live(f"http://127.0.0.1:{port}", app)
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        sock.close()
+
+
+@pytest.fixture
+def make_live(tmp_path: Path) -> Iterator[Callable[..., Live]]:
+    """Start servers (closed after the test): ``make_live(token_file=…, max_wait=…)``."""
+    running: list[Iterator[Live]] = []
+
+    def make(**options: Any) -> Live:
+        options.setdefault("max_wait", 5.0)
+        store = options.pop("store", f"sqlite:///{tmp_path}/locks-{len(running)}.db")
+        serving = _serve(create_app(store, **options))
+        running.append(serving)
+        return next(serving)
+
+    yield make
+    for serving in running:
+        for _ in serving:  # runs the generator's clean-up
+            pass
+
+
+@pytest.fixture
+def live(make_live: Callable[..., Live]) -> Live:
+    """A real uvicorn serving a SQLite store, without a token file."""
+    return make_live()

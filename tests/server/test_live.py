@@ -1,0 +1,239 @@
+"""The server on real uvicorn: long polls, event streams, hang-ups, and the http:// store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+import keymutex
+from keymutex._store import Capabilities
+
+from .conftest import ADMIN_TOKEN, EDITOR_TOKEN, Live, bearer, write_tokens
+
+PATIENCE = 20.0
+
+
+def _acquire(client: httpx.Client, key: str, **body: Any) -> dict[str, Any]:
+    reply = client.post("/v1/acquire", json={"key": key, **body})
+    assert reply.status_code == 200, reply.text
+    lease: dict[str, Any] = reply.json()
+    return lease
+
+
+@pytest.fixture
+def http(live: Live) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live.url, timeout=PATIENCE) as client:
+        yield client
+
+
+def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_long_poll_returns_promptly_on_release(live: Live, http: httpx.Client) -> None:
+    lease = _acquire(http, "doc:1", ttl=3600)
+    body = {"key": "doc:1", "fence": lease["fence"], "timeout": 60}
+    thread, result = _in_thread(lambda: http.post("/v1/wait", json=body))
+    time.sleep(0.2)  # let the poll park (not a timing assertion)
+    assert thread.is_alive()
+    released_at = time.monotonic()
+    http.post("/v1/release", json={"key": "doc:1", "token": lease["token"]})
+    thread.join(PATIENCE)
+    assert time.monotonic() - released_at < 1.0  # woken by the release, not by a recheck
+    assert result[0].json() == {"changed": True, "holder": None}
+
+
+def test_long_poll_on_arrival_sees_a_change_that_came_before(http: httpx.Client) -> None:
+    lease = _acquire(http, "doc:1")
+    http.post("/v1/release", json={"key": "doc:1", "token": lease["token"]})
+    started = time.monotonic()
+    reply = http.post("/v1/wait", json={"key": "doc:1", "fence": lease["fence"], "timeout": 60})
+    assert reply.json()["changed"] is True
+    assert time.monotonic() - started < 2.0
+
+
+def test_long_poll_sees_changes_made_in_the_store_by_others(
+    live: Live, http: httpx.Client, tmp_path: Any
+) -> None:
+    # A client of the same SQLite file, not of the server: found by the recheck.
+    lease = _acquire(http, "doc:1", ttl=3600)
+    body = {"key": "doc:1", "fence": lease["fence"], "timeout": 4}
+    thread, result = _in_thread(lambda: http.post("/v1/wait", json=body))
+    with keymutex.Locks(f"sqlite:///{tmp_path}/locks-0.db") as direct:
+        direct.release("doc:1", lease["token"])
+    thread.join(PATIENCE)
+    assert result[0].json() == {"changed": True, "holder": None}
+
+
+def test_event_stream_sends_a_snapshot_after_a_change(http: httpx.Client) -> None:
+    with http.stream("GET", "/v1/events", params={"prefix": "doc:"}) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        lines = stream.iter_lines()
+        first = _next_event(lines)
+        assert first["holders"] == []
+        assert first["waiting"] == {}
+        assert abs(first["server_time"] - time.time()) < 60
+        changed_at = time.monotonic()
+        with httpx.Client(base_url=str(http.base_url)) as other:
+            _acquire(other, "doc:7", info={"who": "me"})
+        snapshot = _next_event(lines)
+        assert time.monotonic() - changed_at < 1.5  # within 1 s of a change (+ slack)
+        assert [h["key"] for h in snapshot["holders"]] == ["doc:7"]
+        assert snapshot["holders"][0]["info"] == {"who": "me"}
+
+
+def _next_event(lines: Iterator[str]) -> dict[str, Any]:
+    event = None
+    for line in lines:
+        if line.startswith("event: "):
+            event = line.removeprefix("event: ")
+        elif line.startswith("data: ") and event == "holders":
+            data: dict[str, Any] = json.loads(line.removeprefix("data: "))
+            return data
+    raise AssertionError("the stream ended")
+
+
+@pytest.mark.asyncio
+async def test_a_waiting_acquire_whose_caller_hangs_up_leaves_nothing(live: Live) -> None:
+    async with httpx.AsyncClient(base_url=live.url, timeout=PATIENCE) as client:
+        first = (await client.post("/v1/acquire", json={"key": "k", "ttl": 3600})).json()
+        body = {"key": "k", "timeout": 60, "owner": "quitter"}
+        waiting = asyncio.create_task(client.post("/v1/acquire", json=body))
+        for _ in range(500):
+            if (await client.get("/v1/holders")).json()["waiting"] == {"k": 1}:
+                break
+            await asyncio.sleep(0.01)
+        waiting.cancel()  # closes its connection
+        for _ in range(500):
+            if (await client.get("/v1/holders")).json()["waiting"] == {}:
+                break
+            await asyncio.sleep(0.01)
+        assert (await client.get("/v1/holders")).json()["waiting"] == {}
+        await client.post("/v1/release", json={"key": "k", "token": first["token"]})
+        await asyncio.sleep(0.2)
+        assert (await client.get("/v1/holder", params={"key": "k"})).json() == {"holder": None}
+
+
+# -- the http:// store against a real server ----------------------------------------------
+
+
+def test_http_store_round_trip_and_capabilities(live: Live) -> None:
+    with keymutex.Locks(live.url + "/", namespace="shop", owner="me") as locks:
+        lease = locks.acquire("order:1", info={"n": 1})
+        store = locks._store
+        assert store.capabilities == Capabilities(
+            notifies=True, fair=False, cross_process=True, durable_fences=True, clock="server"
+        )
+        seen = locks.holder("order:1")
+        assert seen is not None
+        assert (seen.owner, seen.info, seen.fence) == ("me", {"n": 1}, lease.fence)
+        with pytest.raises(keymutex.Locked) as refused:
+            locks.acquire("order:1", timeout=0.2)
+        assert refused.value.holder is not None
+        assert refused.value.holder.fence == lease.fence
+        with pytest.raises(ValueError, match="86400"):
+            locks.acquire("order:2", ttl=86400 * 2)
+        lease.release()
+        with pytest.raises(keymutex.LockLost):
+            locks.release("order:1", lease.token)
+
+
+def test_http_store_renew_many_splits_large_batches(live: Live) -> None:
+    with keymutex.Locks(live.url, namespace="many") as locks:
+        leases = [locks.acquire("k" * 900 + str(i), ttl=60) for i in range(40)]
+        outcomes = locks._store.renew_many(
+            [keymutex._store.RenewRequest(x.key, x.token, 60.0) for x in leases]  # type: ignore[attr-defined]
+        )
+        assert [o.ok for o in outcomes] == [True] * 40
+        assert [o.holder.fence for o in outcomes] == [x.fence for x in leases]  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_async_http_store_waits_for_a_release(live: Live) -> None:
+    async with (
+        keymutex.AsyncLocks(live.url, namespace="a") as holder,
+        keymutex.AsyncLocks(live.url, namespace="a") as waiter,
+    ):
+        lease = await holder.acquire("doc", ttl=3600)
+        task = asyncio.create_task(waiter.acquire("doc", timeout=PATIENCE))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        await lease.release()
+        got = await task
+        assert got.fence > lease.fence
+        await got.release()
+
+
+def test_http_store_with_api_tokens(make_live: Callable[..., Live], tmp_path: Any) -> None:
+    live = make_live(token_file=write_tokens(tmp_path))
+    with (
+        keymutex.Locks(live.url, namespace="cms") as anonymous,
+        pytest.raises(keymutex.StoreError, match="401"),
+    ):
+        anonymous.holder("doc:1")
+    with (
+        keymutex.Locks(live.url, namespace="cms", api_token=EDITOR_TOKEN) as editor,
+        httpx.Client(base_url=live.url, headers=bearer(ADMIN_TOKEN)) as admin,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        lease = editor.acquire("doc:1")
+        assert lease.owner == f"{socket.gethostname()}:{os.getpid()}"  # the client's owner
+        with pytest.raises(keymutex.StoreError, match="403"):
+            editor.acquire("img:1")
+        patch.setenv("KEYMUTEX_API_TOKEN", ADMIN_TOKEN)
+        with keymutex.Locks(live.url, namespace="cms") as ops:
+            assert ops.holder("doc:1") is not None
+        forced = admin.post(
+            "/v1/force-release", json={"namespace": "cms", "key": "doc:1", "reason": "test"}
+        )
+        assert forced.json()["released"] is True
+        with pytest.raises(keymutex.LockLost):
+            lease.renew()
+
+
+def test_http_store_unreachable_is_a_store_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with keymutex.Locks(f"http://127.0.0.1:{port}", timeout=2) as locks:
+        with pytest.raises(keymutex.StoreError) as failed:
+            locks.acquire("a")
+        assert failed.value.__cause__ is not None
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "error"),
+    [
+        ("http://", {}, ValueError),
+        ("http://user:pw@host", {}, ValueError),
+        ("http://host?x=1", {}, ValueError),
+        ("http://host:99999", {}, ValueError),
+        ("http://host", {"timeout": 0}, ValueError),
+        ("http://host", {"api_token": 5}, TypeError),
+        ("http://host", {"verify": False}, TypeError),
+    ],
+)
+def test_http_store_refuses_bad_urls_and_options(
+    url: str, options: dict[str, Any], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        keymutex.Locks(url, **options)
+
+
+def test_metrics_through_real_http(live: Live, http: httpx.Client) -> None:
+    _acquire(http, "m", namespace="met")
+    text = http.get("/metrics").text
+    assert 'keymutex_acquires_total{namespace="met"} 1.0' in text
+    assert 'keymutex_held_locks{namespace="met"} 1.0' in text
