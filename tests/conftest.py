@@ -1,3 +1,4 @@
-"""Fixtures for every test directory: real Redis servers (see tests/_redis_fixtures.py)."""
+"""Fixtures for every test directory: real servers (Redis, PostgreSQL, memcached),
+started on first use and stopped at the end of the session (see the plugin modules)."""
 
-pytest_plugins = ["_redis_fixtures"]
+pytest_plugins = ["_memcached_fixtures", "_pg_fixtures", "_redis_fixtures"]

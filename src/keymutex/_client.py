@@ -26,6 +26,7 @@ import heapq
 import inspect
 import itertools
 import logging
+import math
 import os
 import secrets
 import socket
@@ -193,9 +194,12 @@ class _RenewalPlan:
         self._order = itertools.count()
         self._active: set[int] = set()
 
-    def add(self, lease: LeaseState, now: float) -> None:
+    def add(self, lease: LeaseState, now: float) -> float:
+        """Plan ``lease``'s renewals; returns when the first one is due."""
         self._active.add(id(lease))
-        heapq.heappush(self._heap, (now + lease._ttl / 3, next(self._order), lease))
+        due = now + lease._ttl / 3
+        heapq.heappush(self._heap, (due, next(self._order), lease))
+        return due
 
     def discard(self, lease: LeaseState) -> None:
         self._active.discard(id(lease))
@@ -263,18 +267,22 @@ class _Renewer:
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        # When the thread looks at the plan next (-inf: it is at work and will look
+        # soon). A lease due later needs no wake-up: a thread switch per lock() saved.
+        self._until = -math.inf
 
     def add(self, lease: Lease) -> None:
         with self._wakeup:
             if self._closed:
                 raise RuntimeError("this Locks is closed")
-            self._plan.add(lease, _clock.monotonic())
+            due = self._plan.add(lease, _clock.monotonic())
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="keymutex-renewer", daemon=True
                 )
                 self._thread.start()
-            self._wakeup.notify()
+            if due < self._until:
+                self._wakeup.notify()
 
     def discard(self, lease: LeaseState) -> None:
         with self._wakeup:
@@ -288,7 +296,9 @@ class _Renewer:
                 if due:
                     return due
                 when = self._plan.next_due()
+                self._until = math.inf if when is None else when
                 self._wakeup.wait(None if when is None else when - now)
+                self._until = -math.inf
             return None
 
     def _run(self) -> None:
@@ -629,17 +639,20 @@ class _AsyncRenewer:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._callbacks: set[asyncio.Task[Any]] = set()
+        self._until = -math.inf  # as in _Renewer
 
     def add(self, lease: AsyncLease) -> None:
         if self._closed:
             raise RuntimeError("this AsyncLocks is closed")
-        self._plan.add(lease, _clock.monotonic())
+        due = self._plan.add(lease, _clock.monotonic())
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._wakeup = asyncio.Event()
+            self._until = -math.inf
             self._task = loop.create_task(self._run(self._wakeup), name="keymutex-renewer")
         assert self._wakeup is not None
-        self._wakeup.set()
+        if due < self._until:
+            self._wakeup.set()
 
     def discard(self, lease: LeaseState) -> None:
         self._plan.discard(lease)
@@ -651,11 +664,14 @@ class _AsyncRenewer:
             if not batch:
                 when = self._plan.next_due()
                 wakeup.clear()
+                self._until = math.inf if when is None else when
                 try:
                     async with asyncio.timeout(None if when is None else when - now):
                         await wakeup.wait()
                 except TimeoutError:
                     pass
+                finally:
+                    self._until = -math.inf
                 continue
             # A lease its owner is renewing right now is looked at again shortly.
             mine: list[AsyncLease] = []

@@ -40,6 +40,7 @@ process only); they never excuse a store from the rest of the contract.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ import pytest_asyncio
 
 import keymutex
 
-from ._http_server import http_sqlite_url  # noqa: F401 - the fixture of the http-sqlite case
+from ._http_server import http_redis_url, http_sqlite_url  # noqa: F401 - fixtures of http cases
 
 # The default TTL of the clients the fixtures make: long enough that no lease expires
 # by accident on a slow machine; tests about expiry pass a short ``ttl`` themselves.
@@ -100,11 +101,43 @@ STORES: list[StoreCase] = [
         lambda request, tmp_path: request.getfixturevalue("redis_sentinel_url"),
         cross_process=True,
     ),
+    # A real PostgreSQL (initdb + postgres), started once per session (tests/_pg_fixtures.py).
+    StoreCase(
+        "postgresql",
+        lambda request, tmp_path: request.getfixturevalue("postgresql_url"),
+        cross_process=True,
+    ),
     # `keymutex serve` on a SQLite store, started once per session (_http_server.py).
     StoreCase(
         "http-sqlite",
         lambda request, tmp_path: request.getfixturevalue("http_sqlite_url"),
         cross_process=True,
+    ),
+    # The same on the session's Redis server.
+    StoreCase(
+        "http-redis",
+        lambda request, tmp_path: request.getfixturevalue("http_redis_url"),
+        cross_process=True,
+    ),
+    # A real memcached on a free port, started once per session (tests/_memcached_fixtures.py).
+    StoreCase(
+        "memcached",
+        lambda request, tmp_path: request.getfixturevalue("memcached_url"),
+        cross_process=True,
+    ),
+    # A real MongoDB (4.2+) only where KEYMUTEX_TEST_MONGODB_URL names one: none can be
+    # installed on the development machine. Without it the case is left out, and one
+    # skip in tests/unit/test_mongodb_store.py says so (rather than 300 skips here).
+    *(
+        [
+            StoreCase(
+                "mongodb",
+                lambda request, tmp_path: os.environ["KEYMUTEX_TEST_MONGODB_URL"],
+                cross_process=True,
+            )
+        ]
+        if os.environ.get("KEYMUTEX_TEST_MONGODB_URL")
+        else []
     ),
 ]
 

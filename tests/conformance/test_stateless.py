@@ -97,8 +97,10 @@ async def test_stateless_calls_work_across_sync_and_async_clients(
 def test_stateless_renew_defaults_to_the_clients_ttl(
     make_locks: Callable[..., keymutex.Locks],
 ) -> None:
+    renewer = make_locks(ttl=40.0)
+    renewer.holder("doc")  # connected first: the short lease is not spent on that
     lease = make_locks().acquire("doc", ttl=SHORT_TTL)
-    renewed = make_locks(ttl=40.0).renew("doc", lease.token)
+    renewed = renewer.renew("doc", lease.token)
     assert 30 < renewed.remaining <= 40
     seen = make_locks().holder("doc")
     assert seen is not None
@@ -110,8 +112,10 @@ def test_stateless_renew_defaults_to_the_clients_ttl(
 async def test_stateless_renew_defaults_to_the_clients_ttl_async(
     make_alocks: Callable[..., keymutex.AsyncLocks],
 ) -> None:
+    renewer = make_alocks(ttl=40.0)
+    await renewer.holder("doc")  # connected first: the short lease is not spent on that
     lease = await make_alocks().acquire("doc", ttl=SHORT_TTL)
-    renewed = await make_alocks(ttl=40.0).renew("doc", lease.token)
+    renewed = await renewer.renew("doc", lease.token)
     assert 30 < renewed.remaining <= 40
     seen = await make_alocks().holder("doc")
     assert seen is not None

@@ -84,6 +84,7 @@ def test_renewals_of_many_leases_go_in_one_pipeline(
         assert isinstance(store, RedisStore)
         leases = [locks.acquire(f"k{i}", timeout=0) for i in range(50)]
         requests = [RenewRequest(lease.key, lease.token, 30.0) for lease in leases]
+        store.renew_many(requests[:1])  # the pipeline's connection is set up
         clients_before = int(server.info("stats")["total_connections_received"])
         before = _commands(server)
         outcomes = store.renew_many(requests)
@@ -333,3 +334,30 @@ def test_a_process_that_keeps_contending_subscribes_once(
             waiting.acquire("k", timeout=10).release()
             releaser.join()
         assert _delta(before, _commands(server)).get("subscribe") == 1
+
+
+def test_a_retried_acquire_whose_first_reply_was_lost_gets_its_own_grant(
+    redis_url: str, namespace: str
+) -> None:
+    with keymutex.Locks(redis_url, namespace=namespace) as locks:
+        store = locks._store
+        args = {"token": "t" * 22, "ttl": 5.0, "owner": "me", "info": None, "steal": False}
+        first = store.try_acquire("k", waiter=None, **args)
+        again = store.try_acquire("k", waiter=None, **args)  # as after a lost reply
+        assert first.ok
+        assert again.ok
+        assert again.holder is not None
+        assert first.holder is not None
+        assert again.holder.fence == first.holder.fence
+        other = store.try_acquire("k", waiter=None, **{**args, "token": "u" * 22})
+        assert not other.ok
+
+
+def test_a_connection_closed_by_the_server_is_replaced_without_an_error(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    with keymutex.Locks(redis_url, namespace=namespace, client_name="km-test-conn") as locks:
+        locks.acquire("k", timeout=0).release()
+        killed = server.client_kill_filter(_type="normal", skipme=True, laddr=None, user=None)
+        assert killed >= 1
+        locks.acquire("k", timeout=0).release()

@@ -134,6 +134,7 @@ ACQUIRE = (
 -- ARGV: 1 token, 2 ttl ms, 3 owner, 4 info JSON or '', 5 steal '1'/'0',
 --       6 queue '1'/'0' (a waiter: joins the queue when refused), 7 acquired-at
 --       wall-clock ms, 8 queue lifetime ms.
+-- A key this token holds already is granted again as it is (a retried call).
 -- Grants when the key is free or handed over to this caller, or when stealing: a
 -- new fence from KEYS[2], PEXPIRE ttl; a waiter granted leaves the queue. Refuses
 -- otherwise with the holder; a refused waiter is queued (once) and the queue's
@@ -143,6 +144,10 @@ local err = positive(ARGV[2], 'ttl') or positive(ARGV[7], 'acquired-at')
 if err then return err end
 if ARGV[1] == '' then return redis.error_reply('keymutex: empty token') end
 local cur = redis.call('HMGET', KEYS[1], 't', 'o', 'i', 'f', 'a', 'r')
+if cur[1] == ARGV[1] then  -- granted already: this is a retry whose reply was lost
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, cur[2], cur[3] or false, cur[4], cur[5], tonumber(ARGV[2])}
+end
 if ARGV[5] ~= '1' and (cur[1] or (cur[6] and cur[6] ~= ARGV[1])) then
   if ARGV[6] == '1' then
     if not redis.call('LPOS', KEYS[3], ARGV[1]) then
@@ -789,6 +794,94 @@ class _AsyncHubs:
 
 # -- the stores ----------------------------------------------------------------------
 
+# Errors after which a connection is not reused: the reply may be half read.
+_BROKEN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+class _Connections:
+    """Connections held out of redis-py's pool, for the scripts of one sync store.
+
+    A step is a write and a read on a connection already in hand: redis-py's
+    per-command pool checkout and retry machinery cost about as much as the round trip
+    on loopback. A connection that fails is dropped; a step that failed on a
+    connection used before (perhaps closed by the server meanwhile) is tried once more
+    on a new one, which every script allows (see ``_run``).
+    """
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._free: list[Any] = []  # list.append / pop are atomic: no lock needed
+        self._pid = os.getpid()
+
+    def call(self, *args: Any) -> Any:
+        if self._pid != os.getpid():  # forked: the parent's sockets are not ours
+            self._free, self._pid = [], os.getpid()
+        try:
+            conn, used = self._free.pop(), True
+        except IndexError:
+            conn, used = self._pool.get_connection(), False
+        try:
+            conn.send_command(*args)
+            reply = conn.read_response()
+        except redis.exceptions.ResponseError:
+            self._free.append(conn)  # an error reply: the connection is fine
+            raise
+        except _BROKEN:
+            conn.disconnect()
+            self._pool.release(conn)
+            if not used:
+                raise
+            return self.call(*args)
+        except BaseException:
+            conn.disconnect()
+            self._pool.release(conn)
+            raise
+        self._free.append(conn)
+        return reply
+
+    def close(self) -> None:
+        free, self._free = self._free, []
+        if self._pid == os.getpid():
+            for conn in free:
+                self._pool.release(conn)
+
+
+class _AsyncConnections:
+    """``_Connections`` for an async store (connections of ``redis.asyncio``)."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._free: list[Any] = []
+
+    async def call(self, *args: Any) -> Any:
+        try:
+            conn, used = self._free.pop(), True
+        except IndexError:
+            conn, used = await self._pool.get_connection(), False
+        try:
+            await conn.send_command(*args)
+            reply = await conn.read_response()
+        except redis.exceptions.ResponseError:
+            self._free.append(conn)
+            raise
+        except _BROKEN:
+            await conn.disconnect()
+            await self._pool.release(conn)
+            if not used:
+                raise
+            return await self.call(*args)
+        except BaseException:  # cancelled mid-step: the reply may be on its way
+            await asyncio.shield(conn.disconnect())
+            await asyncio.shield(self._pool.release(conn))
+            raise
+        self._free.append(conn)
+        return reply
+
+    async def aclose(self) -> None:
+        free, self._free = self._free, []
+        for conn in free:
+            await self._pool.release(conn)
+
 
 class _NodeClients:
     """Where a batch of calls goes: all to the client, or per cluster node.
@@ -836,22 +929,21 @@ class RedisStore:
         self._client = client
         self._also_close = also_close
         self._nodes = nodes or _NodeClients(None)
+        # A cluster routes each script by its key: redis-py's own path does that.
+        self._conns = None if layout.sharded else _Connections(client.connection_pool)
         self._steps = _Steps(layout)
         self._layout = layout
         self._hubs = _Hubs(locate, sharded=layout.sharded)
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
 
     def _run(self, call: _Call) -> Outcome:
+        send = self._client.execute_command if self._conns is None else self._conns.call
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis {call.script.name} of {call.key!r}"):
             try:
-                reply = self._client.evalsha(
-                    call.script.sha, len(call.keys), *call.keys, *call.args
-                )
+                reply = send("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
             except NoScriptError:  # a restarted or flushed server: load and go again
                 self._client.script_load(call.script.source)
-                reply = self._client.evalsha(
-                    call.script.sha, len(call.keys), *call.keys, *call.args
-                )
+                reply = send("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
         return call.read(call.key, reply)
 
     def try_acquire(
@@ -960,6 +1052,8 @@ class RedisStore:
 
     def close(self) -> None:
         self._hubs.close()
+        if self._conns is not None:
+            self._conns.close()
         with contextlib.suppress(*_DRIVER_ERRORS):
             for client in [*self._nodes.opened(), *self._also_close]:
                 client.close()
@@ -982,21 +1076,23 @@ class AsyncRedisStore:
         self._client = client
         self._also_close = also_close
         self._nodes = nodes or _NodeClients(None)
+        self._conns = None if layout.sharded else _AsyncConnections(client.connection_pool)
         self._steps = _Steps(layout)
         self._layout = layout
         self._hubs = _AsyncHubs(locate, sharded=layout.sharded)
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
 
     async def _run(self, call: _Call) -> Outcome:
+        send = self._client.execute_command if self._conns is None else self._conns.call
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis {call.script.name} of {call.key!r}"):
             try:
-                reply = await self._client.evalsha(
-                    call.script.sha, len(call.keys), *call.keys, *call.args
+                reply = await send(
+                    "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
                 )
             except NoScriptError:
                 await self._client.script_load(call.script.source)
-                reply = await self._client.evalsha(
-                    call.script.sha, len(call.keys), *call.keys, *call.args
+                reply = await send(
+                    "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
                 )
         return call.read(call.key, reply)
 
@@ -1118,6 +1214,8 @@ class AsyncRedisStore:
 
     async def aclose(self) -> None:
         await self._hubs.aclose()
+        if self._conns is not None:
+            await self._conns.aclose()
         with contextlib.suppress(*_DRIVER_ERRORS):
             for client in [*self._nodes.opened(), *self._also_close]:
                 await client.aclose()

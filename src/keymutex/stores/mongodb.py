@@ -1,0 +1,787 @@
+"""``mongodb://…``, ``mongodb+srv://…``: leases in MongoDB (4.2 or later).
+
+**One document per key** in the collection ``keymutex_locks`` (option ``collection``) of
+the URL's database (else ``keymutex``; option ``database``). Its ``_id`` is
+``"<length of namespace>:<namespace>/<key>"``: unambiguous, and a namespace's keys
+share one prefix, so ``holders(prefix)`` is one anchored range on the ``_id`` index.
+
+    {_id, k: key, t: token, o: owner, i: info, f: fence,
+     a: acquired at, e: expires at, n: time of the last grant or renewal}
+
+``a``, ``e`` and ``n`` are ``Date``s from the **server's clock** (``$$NOW`` in an
+aggregation-pipeline update): every expiry is judged by the primary, never by clients.
+A lease is live while ``e > $$NOW`` and ``t`` is set.
+
+**Acquire is one round trip, granted or refused.** One ``find_one_and_update`` on
+``{_id}`` with ``upsert=True``, whose pipeline first computes *grant* = "no live lease,
+or steal", then sets every field to the new lease's value if *grant*, else to its own
+value, and returns the document *after* the update: it carries our token when
+granted, and is the current holder when refused, so a refusal says who holds the key
+and until when without a second read. (The classic shape — a filter that matches only
+a free document, where the upsert's ``DuplicateKeyError`` on ``_id`` means "locked"
+— needs that second read to name the holder.) A refusal changes nothing, which
+MongoDB applies as a no-op (nothing is written to the oplog). Two clients upserting
+a missing document at once collide on ``_id``; the server retries such an upsert
+(an equality filter on ``_id`` only), and so do we once, for older servers.
+
+**Fences without a second round trip.** The fence lives in the key's document: a grant
+sets ``f`` to ``max(f + 1, $$NOW in microseconds)``. A counter document (``$inc`` with
+``find_one_and_update``, upsert) would cost a second round trip on every acquire and
+make one hot document that every acquire of a namespace writes. The document is kept
+after release (the token is removed and ``e`` set to now), so a key's next fence is the
+last one plus one, through restarts and failovers (with ``w: majority``, the default
+since MongoDB 5.0). A TTL index on ``e`` (``expireAfterSeconds=GC_GRACE``) deletes a
+document a day after its last lease ended: the next grant then starts from the
+server's clock in microseconds, larger than every earlier fence unless the primary's
+clock went back more than the time elapsed since. Hence ``durable_fences=True``.
+
+**Renew** and **release** are one conditional update each (``{_id, t: token, e >
+$$NOW}``): ``e`` moves on, or the token is removed and ``e`` set to now. When the
+token no longer holds the key, a second read names the current holder for
+``LockLost``: a second round trip only on that rare path.
+
+**Waiting.** On a replica set or a sharded cluster (asked once with ``hello``) each
+store opens one change stream on the collection, read by one thread (or task), and
+wakes the waiters of a key when its lease is released or its document deleted
+(``notifies=True``); waiters still wake at the holder's expiry and recheck every
+second. A standalone server has no change streams: waiters poll with jittered backoff
+(``notifies=False``). Nothing is queued: ``fair=False``.
+
+**What is tested, and what is not.** No MongoDB server can be installed where this
+store was written. ``tests/unit/test_mongodb_store.py`` checks the pure parts — ids,
+filters, the update pipelines (their structure and the literal-wrapping of user
+values), the decoding of replies shaped as pymongo returns them, change events, URL
+and options. The conformance suite runs against a real server only when
+``KEYMUTEX_TEST_MONGODB_URL`` is set; until someone runs it, the I/O shells below,
+the change-stream waiting and the no-op claim for refusals are untested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import pymongo
+import pymongo.asynchronous.collection
+import pymongo.collection
+from pymongo import AsyncMongoClient, MongoClient, ReturnDocument
+from pymongo.errors import ConfigurationError, DuplicateKeyError, OperationFailure, PyMongoError
+
+from keymutex._errors import StoreError
+from keymutex._lease import Holder, Outcome
+from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex.stores._doorbell import Doorbell
+
+__all__ = ["AsyncMongoStore", "MongoStore", "driver"]
+
+_LOG = logging.getLogger("keymutex")
+
+CAPABILITIES = Capabilities(
+    notifies=False, fair=False, cross_process=True, durable_fences=True, clock="server"
+)
+DEFAULT_DATABASE = "keymutex"
+DEFAULT_COLLECTION = "keymutex_locks"
+GC_GRACE = 24 * 3600  # seconds a document outlives its last lease (TTL index on ``e``)
+# Timeouts pymongo gets unless the URL sets them: a lock call must not hang for 30 s.
+DEFAULT_TIMEOUTS_MS = {
+    "serverSelectionTimeoutMS": 5000,
+    "connectTimeoutMS": 5000,
+    "socketTimeoutMS": 10000,
+}
+WATCH_AWAIT_MS = 500  # a change stream's getMore waits this long, so close() is prompt
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_PROJECTION = {"k": 1, "t": 1, "o": 1, "i": 1, "f": 1, "a": 1, "e": 1, "n": 1}
+
+# -- documents, filters and pipelines (pure) -----------------------------------------
+
+
+def document_id(namespace: str, key: str) -> str:
+    """The ``_id`` of ``key``'s document: the namespace's length makes it unambiguous."""
+    return f"{len(namespace)}:{namespace}/{key}"
+
+
+def id_pattern(namespace: str, prefix: str) -> str:
+    """An anchored regex for the ``_id``s of ``namespace``'s keys that start with ``prefix``."""
+    return "^" + re.escape(document_id(namespace, prefix))
+
+
+_LIVE = {"$and": [{"$gt": ["$e", "$$NOW"]}, {"$ne": [{"$type": "$t"}, "missing"]}]}
+
+
+def acquire_filter(doc_id: str) -> dict[str, Any]:
+    # An equality on _id only: the server retries a colliding upsert itself.
+    return {"_id": doc_id}
+
+
+def acquire_pipeline(
+    key: str, token: str, ttl: float, owner: str, info: dict[str, Any] | None, steal: bool
+) -> list[dict[str, Any]]:
+    """Grant if no live lease (or ``steal``), else leave every field as it is.
+
+    User values are wrapped in ``$literal``: an owner or an info value that starts
+    with ``$`` is data, never a field path or an operator.
+    """
+    grant: Any = True if steal else {"$not": [_LIVE]}
+    fence = {
+        "$max": [
+            {"$add": [{"$ifNull": ["$f", 0]}, 1]},
+            {"$multiply": [{"$toLong": "$$NOW"}, 1000]},
+        ]
+    }
+    new = {
+        "k": {"$literal": key},
+        "t": {"$literal": token},
+        "o": {"$literal": owner},
+        "i": {"$literal": info},
+        "f": fence,
+        "a": "$$NOW",
+        "e": {"$add": ["$$NOW", _milliseconds(ttl)]},
+        "n": "$$NOW",
+    }
+    return [
+        {"$set": {"_grant": grant}},
+        {"$set": {name: {"$cond": ["$_grant", value, f"${name}"]} for name, value in new.items()}},
+        {"$unset": "_grant"},
+    ]
+
+
+def renew_filter(doc_id: str, token: str) -> dict[str, Any]:
+    return {"_id": doc_id, "t": token, "$expr": {"$gt": ["$e", "$$NOW"]}}
+
+
+def renew_pipeline(ttl: float) -> list[dict[str, Any]]:
+    return [{"$set": {"e": {"$add": ["$$NOW", _milliseconds(ttl)]}, "n": "$$NOW"}}]
+
+
+def release_filter(doc_id: str, token: str) -> dict[str, Any]:
+    return renew_filter(doc_id, token)
+
+
+# The document stays (its fence is the key's next one); the token goes, ``e`` ends now.
+RELEASE_PIPELINE: list[dict[str, Any]] = [{"$set": {"e": "$$NOW", "n": "$$NOW"}}, {"$unset": "t"}]
+
+
+def holder_filter(doc_id: str) -> dict[str, Any]:
+    return {"_id": doc_id, "t": {"$exists": True}, "$expr": {"$gt": ["$e", "$$NOW"]}}
+
+
+def holders_filter(namespace: str, prefix: str) -> dict[str, Any]:
+    return {
+        "_id": {"$regex": id_pattern(namespace, prefix)},
+        "t": {"$exists": True},
+        "$expr": {"$gt": ["$e", "$$NOW"]},
+    }
+
+
+def released_pipeline(namespace: str) -> list[dict[str, Any]]:
+    """The change-stream filter: this namespace's releases and deletions."""
+    return [
+        {
+            "$match": {
+                "documentKey._id": {"$regex": id_pattern(namespace, "")},
+                "$or": [
+                    {"operationType": "delete"},
+                    {"operationType": "update", "updateDescription.removedFields": "t"},
+                ],
+            }
+        }
+    ]
+
+
+def released_id(change: Mapping[str, Any]) -> str | None:
+    """The ``_id`` whose key a change-stream event frees, if any."""
+    kind = change.get("operationType")
+    doc_id = change.get("documentKey", {}).get("_id")
+    if not isinstance(doc_id, str):
+        return None
+    if kind == "delete":
+        return doc_id
+    if kind == "update" and "t" in change.get("updateDescription", {}).get("removedFields", []):
+        return doc_id
+    return None
+
+
+def notifies(hello: Mapping[str, Any]) -> bool:
+    """Whether a server with this ``hello`` reply has change streams (not a standalone)."""
+    return "setName" in hello or hello.get("msg") == "isdbgrid"
+
+
+def _milliseconds(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def unix_seconds(moment: datetime.datetime) -> float:
+    """A BSON date as pymongo decodes it (naive UTC, or aware) in UNIX seconds."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return (moment - _EPOCH).total_seconds()
+
+
+def decode_holder(doc: Mapping[str, Any]) -> Holder:
+    try:
+        info = doc.get("i")
+        return Holder(
+            key=str(doc["k"]),
+            owner=str(doc["o"]),
+            info=None if info is None else dict(info),
+            fence=int(doc["f"]),
+            acquired_at=unix_seconds(doc["a"]),
+            expires_at=unix_seconds(doc["e"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StoreError(f"MongoDB document {doc.get('_id')!r} is not a keymutex lease") from exc
+
+
+def acquire_outcome(doc: Mapping[str, Any] | None, token: str, now: float) -> Outcome:
+    """Read the document after an acquire: ours if it carries our token.
+
+    A grant's time left is measured on the server (``e - n``); a refusal's is
+    estimated with this host's wall clock ``now`` (it only tells a waiter when to
+    look again).
+    """
+    if doc is None:  # only without upsert; kept total for safety
+        return Outcome(False)
+    if doc.get("t") == token:
+        return _granted(doc)
+    if doc.get("t") is None:
+        return Outcome(False)
+    holder = decode_holder(doc)
+    return Outcome(False, holder, max(0.0, holder.expires_at - now))
+
+
+def _granted(doc: Mapping[str, Any]) -> Outcome:
+    holder = decode_holder(doc)
+    remaining = (doc["e"] - doc["n"]).total_seconds()
+    return Outcome(True, holder, remaining)
+
+
+def renew_outcome(doc: Mapping[str, Any] | None) -> Outcome | None:
+    """The outcome of a renewal that matched, or ``None``: the token holds nothing."""
+    return None if doc is None else _granted(doc)
+
+
+def holder_outcome(doc: Mapping[str, Any] | None, now: float) -> Outcome:
+    """A refusal (of renew or release) naming the current holder, read just after."""
+    if doc is None:
+        return Outcome(False)
+    holder = decode_holder(doc)
+    return Outcome(False, holder, max(0.0, holder.expires_at - now))
+
+
+# -- URLs and options (pure) ---------------------------------------------------------
+
+OPTIONS = frozenset({"database", "collection"})
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a URL and the options name: the URL for pymongo, extra client options, names."""
+
+    url: str
+    client_options: dict[str, Any]
+    database: str | None  # None: the URL's default database, else DEFAULT_DATABASE
+    collection: str
+
+
+def _name(value: object, what: str) -> str:
+    if not isinstance(value, str) or not value or "\0" in value or value.startswith("$"):
+        raise ValueError(
+            f"{what} must be a non-empty name without NUL or a leading $, not {value!r}"
+        )
+    return value
+
+
+def parse(url: str, options: Mapping[str, object]) -> Target:
+    unknown = set(options) - OPTIONS
+    if unknown:
+        raise TypeError(
+            f"unknown MongoDB store options {sorted(unknown)}; accepted: {sorted(OPTIONS)}"
+            " (client options such as replicaSet or tls go in the URL's query)"
+        )
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("mongodb", "mongodb+srv"):
+        raise ValueError(f"{url!r} is not a mongodb:// or mongodb+srv:// URL")
+    given = {name.lower() for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
+    client_options: dict[str, Any] = {
+        name: value for name, value in DEFAULT_TIMEOUTS_MS.items() if name.lower() not in given
+    }
+    if "appname" not in given:
+        client_options["appname"] = "keymutex"
+    database = options.get("database")
+    return Target(
+        url,
+        client_options,
+        None if database is None else _name(database, "database"),
+        _name(options.get("collection", DEFAULT_COLLECTION), "collection"),
+    )
+
+
+def _database_name(client: Any, target: Target) -> str:
+    if target.database is not None:
+        return target.database
+    return str(client.get_default_database(default=DEFAULT_DATABASE).name)
+
+
+# -- the synchronous store ---------------------------------------------------------
+
+
+class _MongoWaiter(Doorbell):
+    __slots__ = ("_watcher", "doc_id")
+
+    def __init__(self, watcher: _Watcher | None, doc_id: str) -> None:
+        super().__init__()
+        self._watcher = watcher
+        self.doc_id = doc_id
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.leave(self)
+
+
+class _Watcher:
+    """One change stream per store, read by one thread, that rings released keys' waiters.
+
+    ``join`` returns once the stream is open, so a release after it is never missed.
+    When the stream fails, every waiter is rung (each looks again) and it reopens.
+    """
+
+    def __init__(self, collection: pymongo.collection.Collection[Any], namespace: str) -> None:
+        self._collection = collection
+        self._pipeline = released_pipeline(namespace)
+        self._mutex = threading.Lock()
+        self._waiters: dict[str, set[_MongoWaiter]] = {}
+        self._open = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def join(self, waiter: _MongoWaiter, patience: float) -> None:
+        with self._mutex:
+            self._waiters.setdefault(waiter.doc_id, set()).add(waiter)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="keymutex-mongodb-watch", daemon=True
+                )
+                self._thread.start()
+        self._open.wait(patience)  # else the waiter relies on its rechecks
+
+    def leave(self, waiter: _MongoWaiter) -> None:
+        with self._mutex:
+            waiting = self._waiters.get(waiter.doc_id)
+            if waiting is not None:
+                waiting.discard(waiter)
+                if not waiting:
+                    del self._waiters[waiter.doc_id]
+
+    def _ring(self, doc_id: str | None) -> None:
+        with self._mutex:
+            if doc_id is None:
+                ringing = [w for waiting in self._waiters.values() for w in waiting]
+            else:
+                ringing = list(self._waiters.get(doc_id, ()))
+        for waiter in ringing:
+            waiter.ring()
+
+    def _run(self) -> None:
+        pause = 0.05
+        while not self._closed:
+            try:
+                with self._collection.watch(
+                    self._pipeline, max_await_time_ms=WATCH_AWAIT_MS
+                ) as stream:
+                    self._open.set()
+                    pause = 0.05
+                    while not self._closed and stream.alive:
+                        change = stream.try_next()
+                        if change is not None:
+                            self._ring(released_id(change))
+            except PyMongoError as exc:
+                if self._closed:
+                    return
+                _LOG.warning("MongoDB change stream failed, reopening: %s", exc)
+                self._open.clear()
+                self._ring(None)  # releases may have been missed: everyone looks again
+                time.sleep(pause)
+                pause = min(2.0, pause * 2)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._thread is not None:
+            self._thread.join(WATCH_AWAIT_MS / 1000 * 4)
+
+
+class MongoStore:
+    """The MongoDB store for one namespace (see the module for the guarantees)."""
+
+    def __init__(self, client: MongoClient[Any], target: Target, namespace: str) -> None:
+        self._client = client
+        self._namespace = namespace
+        self._collection = client[_database_name(client, target)][target.collection]
+        self.capabilities = CAPABILITIES
+        self._prepared = False
+        self._prepare_mutex = threading.Lock()
+        self._watcher: _Watcher | None = None
+
+    def _prepare(self) -> None:
+        """Once per store: ask the server what it is, and make sure of the TTL index."""
+        if self._prepared:
+            return
+        with self._prepare_mutex:
+            if self._prepared:
+                return
+            with translate_errors(PyMongoError, what="MongoDB hello"):
+                hello = self._client.admin.command("hello")
+            try:
+                self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
+            except OperationFailure as exc:  # e.g. no privilege: locks work, GC does not
+                _LOG.warning("MongoDB: cannot create the TTL index on 'e': %s", exc)
+            except PyMongoError as exc:
+                raise StoreError(f"MongoDB index creation: {exc}") from exc
+            if notifies(hello):
+                self._watcher = _Watcher(self._collection, self._namespace)
+                self.capabilities = replace(CAPABILITIES, notifies=True)
+            self._prepared = True
+
+    def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Any,
+    ) -> Outcome:
+        self._prepare()
+        doc_id = document_id(self._namespace, key)
+        pipeline = acquire_pipeline(key, token, ttl, owner, info, steal)
+        with translate_errors(PyMongoError, what=f"MongoDB acquire of {key!r}"):
+            for attempt in range(2):
+                try:
+                    doc = self._collection.find_one_and_update(
+                        acquire_filter(doc_id),
+                        pipeline,
+                        projection=_PROJECTION,
+                        upsert=True,
+                        return_document=ReturnDocument.AFTER,
+                    )
+                    break
+                except DuplicateKeyError:  # a concurrent upsert created it first
+                    if attempt:
+                        raise
+        return acquire_outcome(doc, token, time.time())
+
+    def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        self._prepare()
+        doc_id = document_id(self._namespace, key)
+        with translate_errors(PyMongoError, what=f"MongoDB renewal of {key!r}"):
+            doc = self._collection.find_one_and_update(
+                renew_filter(doc_id, token),
+                renew_pipeline(ttl),
+                projection=_PROJECTION,
+                return_document=ReturnDocument.AFTER,
+            )
+            found = renew_outcome(doc)
+            if found is not None:
+                return found
+            current = self._collection.find_one(holder_filter(doc_id), _PROJECTION)
+        return holder_outcome(current, time.time())
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        return [self.renew(r.key, r.token, r.ttl) for r in requests]
+
+    def release(self, key: str, token: str) -> Outcome:
+        self._prepare()
+        doc_id = document_id(self._namespace, key)
+        with translate_errors(PyMongoError, what=f"MongoDB release of {key!r}"):
+            doc = self._collection.find_one_and_update(
+                release_filter(doc_id, token), RELEASE_PIPELINE, projection={"_id": 1}
+            )
+            if doc is not None:
+                return Outcome(True)
+            current = self._collection.find_one(holder_filter(doc_id), _PROJECTION)
+        return holder_outcome(current, time.time())
+
+    def holder(self, key: str) -> Holder | None:
+        doc_id = document_id(self._namespace, key)
+        with translate_errors(PyMongoError, what=f"MongoDB read of {key!r}"):
+            doc = self._collection.find_one(holder_filter(doc_id), _PROJECTION)
+        return None if doc is None else decode_holder(doc)
+
+    def holders(self, prefix: str) -> list[Holder]:
+        with translate_errors(PyMongoError, what=f"MongoDB listing of {prefix!r}"):
+            docs = list(
+                self._collection.find(holders_filter(self._namespace, prefix), _PROJECTION).sort(
+                    "_id", pymongo.ASCENDING
+                )
+            )
+        return sorted((decode_holder(doc) for doc in docs), key=lambda holder: holder.key)
+
+    def waiter(self, key: str) -> _MongoWaiter:
+        self._prepare()
+        waiter = _MongoWaiter(self._watcher, document_id(self._namespace, key))
+        if self._watcher is not None:
+            self._watcher.join(waiter, DEFAULT_TIMEOUTS_MS["serverSelectionTimeoutMS"] / 1000)
+        return waiter
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.close()
+        self._client.close()
+
+
+# -- the asyncio store -------------------------------------------------------------
+
+
+class _AsyncMongoWaiter:
+    __slots__ = ("_event", "_watcher", "doc_id")
+
+    def __init__(self, watcher: _AsyncWatcher | None, doc_id: str) -> None:
+        self._watcher = watcher
+        self.doc_id = doc_id
+        self._event = asyncio.Event()
+
+    def ring(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                await self._event.wait()
+        except TimeoutError:
+            return False
+        finally:
+            rung = self._event.is_set()
+            self._event.clear()
+        return rung
+
+    async def aclose(self) -> None:
+        if self._watcher is not None:
+            self._watcher.leave(self)
+
+
+class _AsyncWatcher:
+    """``_Watcher`` for asyncio: one task reads the change stream."""
+
+    def __init__(
+        self, collection: pymongo.asynchronous.collection.AsyncCollection[Any], namespace: str
+    ) -> None:
+        self._collection = collection
+        self._pipeline = released_pipeline(namespace)
+        self._waiters: dict[str, set[_AsyncMongoWaiter]] = {}
+        self._open = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def join(self, waiter: _AsyncMongoWaiter, patience: float) -> None:
+        self._waiters.setdefault(waiter.doc_id, set()).add(waiter)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="keymutex-mongodb-watch"
+            )
+        with contextlib.suppress(TimeoutError):  # else the waiter relies on its rechecks
+            async with asyncio.timeout(patience):
+                await self._open.wait()
+
+    def leave(self, waiter: _AsyncMongoWaiter) -> None:
+        waiting = self._waiters.get(waiter.doc_id)
+        if waiting is not None:
+            waiting.discard(waiter)
+            if not waiting:
+                del self._waiters[waiter.doc_id]
+
+    def _ring(self, doc_id: str | None) -> None:
+        if doc_id is None:
+            ringing = [w for waiting in self._waiters.values() for w in waiting]
+        else:
+            ringing = list(self._waiters.get(doc_id, ()))
+        for waiter in ringing:
+            waiter.ring()
+
+    async def _run(self) -> None:
+        pause = 0.05
+        while True:
+            try:
+                async with await self._collection.watch(
+                    self._pipeline, max_await_time_ms=WATCH_AWAIT_MS
+                ) as stream:
+                    self._open.set()
+                    pause = 0.05
+                    while stream.alive:
+                        change = await stream.try_next()
+                        if change is not None:
+                            self._ring(released_id(change))
+            except PyMongoError as exc:
+                _LOG.warning("MongoDB change stream failed, reopening: %s", exc)
+                self._open.clear()
+                self._ring(None)
+                await asyncio.sleep(pause)
+                pause = min(2.0, pause * 2)
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class AsyncMongoStore:
+    """The MongoDB store for asyncio, on pymongo's native ``AsyncMongoClient``."""
+
+    def __init__(self, client: AsyncMongoClient[Any], target: Target, namespace: str) -> None:
+        self._client = client
+        self._namespace = namespace
+        self._collection = client[_database_name(client, target)][target.collection]
+        self.capabilities = CAPABILITIES
+        self._prepared = False
+        self._prepare_lock: asyncio.Lock | None = None
+        self._watcher: _AsyncWatcher | None = None
+
+    async def _prepare(self) -> None:
+        if self._prepared:
+            return
+        if self._prepare_lock is None:
+            self._prepare_lock = asyncio.Lock()
+        async with self._prepare_lock:
+            if self._prepared:
+                return
+            with translate_errors(PyMongoError, what="MongoDB hello"):
+                hello = await self._client.admin.command("hello")
+            try:
+                await self._collection.create_index(
+                    "e", expireAfterSeconds=GC_GRACE, name="keymutex_gc"
+                )
+            except OperationFailure as exc:
+                _LOG.warning("MongoDB: cannot create the TTL index on 'e': %s", exc)
+            except PyMongoError as exc:
+                raise StoreError(f"MongoDB index creation: {exc}") from exc
+            if notifies(hello):
+                self._watcher = _AsyncWatcher(self._collection, self._namespace)
+                self.capabilities = replace(CAPABILITIES, notifies=True)
+            self._prepared = True
+
+    async def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Any,
+    ) -> Outcome:
+        await self._prepare()
+        doc_id = document_id(self._namespace, key)
+        pipeline = acquire_pipeline(key, token, ttl, owner, info, steal)
+        with translate_errors(PyMongoError, what=f"MongoDB acquire of {key!r}"):
+            for attempt in range(2):
+                try:
+                    doc = await self._collection.find_one_and_update(
+                        acquire_filter(doc_id),
+                        pipeline,
+                        projection=_PROJECTION,
+                        upsert=True,
+                        return_document=ReturnDocument.AFTER,
+                    )
+                    break
+                except DuplicateKeyError:
+                    if attempt:
+                        raise
+        return acquire_outcome(doc, token, time.time())
+
+    async def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        await self._prepare()
+        doc_id = document_id(self._namespace, key)
+        with translate_errors(PyMongoError, what=f"MongoDB renewal of {key!r}"):
+            doc = await self._collection.find_one_and_update(
+                renew_filter(doc_id, token),
+                renew_pipeline(ttl),
+                projection=_PROJECTION,
+                return_document=ReturnDocument.AFTER,
+            )
+            found = renew_outcome(doc)
+            if found is not None:
+                return found
+            current = await self._collection.find_one(holder_filter(doc_id), _PROJECTION)
+        return holder_outcome(current, time.time())
+
+    async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        return list(await asyncio.gather(*(self.renew(r.key, r.token, r.ttl) for r in requests)))
+
+    async def release(self, key: str, token: str) -> Outcome:
+        await self._prepare()
+        doc_id = document_id(self._namespace, key)
+        with translate_errors(PyMongoError, what=f"MongoDB release of {key!r}"):
+            doc = await self._collection.find_one_and_update(
+                release_filter(doc_id, token), RELEASE_PIPELINE, projection={"_id": 1}
+            )
+            if doc is not None:
+                return Outcome(True)
+            current = await self._collection.find_one(holder_filter(doc_id), _PROJECTION)
+        return holder_outcome(current, time.time())
+
+    async def holder(self, key: str) -> Holder | None:
+        doc_id = document_id(self._namespace, key)
+        with translate_errors(PyMongoError, what=f"MongoDB read of {key!r}"):
+            doc = await self._collection.find_one(holder_filter(doc_id), _PROJECTION)
+        return None if doc is None else decode_holder(doc)
+
+    async def holders(self, prefix: str) -> list[Holder]:
+        with translate_errors(PyMongoError, what=f"MongoDB listing of {prefix!r}"):
+            cursor = self._collection.find(holders_filter(self._namespace, prefix), _PROJECTION)
+            docs = await cursor.sort("_id", pymongo.ASCENDING).to_list(None)
+        return sorted((decode_holder(doc) for doc in docs), key=lambda holder: holder.key)
+
+    async def waiter(self, key: str) -> _AsyncMongoWaiter:
+        await self._prepare()
+        waiter = _AsyncMongoWaiter(self._watcher, document_id(self._namespace, key))
+        if self._watcher is not None:
+            await self._watcher.join(
+                waiter, DEFAULT_TIMEOUTS_MS["serverSelectionTimeoutMS"] / 1000
+            )
+        return waiter
+
+    async def aclose(self) -> None:
+        if self._watcher is not None:
+            await self._watcher.aclose()
+        await self._client.close()
+
+
+# -- the driver --------------------------------------------------------------------
+
+
+class MongoDriver:
+    def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> MongoStore:
+        target = parse(url, options)
+        try:
+            client: MongoClient[Any] = MongoClient(target.url, **target.client_options)
+        except ConfigurationError as exc:  # InvalidURI among them
+            raise ValueError(f"{url!r} is not a usable MongoDB URL: {exc}") from None
+        try:
+            return MongoStore(client, target, namespace)
+        except BaseException:
+            client.close()
+            raise
+
+    def open_async(
+        self, url: str, *, namespace: str, options: Mapping[str, object]
+    ) -> AsyncMongoStore:
+        target = parse(url, options)
+        try:
+            client: AsyncMongoClient[Any] = AsyncMongoClient(target.url, **target.client_options)
+        except ConfigurationError as exc:
+            raise ValueError(f"{url!r} is not a usable MongoDB URL: {exc}") from None
+        return AsyncMongoStore(client, target, namespace)
+
+
+driver = MongoDriver()
