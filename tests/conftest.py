@@ -1,4 +1,10 @@
-"""Fixtures for every test directory: real servers (Redis, PostgreSQL, memcached),
+"""Fixtures for every test directory: real servers (Redis, PostgreSQL, memcached,
+ZooKeeper),
 started on first use and stopped at the end of the session (see the plugin modules)."""
 
-pytest_plugins = ["_memcached_fixtures", "_pg_fixtures", "_redis_fixtures"]
+pytest_plugins = [
+    "_memcached_fixtures",
+    "_pg_fixtures",
+    "_redis_fixtures",
+    "_zk_fixtures",
+]

@@ -119,6 +119,12 @@ STORES: list[StoreCase] = [
         lambda request, tmp_path: request.getfixturevalue("http_redis_url"),
         cross_process=True,
     ),
+    # A real ZooKeeper (a JVM), started once per session (tests/_zk_fixtures.py).
+    StoreCase(
+        "zookeeper",
+        lambda request, tmp_path: request.getfixturevalue("zookeeper_url"),
+        cross_process=True,
+    ),
     # A real memcached on a free port, started once per session (tests/_memcached_fixtures.py).
     StoreCase(
         "memcached",

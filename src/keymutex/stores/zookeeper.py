@@ -1,0 +1,950 @@
+"""``zookeeper://host:port[,host:port…][/chroot]``: leases as ephemeral sequential nodes.
+
+**Layout.** Under ``[/chroot]/keymutex`` each namespace has a node ``n<namespace>`` and
+each key a node ``k<key>`` below it (both percent-encoded, so any key is one ASCII
+path component). These are *container* nodes (ZooKeeper 3.5.3+): the server deletes
+one once it has no children left (every ``znode.container.checkIntervalMs``, one minute
+by default), so nothing piles up with the number of keys ever locked. A contender —
+an acquire in progress, queued or granted — is one ephemeral sequential child of its
+key's node, ``<digest>-<sequence>``, where ``<digest>`` is 128 bits of SHA-256 of its
+token. The token itself is never written to ZooKeeper (whose nodes anyone allowed to
+connect may read): the digest in the name is what proves ownership, and it lets a
+client find its own node again from a listing alone (a create whose reply was lost,
+a ``renew(key, token)`` from another process). Node data is compact JSON: state
+(``h`` holding, ``w`` waiting), owner, info, acquired-at (wall clock, for display) and
+the TTL in milliseconds.
+
+**Who holds a key.** The contender with the lowest sequence, once it is in state
+``h`` and its deadline has not passed. Nobody else is ever granted the key: a
+newcomer's node always sorts behind every existing one, so the queue is strictly
+first come, first served (``fair=True``), and no release can be missed (the node
+exists before the newcomer looks). Each waiter watches only the node just ahead of it
+(one data watch): a release wakes exactly one waiter, never a herd. A waiter
+that finds itself first claims the key by rewriting its node to ``h``. A key handed
+over like this to a waiter that does not claim it within ``HANDOVER_GRACE`` (as seen by
+the next contender's clock) is taken from it: its process is gone or stuck.
+
+**Fences** are the creation zxid (``czxid``) of the holder's node. Zxids are assigned
+by the leader in one total order, grow across leader elections (the epoch is their
+high half) and are never reused, and the holder is always the oldest contender left:
+every grant — first, after a release, after an expiry, a steal — gets a fence larger
+than any before it on that key, for as long as the ensemble's data directories live
+(``durable_fences=True``).
+
+**Time and sessions.** A ZooKeeper ephemeral node lives as long as the session that
+created it, not for a TTL. keymutex keeps a per-lease deadline on top:
+
+- a lease's deadline is its node's ``mtime`` (set by the leader when the lease was
+  granted or last renewed) plus its TTL, both by the *leader's* clock
+  (``clock="server"``): no client's clock is trusted. A contender learns the leader's
+  current time from its own writes (the ``mtime`` of its own node), and may delete an
+  expired holder's node — with a version check, so that a renewal that got there
+  first wins;
+- a renewal rewrites the node (``setData`` with its version): a new ``mtime``; one
+  that arrives after the deadline is undone and reported lost;
+- a lease also ends when its session does: when the holder's ``Locks`` is closed
+  (unlike other stores, closing *releases* its leases early — never late), when its
+  process dies, or when it stays disconnected longer than the negotiated session
+  timeout (option ``session_timeout``, 40 s by default; the server bounds it between
+  its ``minSessionTimeout`` and ``maxSessionTimeout``, 2 and 20 ticks by default). The
+  server cannot expire a session sooner than that timeout after it last heard of it,
+  so every grant and renewal reports ``remaining = min(ttl, session timeout)``: the
+  holder's local deadline always comes before the server could drop its node. While
+  disconnected, renewals fail and the lease is marked lost at that deadline, before
+  anyone else can be granted the key. Hence: a ``ttl`` longer than the session timeout
+  only lasts the session timeout as far as its holder knows, and a lease renewed in
+  the background (every ``ttl/3``) needs ``ttl < 3 × session timeout``.
+- a ``renew(key, token)`` from another client moves the deadline but cannot keep the
+  holder's *session* alive: only the holding client knows its session's state.
+
+**Steps** (round trips). Uncontended acquire [2]: create the node already holding,
+list the key's contenders, find it first. Release [1]: delete (by version). Renew [1]:
+``setData`` by version. A refused try [3, pipelined to 2]: create, list, then read the
+holder, set our node waiting and watch our predecessor at once. A woken waiter [2]:
+list, claim. ``renew(key, token)`` / ``release(key, token)`` from a client that did not
+grant the lease add a listing and a read. Writes go through the leader; reads may be
+served by a follower a little behind, which can only make a key look held longer.
+
+**Failures.** Every ZooKeeper error and every request that gets no reply within
+``timeout`` (10 s by default) becomes ``StoreError``. A create whose reply was lost may
+still have made its node: the client remembers the token digest and deletes such
+orphans as soon as the connection is back (or the session's end removes them). Watches
+do not survive a reconnection: every waiter is woken to look again, and waiters look
+again every second anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote, urlsplit
+
+from kazoo.client import KazooClient, KazooState  # type: ignore[import-untyped]
+from kazoo.exceptions import (  # type: ignore[import-untyped]
+    BadVersionError,
+    KazooException,
+    NodeExistsError,
+    NoNodeError,
+)
+from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
+from kazoo.protocol.serialization import Create2  # type: ignore[import-untyped]
+from kazoo.retry import KazooRetry  # type: ignore[import-untyped]
+from kazoo.security import OPEN_ACL_UNSAFE  # type: ignore[import-untyped]
+
+from keymutex._errors import StoreError
+from keymutex._lease import Holder, Outcome
+from keymutex._store import (
+    AsyncStore,
+    Capabilities,
+    RenewRequest,
+    ThreadedAsyncStore,
+    translate_errors,
+)
+from keymutex.stores._doorbell import Doorbell
+
+__all__ = ["ZooKeeperStore", "driver"]
+
+T = TypeVar("T")
+_LOG = logging.getLogger("keymutex")
+
+CAPABILITIES = Capabilities(
+    notifies=True, fair=True, cross_process=True, durable_fences=True, clock="server"
+)
+ROOT = "keymutex"
+DEFAULT_PORT = 2181
+# ZooKeeper's own default maxSessionTimeout (20 ticks of 2 s): the longest a default
+# server grants, so that the default ttl (30 s) is never cut short by the session.
+DEFAULT_SESSION_TIMEOUT = 40.0
+DEFAULT_TIMEOUT = 10.0
+# A key handed over to a waiter (its node is first but still waiting) that has not
+# claimed it after this long, by the clock of the contender that sees it, is taken
+# from it. A live waiter claims within milliseconds (its watch fires), or within a
+# second (its recheck) if the watch was lost with a connection.
+HANDOVER_GRACE = 3.0
+# Rounds of "look, delete an expired holder, look again" in one try before refusing.
+ROUNDS = 8
+# Granted leases whose node this client remembers (path and version), for one-round-
+# trip renewals and releases; the oldest are forgotten beyond this (they still work,
+# through a listing).
+REMEMBERED_LEASES = 10_000
+_DRIVER_ERRORS = (KazooException, KazooTimeoutError)
+_SEQUENCE_DIGITS = 10  # ZooKeeper appends %010d
+_HOLDING, _WAITING = "h", "w"
+
+
+class _CreateContainer(Create2):  # type: ignore[misc]
+    """``create2`` of a container node: kazoo has no option for it (opcode 19)."""
+
+    type = 19
+
+
+_CONTAINER_FLAG = 4
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
+
+
+def _sequence(name: str) -> int:
+    return int(name[-_SEQUENCE_DIGITS:])
+
+
+def _contenders(names: Iterable[str]) -> list[str]:
+    """Contender node names in queue order (foreign children are ignored)."""
+    return sorted(
+        (n for n in names if len(n) > _SEQUENCE_DIGITS + 1 and n[-_SEQUENCE_DIGITS:].isdigit()),
+        key=_sequence,
+    )
+
+
+def _encode_data(state: str, owner: str, info: dict[str, Any] | None, ttl_ms: int) -> bytes:
+    record = {"s": state, "o": owner, "i": info, "a": time.time(), "t": ttl_ms}
+    return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _ttl_ms(ttl: float) -> int:
+    # Rounded up: the server's deadline is never earlier than the holder's.
+    return max(1, math.ceil(ttl * 1000))
+
+
+@dataclass(slots=True)
+class _Node:
+    """A contender node as last seen: its path, data version, creation zxid, and data."""
+
+    path: str
+    version: int
+    czxid: int
+    record: dict[str, Any]
+    mtime: int
+    session: int  # the session the node lives and dies with
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition("/")[2]
+
+    @property
+    def deadline_ms(self) -> int:
+        """The lease's deadline by the leader's clock (meaningful in state ``h``)."""
+        return self.mtime + int(self.record.get("t", 0))
+
+
+def _node(path: str, data: bytes, stat: Any) -> _Node:
+    try:
+        record = json.loads(data.decode()) if data else {}
+    except ValueError:
+        record = {}
+    if not isinstance(record, dict):
+        record = {}
+    return _Node(
+        path, int(stat.version), int(stat.czxid), record, int(stat.mtime), int(stat.ephemeralOwner)
+    )
+
+
+class _ZooKeeperWaiter(Doorbell):
+    """A client waiting for a key: its contender node, once it has one.
+
+    The node is the place in the queue. Rung by the watch on the node just ahead, and
+    by every reconnection (watches do not survive one).
+    """
+
+    __slots__ = ("__weakref__", "digest", "key", "node", "store")
+
+    def __init__(self, store: ZooKeeperStore, key: str) -> None:
+        super().__init__()
+        self.store = store
+        self.key = key
+        self.node: _Node | None = None
+        self.digest: str | None = None
+
+    def _watched(self, event: object) -> None:
+        """kazoo's watch callback: the node ahead of ours changed or went away."""
+        self.ring()
+
+    def close(self) -> None:
+        self.store._leave(self)
+
+
+class ZooKeeperStore:
+    """The ``zookeeper://`` store for one namespace (one ZooKeeper session)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(
+        self,
+        client: Any,
+        namespace: str,
+        *,
+        chroot: str,
+        session_timeout: float,
+        timeout: float,
+    ) -> None:
+        self._client = client
+        self._root = f"{chroot}/{ROOT}"
+        self._base = f"{self._root}/n{quote(namespace, safe='')}"
+        self._timeout = timeout
+        self._mutex = threading.Lock()
+        # Until the server says otherwise, the session lasts what we asked for.
+        self._session_timeout = session_timeout
+        self._leases: dict[tuple[str, str], _Node] = {}
+        self._orphans: set[tuple[str, str]] = set()  # (key node path, token digest)
+        self._handovers: dict[tuple[str, int], float] = {}  # (path, mzxid) -> first seen
+        self._waiters: weakref.WeakSet[_ZooKeeperWaiter] = weakref.WeakSet()
+        self._offset_ms = 0.0  # the leader's wall clock minus ours, from our last write
+        self._closed = False
+        self._learn_session_timeouts()
+        client.add_listener(self._on_state)
+        # Connecting goes on in kazoo's thread; the first step waits for it.
+        self._connected = client.start_async()
+
+    # -- the session ---------------------------------------------------------------
+
+    def _learn_session_timeouts(self) -> None:
+        """Record the session timeout the server grants at every (re)connection.
+
+        kazoo does not keep the negotiated timeout anywhere; its connection's
+        ``_connect`` returns the read timeout it derives from it (two thirds). A
+        kazoo without that method leaves the requested timeout, with a warning.
+        """
+        connection: Any = getattr(self._client, "_connection", None)
+        connect = getattr(connection, "_connect", None)
+        if connect is None:
+            _LOG.warning(
+                "this kazoo does not expose the negotiated session timeout; assuming %.1f s",
+                self._session_timeout,
+            )
+            return
+
+        def learning_connect(*args: Any) -> Any:
+            read_timeout, connect_timeout = connect(*args)
+            self._session_timeout = read_timeout * 1.5 / 1000.0
+            return read_timeout, connect_timeout
+
+        connection._connect = learning_connect
+
+    def _on_state(self, state: Any) -> None:
+        """kazoo's connection thread: never block here."""
+        if state == KazooState.CONNECTED:
+            # Our watches died with the old connection: every waiter looks again.
+            for waiter in list(self._waiters):
+                waiter.ring()
+            if self._orphans and not self._closed:
+                self._client.handler.spawn(self._clean_orphans_quietly)
+        elif state == KazooState.LOST:
+            # The session ended (or was closed): its nodes are gone, and so are our
+            # queue places; waiters look again and queue anew.
+            with self._mutex:
+                self._leases.clear()
+                self._orphans.clear()
+            for waiter in list(self._waiters):
+                waiter.ring()
+
+    def _grant_cap(self, node: _Node, ttl: float) -> float:
+        """What a grant or renewal may report as remaining.
+
+        The node dies with its session, which the server cannot expire sooner than the
+        negotiated timeout after the step's request reached it. Another client's
+        session (a ``renew(key, token)`` from elsewhere) is not ours to know.
+        """
+        session = self._client.client_id
+        if session is not None and node.session == session[0]:
+            return min(ttl, self._session_timeout)
+        return ttl
+
+    # -- requests -------------------------------------------------------------------
+
+    def _wait(self, result: Any) -> Any:
+        """Wait for one kazoo request; no reply within the timeout is a ``StoreError``."""
+        return result.get(timeout=self._timeout)
+
+    def _write_seen(self, stat: Any, sent_wall: float) -> None:
+        """Learn the leader's clock from a write: its ``mtime`` is within our round trip."""
+        self._offset_ms = stat.mtime - (sent_wall + time.time()) * 500.0
+
+    def _server_estimate_ms(self) -> float:
+        """The leader's clock now, as well as our last write tells (for reads only)."""
+        return time.time() * 1000.0 + self._offset_ms
+
+    def _create_container(self, path: str) -> None:
+        result = self._client.handler.async_result()
+        request = _CreateContainer(path, b"", OPEN_ACL_UNSAFE, _CONTAINER_FLAG)
+        self._client._call(request, result)
+        with contextlib.suppress(NodeExistsError):
+            self._wait(result)
+
+    def _ensure_parents(self, path: str) -> None:
+        """Create ``path`` and its missing ancestors, as container nodes."""
+        missing = [path]
+        while missing:
+            try:
+                self._create_container(missing[-1])
+            except NoNodeError:
+                parent = missing[-1].rpartition("/")[0]
+                if not parent:
+                    raise
+                missing.append(parent)
+                continue
+            missing.pop()
+
+    def _create(self, parent: str, digest: str, data: bytes) -> tuple[_Node, int]:
+        """Create our contender node; (node, the leader's time of the create in ms)."""
+        for _ in range(ROUNDS):
+            sent_wall = time.time()
+            try:
+                path, stat = self._wait(
+                    self._client.create_async(
+                        f"{parent}/{digest}-",
+                        data,
+                        ephemeral=True,
+                        sequence=True,
+                        include_data=True,
+                    )
+                )
+            except NoNodeError:
+                # The key's node is missing, or the server just removed it as an
+                # empty container: make it (again).
+                self._ensure_parents(parent)
+                continue
+            except BaseException:
+                # The create may have reached the server with its reply lost: find
+                # the node by its digest later, and delete it.
+                with self._mutex:
+                    self._orphans.add((parent, digest))
+                raise
+            self._write_seen(stat, sent_wall)
+            return _node(path, data, stat), int(stat.mtime)
+        raise StoreError(f"ZooKeeper keeps removing {parent!r} while we create in it")
+
+    def _children(self, parent: str) -> list[str] | None:
+        """The contenders of a key in queue order; ``None`` if it has no node."""
+        try:
+            return _contenders(self._wait(self._client.get_children_async(parent)))
+        except NoNodeError:
+            return None
+
+    def _read(self, path: str) -> _Node | None:
+        try:
+            data, stat = self._wait(self._client.get_async(path))
+        except NoNodeError:
+            return None
+        return _node(path, data, stat)
+
+    def _delete(self, path: str, version: int = -1) -> bool:
+        """Delete a node; ``False`` if it was gone or changed meanwhile."""
+        try:
+            self._wait(self._client.delete_async(path, version))
+        except (NoNodeError, BadVersionError):
+            return False
+        return True
+
+    def _set(self, node: _Node, data: bytes) -> tuple[_Node, int] | None:
+        """Rewrite our node if unchanged since we saw it; (node, leader's time), or None."""
+        sent_wall = time.time()
+        try:
+            stat = self._wait(self._client.set_async(node.path, data, node.version))
+        except (NoNodeError, BadVersionError):
+            return None
+        self._write_seen(stat, sent_wall)
+        return _node(node.path, data, stat), int(stat.mtime)
+
+    # -- decisions on what a listing and a read show ---------------------------------
+
+    def _parent(self, key: str) -> str:
+        return f"{self._base}/k{quote(key, safe='')}"
+
+    def _holder(self, key: str, node: _Node) -> Holder:
+        record = node.record
+        return Holder(
+            key=key,
+            owner=str(record.get("o", "")),
+            info=record.get("i"),
+            fence=node.czxid,
+            acquired_at=float(record.get("a", 0.0)),
+            expires_at=(node.deadline_ms - self._offset_ms) / 1000.0,
+        )
+
+    def _live_holder(self, key: str, node: _Node | None) -> Holder | None:
+        """``node`` as a Holder if it holds by our best estimate of the leader's clock."""
+        if node is None or node.record.get("s") != _HOLDING:
+            return None
+        if node.deadline_ms <= self._server_estimate_ms():
+            return None
+        return self._holder(key, node)
+
+    def _stale_handover(self, node: _Node) -> bool:
+        """A waiting first node we have seen unclaimed for ``HANDOVER_GRACE`` seconds."""
+        now = time.monotonic()
+        seen = (node.path, node.mtime)
+        with self._mutex:
+            first = self._handovers.setdefault(seen, now)
+            if len(self._handovers) > 1000:
+                self._handovers = {
+                    k: v for k, v in self._handovers.items() if now - v < 10 * HANDOVER_GRACE
+                }
+        return now - first >= HANDOVER_GRACE
+
+    @contextlib.contextmanager
+    def _step(self, what: str) -> Iterator[None]:
+        """One step: connected (waiting up to ``timeout``), driver errors translated."""
+        with translate_errors(*_DRIVER_ERRORS, what=f"ZooKeeper: {what}"):
+            if not self._connected.is_set() and not self._connected.wait(self._timeout):
+                raise StoreError(
+                    f"ZooKeeper: {what}: not connected to {self._client.hosts!r}"
+                    f" after {self._timeout:g} s"
+                )
+            if self._orphans:  # nodes of creates whose reply was lost: first, delete them
+                self._clean_orphans()
+            yield
+
+    # -- the steps --------------------------------------------------------------------
+
+    def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Any,
+    ) -> Outcome:
+        assert waiter is None or isinstance(waiter, _ZooKeeperWaiter)
+        with self._step(f"acquiring {key!r}"):
+            return self._try_acquire(key, token, ttl, owner, info, steal, waiter)
+
+    def _try_acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: _ZooKeeperWaiter | None,
+    ) -> Outcome:
+        parent, digest, ttl_ms = self._parent(key), _digest(token), _ttl_ms(ttl)
+        mine: _Node | None = None
+        if waiter is not None and waiter.digest == digest:
+            mine = waiter.node
+        elif waiter is not None and waiter.node is not None:  # another token's place
+            self._leave(waiter)
+        # The leader's time, once one of our writes in this try has told it.
+        server_now: int | None = None
+        # True while our node holds the data of a grant made by this very try.
+        fresh_grant = False
+        try:
+            for _ in range(ROUNDS):
+                if mine is None:
+                    holding = _encode_data(_HOLDING, owner, info, ttl_ms)
+                    mine, server_now = self._create(parent, digest, holding)
+                    fresh_grant = True
+                    if waiter is not None:
+                        waiter.node, waiter.digest = mine, digest
+                queue = self._children(parent) or []
+                if mine.name not in queue:
+                    # Our node is gone: a steal, a handover we were too slow for, or
+                    # the session's end. Queue again, at the back.
+                    mine = None
+                    continue
+                position = queue.index(mine.name)
+                if steal and position > 0:
+                    self._take_over(parent, queue[:position])
+                    position = 0
+                if position == 0:
+                    if not fresh_grant:
+                        claimed = self._set(mine, _encode_data(_HOLDING, owner, info, ttl_ms))
+                        if claimed is None:  # taken from us meanwhile: queue again
+                            mine = None
+                            continue
+                        mine, server_now = claimed
+                    outcome = self._granted(key, token, mine, ttl, waiter)
+                    mine = None  # the lease's now, not ours to clean up
+                    return outcome
+                refusal, mine, server_now, fresh_grant = self._refused(
+                    key, parent, queue, position, mine, server_now, fresh_grant, waiter, owner
+                )
+                if waiter is not None:
+                    waiter.node = mine
+                if refusal is not None:
+                    return refusal
+            return Outcome(False, None)
+        except BaseException:
+            if waiter is None and mine is not None:
+                with self._mutex:  # deleted once the connection allows
+                    self._orphans.add((parent, digest))
+                mine = None
+            raise
+        finally:
+            if waiter is not None and mine is None:
+                waiter.node = None
+            elif waiter is None and mine is not None:
+                # A try without a waiter does not stay in the queue.
+                self._delete(mine.path)
+
+    def _take_over(self, parent: str, ahead: Sequence[str]) -> None:
+        """Steal: delete every contender ahead of ours, the holder first."""
+        results = [self._client.delete_async(f"{parent}/{name}") for name in ahead]
+        for result in results:
+            with contextlib.suppress(NoNodeError):
+                self._wait(result)
+
+    def _refused(
+        self,
+        key: str,
+        parent: str,
+        queue: list[str],
+        position: int,
+        mine: _Node,
+        server_now: int | None,
+        fresh_grant: bool,
+        waiter: _ZooKeeperWaiter | None,
+        owner: str,
+    ) -> tuple[Outcome | None, _Node, int | None, bool]:
+        """Someone is ahead of us: refuse, or clear an expired first contender away.
+
+        Returns (the outcome, or None to look again; our node; the leader's time; whether
+        our node still carries a grant's data).
+        """
+        first_path = f"{parent}/{queue[0]}"
+        first_result = self._client.get_async(first_path)
+        state_result = watch_result = None
+        sent_wall = time.time()
+        waiting = _encode_data(_WAITING, owner, None, 0)
+        if waiter is not None:
+            if fresh_grant:
+                # Our node was made holding (the uncontended case); as a waiter it
+                # must not look like a holder when it comes first.
+                state_result = self._client.set_async(mine.path, waiting, mine.version)
+            predecessor = f"{parent}/{queue[position - 1]}"
+            # ``get``, not ``exists``: on a node already gone, ``exists`` would leave a
+            # watch for its creation on the server until the session ends.
+            watch_result = self._client.get_async(predecessor, watch=waiter._watched)
+        try:
+            data, stat = self._wait(first_result)
+            first: _Node | None = _node(first_path, data, stat)
+        except NoNodeError:
+            first = None
+        if state_result is not None:
+            try:
+                stat = self._wait(state_result)
+            except (NoNodeError, BadVersionError):
+                return None, mine, server_now, fresh_grant  # look again
+            self._write_seen(stat, sent_wall)
+            mine = _node(mine.path, waiting, stat)
+            server_now, fresh_grant = int(stat.mtime), False
+        if watch_result is not None:
+            assert waiter is not None
+            try:
+                self._wait(watch_result)
+            except NoNodeError:
+                waiter.ring()  # gone before our watch was set: look again at once
+        if first is None:
+            return None, mine, server_now, fresh_grant
+        if first.record.get("s") == _HOLDING:
+            deadline = first.deadline_ms
+            if server_now is None and deadline <= self._server_estimate_ms() + 50:
+                # It looks expired: learn the leader's time exactly from a write of
+                # our own before deciding anything.
+                refreshed = self._set(mine, _encode_data(_WAITING, owner, None, 0))
+                if refreshed is None:
+                    return None, mine, server_now, fresh_grant
+                mine, server_now = refreshed
+                fresh_grant = False
+            if server_now is not None and server_now >= deadline:
+                # Expired by the leader's clock. The version check lets a renewal
+                # that got there first win.
+                self._delete(first.path, first.version)
+                return None, mine, server_now, fresh_grant
+            now = server_now if server_now is not None else self._server_estimate_ms()
+            holder = self._holder(key, first)
+            return (
+                Outcome(False, holder, max(0.0, (deadline - now) / 1000.0)),
+                mine,
+                server_now,
+                fresh_grant,
+            )
+        # The first contender waits to claim the key handed over to it.
+        if self._stale_handover(first):
+            self._delete(first.path, first.version)
+            return None, mine, server_now, fresh_grant
+        return Outcome(False, None), mine, server_now, fresh_grant
+
+    def _granted(
+        self, key: str, token: str, node: _Node, ttl: float, waiter: _ZooKeeperWaiter | None
+    ) -> Outcome:
+        if waiter is not None:
+            waiter.node = None  # the node is the lease now, not a place in the queue
+        with self._mutex:
+            self._leases[(key, token)] = node
+            if len(self._leases) > REMEMBERED_LEASES:
+                del self._leases[next(iter(self._leases))]
+        return Outcome(True, self._holder(key, node), self._grant_cap(node, ttl))
+
+    def _find_lease(self, key: str, token: str) -> tuple[_Node | None, Holder | None]:
+        """The node holding ``key`` for ``token``, else (None, the key's live holder)."""
+        queue = self._children(self._parent(key))
+        if not queue:
+            return None, None
+        first = self._read(f"{self._parent(key)}/{queue[0]}")
+        if first is None:
+            return None, None
+        if first.name.startswith(_digest(token) + "-") and first.record.get("s") == _HOLDING:
+            return first, None
+        return None, self._live_holder(key, first)
+
+    def _current_holder(self, key: str) -> Holder | None:
+        queue = self._children(self._parent(key))
+        if not queue:
+            return None
+        return self._live_holder(key, self._read(f"{self._parent(key)}/{queue[0]}"))
+
+    def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        return self.renew_many([RenewRequest(key, token, ttl)])[0]
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        with self._step(f"renewing {len(requests)} lease(s)"):
+            # Leases this client granted: one setData each, all sent at once.
+            pending: list[tuple[int, _Node, bytes, Any, float]] = []
+            outcomes: list[Outcome | None] = [None] * len(requests)
+            for index, request in enumerate(requests):
+                with self._mutex:
+                    node = self._leases.get((request.key, request.token))
+                if node is None:
+                    continue
+                data = self._renewed_data(node, request.ttl)
+                pending.append(
+                    (
+                        index,
+                        node,
+                        data,
+                        self._client.set_async(node.path, data, node.version),
+                        time.time(),
+                    )
+                )
+            for index, node, data, result, sent_wall in pending:
+                request = requests[index]
+                try:
+                    stat = self._wait(result)
+                except NoNodeError:
+                    self._forget(request.key, request.token)
+                    outcomes[index] = Outcome(False, self._current_holder(request.key))
+                    continue
+                except BadVersionError:  # renewed from elsewhere: look it up below
+                    self._forget(request.key, request.token)
+                    continue
+                self._write_seen(stat, sent_wall)
+                outcomes[index] = self._renewed(request, node, _node(node.path, data, stat))
+            for index, request in enumerate(requests):
+                if outcomes[index] is None:
+                    outcomes[index] = self._renew_found(request)
+            return [o for o in outcomes if o is not None]
+
+    def _renewed_data(self, node: _Node, ttl: float) -> bytes:
+        record = dict(node.record)
+        record["t"] = _ttl_ms(ttl)
+        return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def _renewed(self, request: RenewRequest, before: _Node, after: _Node) -> Outcome:
+        """A renewal landed: keep it, unless it came after the lease's deadline."""
+        if after.mtime >= before.deadline_ms:
+            # Expired before the renewal arrived (nobody had taken the key yet): undo,
+            # so that the token no longer holds it.
+            self._forget(request.key, request.token)
+            self._delete(after.path, after.version)
+            return Outcome(False, None)
+        with self._mutex:
+            self._leases[(request.key, request.token)] = after
+        return Outcome(True, self._holder(request.key, after), self._grant_cap(after, request.ttl))
+
+    def _renew_found(self, request: RenewRequest) -> Outcome:
+        """Renew a lease this client does not know: find its node by the token's digest."""
+        node, holder = self._find_lease(request.key, request.token)
+        if node is None:
+            return Outcome(False, holder)
+        data = self._renewed_data(node, request.ttl)
+        sent_wall = time.time()
+        try:
+            stat = self._wait(self._client.set_async(node.path, data, node.version))
+        except (NoNodeError, BadVersionError):
+            return Outcome(False, self._current_holder(request.key))
+        self._write_seen(stat, sent_wall)
+        return self._renewed(request, node, _node(node.path, data, stat))
+
+    def _forget(self, key: str, token: str) -> None:
+        with self._mutex:
+            self._leases.pop((key, token), None)
+
+    def release(self, key: str, token: str) -> Outcome:
+        with self._step(f"releasing {key!r}"):
+            with self._mutex:
+                node = self._leases.pop((key, token), None)
+            if node is not None:
+                try:
+                    self._wait(self._client.delete_async(node.path, node.version))
+                except NoNodeError:
+                    return Outcome(False, self._current_holder(key))
+                except BadVersionError:  # renewed from elsewhere: look it up
+                    node = None
+            if node is None:
+                node, holder = self._find_lease(key, token)
+                if node is None:
+                    return Outcome(False, holder)
+                if not self._delete(node.path, node.version):
+                    return Outcome(False, self._current_holder(key))
+            # Released; a lease already past its deadline was no longer ours to release.
+            return Outcome(node.deadline_ms > self._server_estimate_ms())
+
+    def holder(self, key: str) -> Holder | None:
+        with self._step(f"reading the holder of {key!r}"):
+            return self._current_holder(key)
+
+    def holders(self, prefix: str) -> list[Holder]:
+        with self._step(f"listing holders under {prefix!r}"):
+            try:
+                names = self._wait(self._client.get_children_async(self._base))
+            except NoNodeError:
+                return []
+            keys = sorted(
+                key
+                for key in (unquote(name[1:]) for name in names if name.startswith("k"))
+                if key.startswith(prefix)
+            )
+            listings = [(key, self._client.get_children_async(self._parent(key))) for key in keys]
+            reads: list[tuple[str, str, Any]] = []
+            for key, result in listings:
+                try:
+                    queue = _contenders(self._wait(result))
+                except NoNodeError:
+                    continue
+                if queue:
+                    path = f"{self._parent(key)}/{queue[0]}"
+                    reads.append((key, path, self._client.get_async(path)))
+            found = []
+            for key, path, result in reads:
+                try:
+                    data, stat = self._wait(result)
+                except NoNodeError:
+                    continue
+                holder = self._live_holder(key, _node(path, data, stat))
+                if holder is not None:
+                    found.append(holder)
+            return found
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def waiter(self, key: str) -> _ZooKeeperWaiter:
+        waiter = _ZooKeeperWaiter(self, key)
+        self._waiters.add(waiter)
+        return waiter
+
+    def _leave(self, waiter: _ZooKeeperWaiter) -> None:
+        """Take the waiter's node out of the queue (a key handed to it passes on)."""
+        node, waiter.node = waiter.node, None
+        digest, waiter.digest = waiter.digest, None
+        self._waiters.discard(waiter)
+        if node is None:
+            if self._orphans:  # a create of this waiter may have lost its reply
+                self._clean_orphans_quietly()
+            return
+        try:
+            with self._step(f"leaving the queue of {waiter.key!r}"):
+                self._delete(node.path)
+        except StoreError as exc:
+            # Found and deleted once the connection is back (or gone with the session).
+            _LOG.warning("could not leave the queue of %r: %s", waiter.key, exc)
+            with self._mutex:
+                self._orphans.add((self._parent(waiter.key), digest or node.name[:32]))
+
+    # -- orphans ------------------------------------------------------------------------
+
+    def _clean_orphans(self) -> None:
+        """Delete the nodes of creates whose reply was lost (see the module)."""
+        with self._mutex:
+            orphans = list(self._orphans)
+        for parent, digest in orphans:
+            for name in self._children(parent) or []:
+                if name.startswith(digest + "-"):
+                    self._delete(f"{parent}/{name}")
+            with self._mutex:
+                self._orphans.discard((parent, digest))
+
+    def _clean_orphans_quietly(self) -> None:
+        try:
+            with self._step("deleting orphaned nodes"):
+                pass  # the step itself deletes them
+        except StoreError as exc:
+            _LOG.warning("%s (will try again)", exc)
+
+    def close(self) -> None:
+        """End the session: ZooKeeper deletes its nodes, so its leases end now."""
+        self._closed = True
+        try:
+            self._client.stop()
+        finally:
+            self._client.close()
+
+
+# -- URLs ---------------------------------------------------------------------------
+
+OPTIONS = ("session_timeout", "timeout")
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    hosts: str
+    chroot: str
+    session_timeout: float
+    timeout: float
+
+
+def _seconds(options: Mapping[str, object], name: str, default: float) -> float:
+    value = options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be seconds (a number > 0), not {value!r}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be seconds > 0, not {value!r}")
+    return float(value)
+
+
+def parse(url: str, options: Mapping[str, object]) -> _Target:
+    """``zookeeper://host:port[,host:port…][/chroot]`` and the options, checked."""
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"unknown ZooKeeper store option(s) {sorted(unknown)}; accepted: {', '.join(OPTIONS)}"
+        )
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "zookeeper":
+        raise ValueError(f"{url!r} is not a zookeeper:// URL")
+    if parts.query or parts.fragment:
+        raise ValueError(
+            f"{url!r}: query parameters are not accepted; pass options as keyword"
+            f" arguments ({', '.join(OPTIONS)})"
+        )
+    if "@" in parts.netloc:
+        raise ValueError(f"{url!r}: credentials in ZooKeeper URLs are not supported")
+    hosts = []
+    for part in parts.netloc.split(","):
+        if part.startswith("["):  # an IPv6 address: [::1]:2181
+            host, _, rest = part[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else "" if not rest else "x"
+        else:
+            host, _, port = part.partition(":")
+        port = port or str(DEFAULT_PORT)
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"{url!r}: expected zookeeper://host:port[,host:port…][/chroot], got {part!r}"
+            )
+        hosts.append(f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}")
+    chroot = unquote(parts.path).rstrip("/")
+    components = chroot.split("/")[1:]
+    if any(c in ("", ".", "..") for c in components) or any(
+        ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in chroot
+    ):
+        raise ValueError(f"{url!r}: the chroot {chroot!r} is not a valid ZooKeeper path")
+    return _Target(
+        hosts=",".join(hosts),
+        chroot=chroot,
+        session_timeout=_seconds(options, "session_timeout", DEFAULT_SESSION_TIMEOUT),
+        timeout=_seconds(options, "timeout", DEFAULT_TIMEOUT),
+    )
+
+
+class ZooKeeperDriver:
+    def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> ZooKeeperStore:
+        target = parse(url, options)
+        # Reconnect quickly and forever: the session outlives short outages, and every
+        # request is bounded by ``timeout`` anyway.
+        retry = KazooRetry(max_tries=-1, delay=0.05, backoff=2, max_delay=1.0)
+        client = KazooClient(
+            hosts=target.hosts,
+            timeout=target.session_timeout,
+            connection_retry=retry,
+            command_retry=KazooRetry(max_tries=0),
+        )
+        return ZooKeeperStore(
+            client,
+            namespace,
+            chroot=target.chroot,
+            session_timeout=target.session_timeout,
+            timeout=target.timeout,
+        )
+
+    def open_async(self, url: str, *, namespace: str, options: Mapping[str, object]) -> AsyncStore:
+        # kazoo is built on threads: each step runs in a worker thread; waiting parks
+        # on the waiter's doorbell without holding one.
+        return ThreadedAsyncStore(
+            self.open(url, namespace=namespace, options=options), inline=False
+        )
+
+
+driver = ZooKeeperDriver()

@@ -1,0 +1,341 @@
+"""What the ZooKeeper store does inside ZooKeeper, seen with a plain kazoo client.
+
+Real servers only (tests/_zk_servers.py): the session's shared server for what does
+not disturb it, a private one for tests that freeze it. The conformance suite checks
+the public behaviour; these check the layout the module promises: one node per
+contender, one watch per waiter on its predecessor only, fences from ``czxid``, no
+node left behind, orphans cleaned, leases lost before the session could expire.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+import keymutex
+from _zk_fixtures import require_zookeeper
+
+kazoo_client = pytest.importorskip("kazoo.client")
+
+PATIENCE = 20.0
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"unit-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def raw(zookeeper_url: str) -> Iterator[Any]:
+    """A plain kazoo client on the shared server, to look at the nodes."""
+    client = kazoo_client.KazooClient(hosts=zookeeper_url.removeprefix("zookeeper://"))
+    client.start(timeout=PATIENCE)
+    yield client
+    client.stop()
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A private server: these tests freeze it."""
+    require_zookeeper()
+    import _zk_servers
+
+    with _zk_servers.standalone(tmp_path_factory.mktemp("zookeeper-own")) as server:
+        yield server
+
+
+def key_path(namespace: str, key: str) -> str:
+    return f"/keymutex/n{quote(namespace, safe='')}/k{quote(key, safe='')}"
+
+
+def contenders(raw: Any, namespace: str, key: str) -> list[str]:
+    try:
+        names = raw.get_children(key_path(namespace, key))
+    except kazoo_client.NoNodeError:
+        return []
+    return sorted(names, key=lambda name: int(name[-10:]))
+
+
+def wait_until(condition: Callable[[], bool], what: str, patience: float = PATIENCE) -> None:
+    deadline = time.monotonic() + patience
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {patience} s waiting until {what}")
+        time.sleep(0.01)
+
+
+def watches_by_path(server: Any) -> dict[str, int]:
+    """``wchp``: how many sessions watch each path."""
+    counts: dict[str, int] = {}
+    path = None
+    for line in server.command("wchp").splitlines():
+        if line.startswith("/"):
+            path = line.strip()
+            counts[path] = 0
+        elif line.strip().startswith("0x") and path is not None:
+            counts[path] += 1
+    return counts
+
+
+def test_each_waiter_watches_only_its_predecessor(
+    zookeeper_url: str, zookeeper_server: Any, raw: Any, namespace: str
+) -> None:
+    clients = [keymutex.Locks(zookeeper_url, namespace=namespace) for _ in range(5)]
+    try:
+        held = clients[0].acquire("doc", ttl=60)
+        got: list[keymutex.Lease] = []
+        threads = [
+            threading.Thread(target=lambda c=c: got.append(c.acquire("doc", timeout=PATIENCE)))
+            for c in clients[1:]
+        ]
+        for joined, thread in enumerate(threads, start=2):
+            thread.start()
+            # One at a time, so that the queue order is the start order.
+            wait_until(
+                lambda joined=joined: len(contenders(raw, namespace, "doc")) == joined, "queued"
+            )
+        wait_until(lambda: len(contenders(raw, namespace, "doc")) == 5, "five contenders")
+        queue = contenders(raw, namespace, "doc")
+        parent = key_path(namespace, "doc")
+
+        def watched_as_expected() -> bool:
+            watches = watches_by_path(zookeeper_server)
+            mine = {path: n for path, n in watches.items() if path.startswith(parent)}
+            # Every contender but the last is watched once, by its successor; the
+            # key's node (its list of children) by nobody.
+            return mine == {f"{parent}/{name}": 1 for name in queue[:-1]}
+
+        wait_until(watched_as_expected, "each waiter watches its predecessor")
+        records = [raw.get(f"{parent}/{name}")[0] for name in queue]
+        assert b'"s":"h"' in records[0]
+        assert all(b'"s":"w"' in record for record in records[1:])
+        assert all(held.token not in record.decode() for record in records)
+
+        # A release wakes exactly one waiter: the next in line.
+        held.release()
+        wait_until(lambda: len(got) == 1, "the first waiter is granted")
+        time.sleep(0.3)
+        assert len(got) == 1
+        assert got[0].fence == raw.get(f"{parent}/{queue[1]}")[1].czxid
+        for _ in range(3):
+            got[-1].release()
+            count = len(got)
+            wait_until(lambda count=count: len(got) == count + 1, "the next waiter")
+        fences = [lease.fence for lease in got]
+        assert fences == sorted(fences)
+        got[-1].release()
+        for thread in threads:
+            thread.join(PATIENCE)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_no_node_is_left_after_release(zookeeper_url: str, raw: Any, namespace: str) -> None:
+    with (
+        keymutex.Locks(zookeeper_url, namespace=namespace) as locks,
+        keymutex.Locks(zookeeper_url, namespace=namespace) as other,
+    ):
+        for key in ("a", "b/c", "ünï code"):
+            with locks.lock(key), pytest.raises(keymutex.Locked):
+                other.acquire(key, timeout=0.05)
+            assert contenders(raw, namespace, key) == []
+        # The key and namespace nodes are containers: the server removes them once
+        # empty (every second on the test server).
+        base = f"/keymutex/n{namespace}"
+        wait_until(lambda: raw.exists(base) is None, "the namespace's node is gone", 10)
+
+
+def test_fence_is_the_czxid_and_grows_across_expiry_and_steal(
+    zookeeper_url: str, raw: Any, namespace: str
+) -> None:
+    with (
+        keymutex.Locks(zookeeper_url, namespace=namespace) as first,
+        keymutex.Locks(zookeeper_url, namespace=namespace) as second,
+    ):
+        fences = []
+        lease = first.acquire("row", ttl=0.3)
+        (name,) = contenders(raw, namespace, "row")
+        assert lease.fence == raw.get(f"{key_path(namespace, 'row')}/{name}")[1].czxid
+        fences.append(lease.fence)
+        expired_node = name
+        lease = second.acquire("row", timeout=PATIENCE)  # after the expiry
+        (name,) = contenders(raw, namespace, "row")  # the expired node was deleted
+        assert name != expired_node
+        fences.append(lease.fence)
+        stolen = first.acquire("row", steal=True, timeout=0)
+        fences.append(stolen.fence)
+        (name,) = contenders(raw, namespace, "row")
+        assert stolen.fence == raw.get(f"{key_path(namespace, 'row')}/{name}")[1].czxid
+        with pytest.raises(keymutex.LockLost):
+            lease.renew()
+        stolen.release()
+        assert fences == sorted(set(fences))
+
+
+def test_a_renewal_after_the_deadline_is_undone(zookeeper_url: str, namespace: str) -> None:
+    with keymutex.Locks(zookeeper_url, namespace=namespace) as locks:
+        lease = locks.acquire("row", ttl=0.2)
+        time.sleep(0.4)  # past the deadline by the server's clock; nobody took the key
+        with pytest.raises(keymutex.LockLost):
+            locks.renew("row", lease.token)
+        assert locks.holder("row") is None
+
+
+def test_orphaned_contender_node_is_cleaned(own_server: Any, namespace: str) -> None:
+    """A create that reached the server while its reply did not reach us."""
+    url = own_server.url
+    raw = kazoo_client.KazooClient(hosts=own_server.address)
+    raw.start(timeout=PATIENCE)
+    try:
+        with keymutex.Locks(url, namespace=namespace, timeout=0.5) as locks:
+            locks.acquire("warm-up", timeout=0).release()  # connected, paths made
+            locks.acquire("job", timeout=0).release()
+            own_server.pause()
+            try:
+                with pytest.raises(keymutex.StoreError):
+                    locks.acquire("job", timeout=0)  # no reply within 0.5 s
+            finally:
+                own_server.resume()
+            # The create was queued on the socket: the server makes the node now.
+            wait_until(lambda: len(contenders(raw, namespace, "job")) == 1, "the orphan")
+            (orphan,) = contenders(raw, namespace, "job")
+            # The next step of that client finds it by its digest and deletes it.
+            assert locks.holder("job") is None
+            assert contenders(raw, namespace, "job") == []
+            lease = locks.acquire("job", timeout=0)
+            assert contenders(raw, namespace, "job") != [orphan]
+            lease.release()
+    finally:
+        raw.stop()
+        raw.close()
+
+
+def test_session_loss_marks_leases_lost_before_the_server_frees_them(
+    own_server: Any, namespace: str
+) -> None:
+    lost: list[tuple[float, keymutex.Lease]] = []
+    url = own_server.url
+    session = 2.0
+    with (
+        keymutex.Locks(url, namespace=namespace, session_timeout=session, timeout=1.0) as holder,
+        keymutex.Locks(url, namespace=namespace, owner="other") as other,
+    ):
+        lease = holder.acquire(
+            "job",
+            ttl=4.0,
+            renew=True,
+            on_lost=lambda lease: lost.append((time.monotonic(), lease)),
+        )
+        # The session, not the TTL, bounds what the holder may count on.
+        assert lease.remaining <= session
+        time.sleep(1.5)  # renewed once (every ttl/3): still held
+        assert not lease.lost
+        paused_at = time.monotonic()
+        own_server.pause()
+        try:
+            # ``lost`` turns True at the lease's local deadline: within one session
+            # timeout of the last renewal that reached the server.
+            wait_until(lambda: lease.lost, "the holder sees its lease lost", 10)
+            lost_at = time.monotonic()
+            assert lost_at - paused_at <= session + 0.05
+            # on_lost fires once the failing renewal call returns (up to ``timeout``).
+            wait_until(lambda: lost != [], "on_lost is called", 10)
+        finally:
+            own_server.resume()
+        newer = other.acquire("job", timeout=PATIENCE)
+        granted_at = time.monotonic()
+        assert lost_at < granted_at
+        assert newer.fence > lease.fence
+        print(
+            f"\nlost {lost_at - paused_at:.2f} s after the pause; the key went to another"
+            f" client {granted_at - paused_at:.2f} s after it"
+        )
+        newer.release()
+        with pytest.raises(keymutex.LockLost):
+            lease.release()
+
+
+def test_the_negotiated_session_timeout_bounds_remaining(own_server: Any, namespace: str) -> None:
+    # The test server grants at most 60 s, whatever is asked.
+    with keymutex.Locks(own_server.url, namespace=namespace, session_timeout=500.0) as locks:
+        lease = locks.acquire("job", ttl=100.0)
+        assert 55 < lease.remaining <= 60
+        assert abs(lease.expires_at - time.time() - 100) < 2  # the node keeps the TTL
+        lease.release()
+
+
+def test_chroot(zookeeper_url: str, raw: Any, namespace: str) -> None:
+    chroot = f"/apps/{namespace}"
+    with keymutex.Locks(f"{zookeeper_url}{chroot}", namespace=namespace) as locks:
+        lease = locks.acquire("doc")
+        names = raw.get_children(f"{chroot}/keymutex/n{namespace}/kdoc")
+        assert len(names) == 1
+        lease.release()
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts", "chroot"),
+    [
+        ("zookeeper://zk1:2181", "zk1:2181", ""),
+        ("zookeeper://zk1", "zk1:2181", ""),
+        ("zookeeper://zk1:1,zk2:2,zk3:3/a/b", "zk1:1,zk2:2,zk3:3", "/a/b"),
+        ("zookeeper://[::1]:2182/", "[::1]:2182", ""),
+    ],
+)
+def test_urls(url: str, hosts: str, chroot: str) -> None:
+    from keymutex.stores import zookeeper
+
+    target = zookeeper.parse(url, {})
+    assert (target.hosts, target.chroot) == (hosts, chroot)
+    assert target.session_timeout == zookeeper.DEFAULT_SESSION_TIMEOUT
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "zookeeper://",
+        "zookeeper://zk1:notaport",
+        "zookeeper://zk1:2181/a//b",
+        "zookeeper://zk1:2181/a/../b",
+        "zookeeper://zk1:2181?session_timeout=3",
+        "zookeeper://user:pw@zk1:2181",
+    ],
+)
+def test_bad_urls(url: str) -> None:
+    from keymutex.stores import zookeeper
+
+    with pytest.raises(ValueError, match="zookeeper"):
+        zookeeper.parse(url, {})
+
+
+def test_bad_options() -> None:
+    from keymutex.stores import zookeeper
+
+    with pytest.raises(TypeError, match="session_timeout"):
+        zookeeper.parse("zookeeper://zk1", {"sesion_timeout": 3})
+    with pytest.raises(ValueError, match="session_timeout"):
+        zookeeper.parse("zookeeper://zk1", {"session_timeout": 0})
+    with pytest.raises(TypeError, match="timeout"):
+        zookeeper.parse("zookeeper://zk1", {"timeout": "3"})
+
+
+def test_unreachable_server_is_a_store_error(namespace: str, tmp_path: Path) -> None:
+    import _zk_servers
+
+    port = _zk_servers._free_port()  # nobody listens there
+    with keymutex.Locks(
+        f"zookeeper://127.0.0.1:{port}", namespace=namespace, timeout=0.3
+    ) as locks:
+        started = time.monotonic()
+        with pytest.raises(keymutex.StoreError, match="not connected"):
+            locks.acquire("job", timeout=0)
+        assert time.monotonic() - started < 5
