@@ -588,6 +588,7 @@ class Locks:
 
     def _renew_lease(self, lease: Lease, ttl: float | None) -> None:
         ttl = lease._ttl if ttl is None else check_ttl(ttl)
+        lease._check_process()
         with lease._renewing:
             if lease._released or lease._lost:
                 raise LockLost(lease.key, lease._new_holder)
@@ -606,6 +607,7 @@ class Locks:
         raise self._lost(lease, outcome.holder)
 
     def _release_lease(self, lease: Lease) -> None:
+        lease._check_process()
         self._renewer.discard(lease)
         if lease._released:
             holder = self._holder_if_known(lease.key)
@@ -1005,6 +1007,7 @@ class AsyncLocks:
 
     async def _renew_lease(self, lease: AsyncLease, ttl: float | None) -> None:
         ttl = lease._ttl if ttl is None else check_ttl(ttl)
+        lease._check_process()
         async with lease._renewing:
             if lease._released or lease._lost:
                 raise LockLost(lease.key, lease._new_holder)
@@ -1021,6 +1024,7 @@ class AsyncLocks:
         raise self._lost(lease, outcome.holder)
 
     async def _release_lease(self, lease: AsyncLease) -> None:
+        lease._check_process()
         self._renewer.discard(lease)
         if lease._released:
             holder = await self._holder_if_known(lease.key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from keymutex import _clock
+from keymutex._errors import LockLost
 
 if TYPE_CHECKING:
     from keymutex._client import AsyncLocks, Locks
@@ -78,6 +80,7 @@ class LeaseState:
         "_mutex",
         "_new_holder",
         "_on_lost",
+        "_pid",
         "_released",
         "_ttl",
         "acquired_at",
@@ -115,6 +118,7 @@ class LeaseState:
         self._released = False
         self._new_holder: Holder | None = None
         self._mutex = threading.Lock()
+        self._pid = os.getpid()  # a forked child holds a copy, not the lease
         self._granted(outcome, sent_at, ttl)
 
     def _granted(self, outcome: Outcome, sent_at: float, ttl: float) -> None:
@@ -140,6 +144,16 @@ class LeaseState:
     def lost(self) -> bool:
         """``True`` once the lease is known to be gone, or its deadline has passed."""
         return self._lost or (not self._released and self.remaining <= 0)
+
+    def _check_process(self) -> None:
+        """A lease is renewed and released only by the process it was granted to."""
+        if self._pid != os.getpid():
+            raise LockLost(
+                self.key,
+                None,
+                f"the lease on {self.key!r} belongs to process {self._pid}, not to this"
+                " forked child; a child that must end it calls locks.release(key, token)",
+            )
 
     def _mark_lost(self, holder: Holder | None) -> bool:
         """Record the loss; ``True`` the first time, when ``on_lost`` is due."""

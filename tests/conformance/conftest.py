@@ -119,17 +119,15 @@ STORES: list[StoreCase] = [
         lambda request, tmp_path: request.getfixturevalue("http_redis_url"),
         cross_process=True,
     ),
-    # A real ZooKeeper (a JVM), started once per session (tests/_zk_fixtures.py).
-    StoreCase(
-        "zookeeper",
-        lambda request, tmp_path: request.getfixturevalue("zookeeper_url"),
-        cross_process=True,
-    ),
     # A real memcached on a free port, started once per session (tests/_memcached_fixtures.py).
     StoreCase(
         "memcached",
         lambda request, tmp_path: request.getfixturevalue("memcached_url"),
         cross_process=True,
+    ),
+    # A real etcd (one member) on free ports, started once per session (tests/_etcd_fixtures.py).
+    StoreCase(
+        "etcd", lambda request, tmp_path: request.getfixturevalue("etcd_url"), cross_process=True
     ),
     # A real MongoDB (4.2+) only where KEYMUTEX_TEST_MONGODB_URL names one: none can be
     # installed on the development machine. Without it the case is left out, and one
@@ -144,6 +142,12 @@ STORES: list[StoreCase] = [
         ]
         if os.environ.get("KEYMUTEX_TEST_MONGODB_URL")
         else []
+    ),
+    # A real ZooKeeper (a JVM), started once per session (tests/_zk_fixtures.py).
+    StoreCase(
+        "zookeeper",
+        lambda request, tmp_path: request.getfixturevalue("zookeeper_url"),
+        cross_process=True,
     ),
 ]
 

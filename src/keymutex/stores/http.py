@@ -6,11 +6,14 @@
   endpoints. One pooled ``httpx`` client per store keeps connections alive.
 - Tokens are drawn by the client as for every store, and sent with the acquire: a
   lease's token works from any process, through any server of the same store.
-- Waiting: a refused ``try_acquire`` records on its waiter the fence of the holder it
-  saw; the waiter long-polls ``/v1/wait`` with that fence, which the server answers as
-  soon as that lease no longer holds the key (checked on arrival: a release between
-  the refusal and the poll is never missed). Not fair across clients: whoever tries
-  first after a release gets the key.
+- Waiting happens at the server: a refused ``try_acquire`` records its arguments on
+  its waiter, and the waiter's wait is ``/v1/acquire`` again with the same token and a
+  ``timeout`` (capped by the server). The server waits with its own store, in that
+  store's order (first come, first served on SQLite and memory; hand-over on Redis),
+  so a release wakes one waiter, not a herd. A grant during the wait is kept on the
+  waiter and returned by the next ``try_acquire`` without a request, its time left
+  reduced by the time since the reply and a round trip; a waiter that gives up after
+  asking releases, by its token, whatever it may have been granted.
 - Fences, durability and clock are those of the server's store; ``durable_fences`` is
   read from ``/healthz`` at the first step (``False`` until then). TTLs are measured by
   the server's store; ``remaining`` is counted from before each request was sent.
@@ -37,11 +40,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._version import __version__
-from keymutex._wait import Backoff
 
 __all__ = ["AsyncHttpStore", "HttpStore", "driver"]
 
@@ -150,18 +153,19 @@ class _Protocol:
         owner: str,
         info: dict[str, Any] | None,
         steal: bool,
+        timeout: float = 0.0,
     ) -> _Call:
         body = {
             "namespace": self.namespace,
             "key": key,
             "token": token,
             "ttl": ttl,
-            "timeout": 0,
+            "timeout": timeout,
             "owner": owner,
             "info": info,
             "steal": steal,
         }
-        return _Call("POST", "/v1/acquire", body)
+        return _Call("POST", "/v1/acquire", body, wait=timeout)
 
     @staticmethod
     def acquired(status: int, payload: JSONDict) -> Outcome:
@@ -240,16 +244,6 @@ class _Protocol:
             found = [_holder(item) for item in payload["holders"]]
         return sorted((h for h in found if h is not None), key=lambda h: h.key)
 
-    def wait(self, key: str, fence: int | None, timeout: float) -> _Call:
-        body = {"namespace": self.namespace, "key": key, "fence": fence, "timeout": timeout}
-        return _Call("POST", "/v1/wait", body, wait=timeout)
-
-    @staticmethod
-    def waited(status: int, payload: JSONDict) -> tuple[bool, Holder | None]:
-        _expect("wait", status, payload)
-        with _reading("wait"):
-            return bool(payload["changed"]), _holder(payload["holder"])
-
     @staticmethod
     def health() -> _Call:
         return _Call("GET", "/healthz")
@@ -274,27 +268,60 @@ def _decode(response: httpx.Response) -> tuple[int, JSONDict]:
 
 
 class _WaiterState:
-    """What a waiter knows: the fence of the holder its last refused try saw.
+    """A waiter waits *at the server*: its wait is the acquire itself, with a timeout.
 
-    ``None`` means the try saw the key free, and was refused all the same (someone
-    queued at the server's store goes first): the server answers such a poll at once,
-    so the waiter then parks a short backoff step instead of polling in a loop.
+    The server queues it with its store (FIFO where the store is fair) and grants it
+    the key the moment it is its turn, so one release wakes one waiter, with no herd
+    of retries. A grant that comes during the wait is kept here, and the next
+    ``try_acquire`` of this waiter returns it without another request.
     """
 
     def __init__(self, key: str) -> None:
         self.key = key
-        self.fence: int | None = None
-        self._backoff = Backoff(initial=0.005, maximum=0.1)
+        self.request: dict[str, Any] | None = None  # the refused acquire's arguments
+        self.round_trip = 0.0  # of that refused acquire: bounds a reply's transit time
+        self.granted: tuple[Outcome, float] | None = None  # and when its reply came
+        self.asked = False  # an acquire was sent while waiting: the key may be ours
 
-    def saw(self, outcome: Outcome) -> None:
-        if not outcome.ok:
-            self.fence = None if outcome.holder is None else outcome.holder.fence
+    def refused(self, request: dict[str, Any], round_trip: float) -> None:
+        self.request, self.round_trip = request, round_trip
 
-    def pause_after(self, holder: Holder | None, timeout: float) -> float:
-        """Seconds to park after a poll that answered with ``holder``."""
-        if self.fence is None and holder is None:
-            return min(timeout, self._backoff.next())
-        return 0.0
+    def wait_call(self, protocol: _Protocol, timeout: float) -> _Call | None:
+        if self.request is None:
+            return None
+        self.asked = True
+        return protocol.acquire(self.key, **self.request, steal=False, timeout=timeout)
+
+    def answered(self, outcome: Outcome) -> bool:
+        if outcome.ok:
+            self.granted = (outcome, _clock.monotonic())
+        else:
+            self.asked = False  # refused for good: nothing of ours to give back
+        return outcome.ok
+
+    def take_grant(self) -> Outcome | None:
+        """The grant that came while waiting, its time left counted from now.
+
+        The server's ``expires_in`` was measured when it answered: the time since the
+        reply came, and a whole round trip for its way here, are taken off.
+        """
+        if self.granted is None:
+            return None
+        (outcome, received_at), self.granted = self.granted, None
+        self.asked = False
+        remaining = outcome.remaining
+        if remaining is not None:
+            spent = _clock.monotonic() - received_at + self.round_trip
+            remaining = max(0.0, remaining - spent)
+        return Outcome(True, outcome.holder, remaining)
+
+    def unclaimed_token(self) -> str | None:
+        """The token of an acquire this waiter sent but whose grant nobody took."""
+        if self.request is None or not (self.asked or self.granted is not None):
+            return None
+        token = self.request["token"]
+        assert isinstance(token, str)
+        return token
 
 
 _JSON_BODY = {"Content-Type": "application/json"}
@@ -320,17 +347,21 @@ class _HttpWaiter(_WaiterState):
         self._store = store
 
     def wait(self, timeout: float) -> bool:
-        changed, holder = self._store._wait(self.key, self.fence, timeout)
-        pause = self.pause_after(holder, timeout)
-        if pause:
-            time.sleep(pause)
-        return changed
+        call = self.wait_call(self._store._protocol, timeout)
+        if call is None:
+            time.sleep(timeout)
+            return False
+        return self.answered(_Protocol.acquired(*self._store._send(call)))
 
     async def wait_async(self, timeout: float) -> bool:
         return await asyncio.to_thread(self.wait, timeout)
 
     def close(self) -> None:
-        """Nothing to leave: the server keeps no queue for this waiter."""
+        """Give back a grant that came while waiting but was never taken."""
+        token = self.unclaimed_token()
+        if token is not None:
+            with contextlib.suppress(StoreError, ValueError):
+                self._store.release(self.key, token)
 
 
 class HttpStore:
@@ -384,10 +415,15 @@ class HttpStore:
         waiter: Any,
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _HttpWaiter)
+        granted = None if waiter is None else waiter.take_grant()
+        if granted is not None:
+            return granted
+        sent_at = _clock.monotonic()
         call = self._protocol.acquire(key, token, ttl, owner, info, steal)
         outcome = _Protocol.acquired(*self._send(call))
-        if waiter is not None:
-            waiter.saw(outcome)
+        if waiter is not None and not outcome.ok:
+            request = {"token": token, "ttl": ttl, "owner": owner, "info": info}
+            waiter.refused(request, _clock.monotonic() - sent_at)
         return outcome
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
@@ -408,9 +444,6 @@ class HttpStore:
     def holders(self, prefix: str) -> list[Holder]:
         return _Protocol.listed(*self._send(self._protocol.holders(prefix)))
 
-    def _wait(self, key: str, fence: int | None, timeout: float) -> tuple[bool, Holder | None]:
-        return _Protocol.waited(*self._send(self._protocol.wait(key, fence, timeout)))
-
     def waiter(self, key: str) -> _HttpWaiter:
         return _HttpWaiter(self, key)
 
@@ -427,14 +460,18 @@ class _AsyncHttpWaiter(_WaiterState):
         self._store = store
 
     async def wait(self, timeout: float) -> bool:
-        changed, holder = await self._store._wait(self.key, self.fence, timeout)
-        pause = self.pause_after(holder, timeout)
-        if pause:
-            await asyncio.sleep(pause)
-        return changed
+        call = self.wait_call(self._store._protocol, timeout)
+        if call is None:
+            await asyncio.sleep(timeout)
+            return False
+        return self.answered(_Protocol.acquired(*await self._store._send(call)))
 
     async def aclose(self) -> None:
-        """Nothing to leave: the server keeps no queue for this waiter."""
+        """Give back a grant that came while waiting but was never taken."""
+        token = self.unclaimed_token()
+        if token is not None:
+            with contextlib.suppress(StoreError, ValueError):
+                await self._store.release(self.key, token)
 
 
 class AsyncHttpStore:
@@ -490,10 +527,15 @@ class AsyncHttpStore:
         waiter: Any,
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _AsyncHttpWaiter)
+        granted = None if waiter is None else waiter.take_grant()
+        if granted is not None:
+            return granted
+        sent_at = _clock.monotonic()
         call = self._protocol.acquire(key, token, ttl, owner, info, steal)
         outcome = _Protocol.acquired(*await self._send(call))
-        if waiter is not None:
-            waiter.saw(outcome)
+        if waiter is not None and not outcome.ok:
+            request = {"token": token, "ttl": ttl, "owner": owner, "info": info}
+            waiter.refused(request, _clock.monotonic() - sent_at)
         return outcome
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
@@ -513,11 +555,6 @@ class AsyncHttpStore:
 
     async def holders(self, prefix: str) -> list[Holder]:
         return _Protocol.listed(*await self._send(self._protocol.holders(prefix)))
-
-    async def _wait(
-        self, key: str, fence: int | None, timeout: float
-    ) -> tuple[bool, Holder | None]:
-        return _Protocol.waited(*await self._send(self._protocol.wait(key, fence, timeout)))
 
     async def waiter(self, key: str) -> _AsyncHttpWaiter:
         return _AsyncHttpWaiter(self, key)

@@ -1,0 +1,1262 @@
+"""``etcd://host:port[,host:port…]``: leases in etcd v3, spoken through its JSON gateway.
+
+**Client.** etcd serves its v3 API as JSON over HTTP too (the grpc-gateway, ``/v3/…``,
+on the client port, in every etcd since 3.4). keymutex talks to it with httpx: one
+plain-Python description of every step below, driven by ``httpx.Client`` or
+``httpx.AsyncClient``, so the sync and async stores cannot drift
+(``docs/choosing-etcd-client.md`` says why no etcd client library is used).
+
+**Layout.** A lease is one etcd key, ``km/<n>:<namespace>/<key>`` (``n``: the
+namespace's length in bytes, so namespaces and keys never run into each other), whose
+value is JSON ``{"o": owner, "i": info, "a": acquired-at ms, ["f": fence]}``. The key
+is attached to an etcd *lease* of its own: etcd deletes it when the lease expires, by
+the etcd leader's clock (``clock="server"``), so a crashed holder's key frees itself.
+The token is not stored: the etcd lease's id is derived from it (64 bits of SHA-256 of
+the namespace, key and token; ``_lease_ids``), so holding the key *is* having the key
+attached to the lease only the token's owner can name.
+
+**TTLs.** etcd leases live whole seconds, at least etcd's minimum (1.5 election
+timeouts, rounded up: 2 s with the default flags), and are revoked by a sweep that runs
+every 500 ms. A lease is granted ``ceil(ttl)`` seconds (at least 1) and the client
+counts ``ttl`` from before the grant was sent, so the client's deadline is never later
+than etcd's. The price: a key whose holder vanished stays held in etcd up to
+``ceil(ttl) - ttl`` + the minimum + 0.5 s past the holder's own deadline (its own
+client, which knows the deadline passed, releases it on the next call it makes).
+
+**Steps** (HTTP round trips in brackets):
+
+- acquire [2]: grant the lease (``ceil(ttl)``), then one transaction: if the key does
+  not exist (``create_revision == 0``), put it with the lease; else read the holder.
+  Refused [+1 to read the holder's lease TTL, +1 to revoke the unused lease, unless a
+  waiter keeps it for its next try, which then only refreshes it with a keep-alive].
+- steal: revoke the holder's lease (etcd deletes its key with it), then create the key
+  as an acquire does [+1, +2 more per lost race]. The old token's lease is gone before
+  the key is anyone else's, so its renewals and its release fail from then on.
+- fence: the key's ``mod_revision`` when granted, which is its ``create_revision``
+  (etcd's cluster-wide revision: strictly increasing, never reused, kept across
+  restarts: ``durable_fences=True``). A lease moved to another etcd lease (a renewal
+  with another TTL) keeps its fence in the value (``"f"``).
+- renew [2]: a keep-alive of the lease, then a read that checks the key is still
+  attached to it. ``renew_many`` sends every keep-alive in one request (the gateway
+  may cut a long stream short: the rest are sent again) and every read in one
+  transaction. A renewal with another TTL (``ceil`` differs, or is far shorter) moves
+  the key to the token's second lease (``b``, then ``a`` again) in a transaction
+  comparing the key's lease [+3].
+- release [1]: revoke the token's lease; etcd deletes the key with it, atomically. The
+  key is attached to one of the token's leases exactly while the token holds it, so a
+  revoke that finds neither lease is a loss [+1 to read the new holder]. (A release
+  racing a renewal *with another TTL* of the same token can find the old lease after
+  the key moved: it then says released while the key is held until its new lease
+  expires. Same-token calls do not otherwise race: a lease renews under its own lock.)
+- holder / holders [1 + 1 per lease]: a range read, then each lease's remaining TTL
+  (whole seconds: ``expires_at`` is for display, up to a second early).
+
+**Waiting.** Each store opens, on its first refused waiter, one watch stream on its
+namespace's key range (deletions only), shared by all its waiters; a deletion rings the
+waiters of that key. The stream starts at the revision right after the refusal, so a
+release between the refusal and the watch is still seen. It is closed ``LINGER``
+seconds after its last waiter left. Everything released in the namespace reaches every
+store that waits in it: keep busy, unrelated keys in different namespaces. A freed key
+goes to whoever tries first: ``fair=False``.
+
+**Failures.** Every request goes to the first endpoint that accepts a connection
+(etcd forwards to the leader); a refused connection moves on to the next endpoint at
+once, any other failure raises ``StoreError`` (nothing is sent twice). While the
+cluster has no quorum, writes fail after the request timeout (``timeout``, 5 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import httpx
+
+from keymutex import _clock
+from keymutex._errors import StoreError
+from keymutex._lease import Holder, Outcome
+from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex.stores._doorbell import Doorbell
+
+__all__ = ["AsyncEtcdStore", "EtcdDriver", "EtcdStore", "driver"]
+
+_LOG = logging.getLogger("keymutex")
+
+CAPABILITIES = Capabilities(
+    notifies=True, fair=False, cross_process=True, durable_fences=True, clock="server"
+)
+DEFAULT_PORT = 2379
+DEFAULT_TIMEOUT = 5.0
+# The watch stream stays open this long after its last waiter left, so that a process
+# that keeps contending opens it once.
+LINGER = 5.0
+# A renewal asking for a TTL this much shorter than the lease has moves the key to a
+# lease of the requested TTL (a small difference is etcd's minimum TTL at work).
+SHORTEN_FACTOR = 2
+
+T = TypeVar("T")
+
+# gRPC status codes in the gateway's error replies.
+_NOT_FOUND = 5
+_FAILED_PRECONDITION = 9
+_UNAVAILABLE = 14
+
+
+class _ReplyError(Exception):
+    """etcd answered with an error (``code`` is a gRPC status code)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"etcd error {code}: {message}")
+        self.code = code
+        self.message = message
+
+
+_DRIVER_ERRORS = (httpx.HTTPError, OSError, _ReplyError, ValueError)
+
+
+# -- requests and replies (no I/O) ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One HTTP request to the gateway: ``path`` and its JSON ``body``.
+
+    ``stream`` calls (keep-alive) send one JSON document per line and get one reply line
+    per document; their reply is the list of ``result`` objects.
+    """
+
+    path: str
+    body: Any
+    stream: bool = False
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _range_end(prefix: bytes) -> bytes:
+    """The smallest key after every key that starts with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"  # the whole keyspace
+
+
+def _int(value: Any) -> int:
+    return int(value) if value is not None else 0
+
+
+def etcd_ttl(ttl: float) -> int:
+    """The etcd lease TTL for a keymutex TTL: whole seconds, rounded up, at least 1."""
+    return max(1, math.ceil(ttl))
+
+
+@dataclass(frozen=True, slots=True)
+class _Kv:
+    key: bytes
+    value: bytes
+    mod_revision: int
+    lease: int
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any]) -> _Kv:
+        return cls(
+            _unb64(raw["key"]),
+            _unb64(raw.get("value", "")),
+            _int(raw.get("mod_revision")),
+            _int(raw.get("lease")),
+        )
+
+    def record(self) -> dict[str, Any]:
+        decoded = json.loads(self.value)
+        assert isinstance(decoded, dict)
+        return decoded
+
+    def fence(self) -> int:
+        return int(self.record().get("f", self.mod_revision))
+
+
+def _first_kv(range_response: Mapping[str, Any]) -> _Kv | None:
+    kvs = range_response.get("kvs") or ()
+    return _Kv.of(kvs[0]) if kvs else None
+
+
+def _encode_record(owner: str, info: dict[str, Any] | None, acquired_ms: int) -> bytes:
+    return json.dumps({"o": owner, "i": info, "a": acquired_ms}, separators=(",", ":")).encode()
+
+
+class _Layout:
+    """Names of one namespace's etcd keys, and the lease ids of a token."""
+
+    __slots__ = ("namespace", "prefix")
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        name = namespace.encode()
+        self.prefix = b"km/%d:" % len(name) + name + b"/"
+
+    def name(self, key: str) -> bytes:
+        return self.prefix + key.encode()
+
+    def key_of(self, name: bytes) -> str:
+        return name[len(self.prefix) :].decode()
+
+    def lease_ids(self, key: str, token: str) -> tuple[int, int]:
+        """The two etcd lease ids of ``token`` on ``key`` (``a``, and ``b`` for a move).
+
+        64 bits of SHA-256 (63 kept: etcd ids are positive int64): only the token's
+        owner can name them, and etcd readers see the ids, never the token.
+        """
+        ids = []
+        for generation in (b"a", b"b"):
+            digest = hashlib.sha256(
+                b"keymutex-etcd\0%s\0%s\0%s" % (self.name(key), token.encode(), generation)
+            ).digest()
+            ids.append(int.from_bytes(digest[:8], "big") & 0x7FFF_FFFF_FFFF_FFFF or 1)
+        return ids[0], ids[1]
+
+
+def _grant(lease: int, ttl: int) -> _Call:
+    return _Call("/v3/lease/grant", {"ID": str(lease), "TTL": str(ttl)})
+
+
+def _revoke(lease: int) -> _Call:
+    return _Call("/v3/lease/revoke", {"ID": str(lease)})
+
+
+def _time_to_live(lease: int) -> _Call:
+    return _Call("/v3/lease/timetolive", {"ID": str(lease)})
+
+
+def _keepalive(leases: Sequence[int]) -> _Call:
+    return _Call("/v3/lease/keepalive", [{"ID": str(lease)} for lease in leases], stream=True)
+
+
+def _txn(
+    compare: Sequence[dict[str, Any]],
+    success: Sequence[dict[str, Any]],
+    failure: Sequence[dict[str, Any]] = (),
+) -> _Call:
+    return _Call(
+        "/v3/kv/txn",
+        {"compare": list(compare), "success": list(success), "failure": list(failure)},
+    )
+
+
+def _op_range(name: bytes) -> dict[str, Any]:
+    return {"request_range": {"key": _b64(name)}}
+
+
+def _op_put(name: bytes, value: bytes, lease: int, *, prev_kv: bool = False) -> dict[str, Any]:
+    return {
+        "request_put": {
+            "key": _b64(name),
+            "value": _b64(value),
+            "lease": str(lease),
+            "prev_kv": prev_kv,
+        }
+    }
+
+
+def _op_delete(name: bytes) -> dict[str, Any]:
+    return {"request_delete_range": {"key": _b64(name)}}
+
+
+def _leased_by(name: bytes, lease: int) -> dict[str, Any]:
+    return {"target": "LEASE", "key": _b64(name), "result": "EQUAL", "lease": str(lease)}
+
+
+def _responses(reply: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return list(reply.get("responses") or ())
+
+
+# -- the steps, as flows: generators that yield calls and receive replies -------------
+#
+# A flow yields ``_Call``s; its driver (sync or async) sends each and sends the decoded
+# reply back in, or throws ``_ReplyError`` in when etcd answered with an error. The
+# flow's return value is the step's answer. Nothing here does I/O or sleeps.
+
+Flow = Generator[_Call, Any, T]
+
+
+def _holder_of(key: str, kv: _Kv, seconds_left: float) -> Holder:
+    record = kv.record()
+    return Holder(
+        key=key,
+        owner=str(record["o"]),
+        info=record.get("i"),
+        fence=kv.fence(),
+        acquired_at=int(record["a"]) / 1000,
+        expires_at=time.time() + max(0.0, seconds_left),
+    )
+
+
+def _lease_left(lease: int) -> Flow[int | None]:
+    """Whole seconds left on ``lease`` (rounded down), ``None`` once it is gone."""
+    reply = yield _time_to_live(lease)
+    left = _int(reply.get("TTL"))
+    return None if left < 0 else left
+
+
+def _current_holder(key: str, kv: _Kv | None) -> Flow[Holder | None]:
+    if kv is None:
+        return None
+    left = yield from _lease_left(kv.lease)
+    return None if left is None else _holder_of(key, kv, left)
+
+
+def _quietly_revoke(lease: int) -> Flow[None]:
+    try:
+        yield _revoke(lease)
+    except _ReplyError as exc:
+        if exc.code != _NOT_FOUND:
+            raise
+
+
+def _keep_alive(leases: Sequence[int]) -> Flow[dict[int, int]]:
+    """Keep ``leases`` alive, in as few requests as the gateway allows: id -> TTL left.
+
+    A TTL of 0 means the lease is gone (expired, revoked, or never granted). Renewing
+    a lease twice is harmless, so the leases a cut-short stream left out are sent again.
+    """
+    left: dict[int, int] = {}
+    remaining = list(dict.fromkeys(leases))
+    while remaining:
+        results = yield _keepalive(remaining)
+        for result in results:
+            left[_int(result.get("ID"))] = _int(result.get("TTL"))
+        missing = [lease for lease in remaining if lease not in left]
+        if len(missing) == len(remaining):
+            raise _ReplyError(_UNAVAILABLE, "etcd answered no keep-alive")
+        remaining = missing
+    return left
+
+
+def _fresh_lease(lease: int, ttl: int) -> Flow[int]:
+    """Grant ``lease`` for ``ttl`` s (or refresh it, if a refused try left it); its TTL."""
+    try:
+        reply = yield _grant(lease, ttl)
+        return _int(reply.get("TTL"))
+    except _ReplyError as exc:
+        if exc.code != _FAILED_PRECONDITION:  # not "lease already exists"
+            raise
+    left = (yield from _keep_alive([lease]))[lease]
+    if left > 0:
+        return left
+    reply = yield _grant(lease, ttl)  # it expired in between
+    return _int(reply.get("TTL"))
+
+
+@dataclass
+class _Acquired:
+    outcome: Outcome
+    revision: int  # the store's revision when the step was applied
+    kept_lease: int  # the lease a refused waiter keeps for its next try (0: none)
+    kept_until: float  # a monotonic time before which etcd will not expire it
+
+
+STEAL_ATTEMPTS = 5
+# A kept lease with at least this long to live is used as it is and refreshed after
+# the grant (its transaction cannot outlast it).
+REFRESH_AFTER_MIN = 0.5
+
+
+def _acquire(
+    layout: _Layout,
+    key: str,
+    token: str,
+    ttl: float,
+    owner: str,
+    info: dict[str, Any] | None,
+    steal: bool,
+    keep_lease: bool,
+    kept_until: float | None,
+) -> Flow[_Acquired]:
+    """Try to grant ``key``; a waiter (``keep_lease``) keeps its etcd lease between tries.
+
+    ``kept_until``: the kept lease lives at least until then (monotonic), as learnt by
+    the try that granted or refreshed it; while that covers ``ttl`` the lease is not
+    refreshed. A refresh is a keep-alive, which etcd's leader answers without a write.
+
+    A steal revokes the holder's etcd lease (which deletes the key), then creates the
+    key as an acquire does: the old token's lease is gone before the key is anyone
+    else's, so its renewals and its release fail from then on.
+    """
+    name = layout.name(key)
+    lease, _ = layout.lease_ids(key, token)
+    seconds = etcd_ttl(ttl)
+    started = _clock.monotonic()
+    # A woken waiter whose kept lease is still good for a while races for the key at
+    # once and refreshes its lease after winning: one round trip to the grant.
+    refresh_after = kept_until is not None and kept_until - started >= REFRESH_AFTER_MIN
+    if kept_until is None or (kept_until - started < ttl and not refresh_after):
+        kept_until = started + (yield from _fresh_lease(lease, seconds))
+        refresh_after = False
+    acquired_ms = math.floor(time.time() * 1000)
+    value = _encode_record(owner, info, acquired_ms)
+    created = {"target": "CREATE", "key": _b64(name), "result": "EQUAL", "create_revision": "0"}
+    call = _txn([created], [_op_put(name, value, lease)], [_op_range(name)])
+    for _ in range(STEAL_ATTEMPTS if steal else 1):
+        try:
+            reply = yield call
+        except _ReplyError as exc:
+            if exc.code != _NOT_FOUND:
+                raise
+            # The kept lease is gone after all (revoked by hand, or etcd lost it).
+            started = _clock.monotonic()
+            kept_until = started + (yield from _fresh_lease(lease, seconds))
+            reply = yield call
+        if reply.get("succeeded"):
+            break
+        current = _first_kv(_responses(reply)[0]["response_range"])
+        if not steal or current is None:
+            break
+        yield from _quietly_revoke(current.lease)  # deletes the key with it
+    revision = _int(reply["header"].get("revision"))
+    if reply.get("succeeded"):
+        granted_to = Holder(key, owner, info, revision, acquired_ms / 1000, time.time() + ttl)
+        remaining = min(ttl, kept_until - started)
+        if refresh_after and remaining < ttl:
+            # Sent after ``started``: etcd's new expiry is later than started + left.
+            left = (yield from _keep_alive([lease]))[lease]
+            if left <= 0:  # expired under us, and the key with it: not granted
+                return _Acquired(Outcome(False, None), revision, 0, 0.0)
+            remaining = min(ttl, left)
+        return _Acquired(Outcome(True, granted_to, remaining), revision, 0, 0.0)
+    kv = _first_kv(_responses(reply)[0]["response_range"])
+    holder = yield from _current_holder(key, kv)
+    if keep_lease:
+        return _Acquired(Outcome(False, holder), revision, lease, kept_until)
+    yield from _quietly_revoke(lease)
+    return _Acquired(Outcome(False, holder), revision, 0, 0.0)
+
+
+def _needs_move(granted: int, wanted: int) -> bool:
+    """Whether a lease of ``granted`` seconds must move to one of ``wanted`` seconds."""
+    return granted < wanted or granted > SHORTEN_FACTOR * wanted + 2
+
+
+def _renew_many(layout: _Layout, requests: Sequence[RenewRequest]) -> Flow[list[Outcome]]:
+    ids = [layout.lease_ids(r.key, r.token) for r in requests]
+    # Keep-alive first, then look: a lease found attached after its keep-alive was
+    # extended while it held the key.
+    left = yield from _keep_alive([lease for pair in ids for lease in pair])
+    reply = yield _txn((), [_op_range(layout.name(r.key)) for r in requests])
+    kvs = [_first_kv(response["response_range"]) for response in _responses(reply)]
+    outcomes = []
+    for request, (a, b), kv in zip(requests, ids, kvs, strict=True):
+        alive = {a: left[a], b: left[b]}
+        if kv is None or kv.lease not in alive:
+            # Taken over or expired: drop what is left of our leases.
+            for lease, seconds in alive.items():
+                if seconds > 0:
+                    yield from _quietly_revoke(lease)
+            holder = yield from _current_holder(request.key, kv)
+            outcomes.append(Outcome(False, holder))
+            continue
+        seconds = alive[kv.lease]
+        if seconds <= 0:  # expired; etcd's sweep has not deleted the key yet
+            outcomes.append(Outcome(False, None))
+            continue
+        if _needs_move(seconds, etcd_ttl(request.ttl)):
+            other = b if kv.lease == a else a
+            outcome = yield from _move(layout, request, kv, other, alive[other] > 0)
+            outcomes.append(outcome)
+            continue
+        holder = _holder_of(request.key, kv, seconds)
+        outcomes.append(Outcome(True, holder, float(seconds)))
+    return outcomes
+
+
+def _move(
+    layout: _Layout, request: RenewRequest, kv: _Kv, target: int, target_exists: bool
+) -> Flow[Outcome]:
+    """Move the key from its lease to ``target``, granted ``ceil(request.ttl)`` s."""
+    name = layout.name(request.key)
+    if target_exists:
+        yield from _quietly_revoke(target)  # left behind by an interrupted move
+    reply = yield _grant(target, etcd_ttl(request.ttl))
+    granted = _int(reply.get("TTL"))
+    record = kv.record()
+    record["f"] = kv.fence()
+    value = json.dumps(record, separators=(",", ":")).encode()
+    reply = yield _txn(
+        [_leased_by(name, kv.lease)], [_op_put(name, value, target)], [_op_range(name)]
+    )
+    if reply.get("succeeded"):
+        yield from _quietly_revoke(kv.lease)
+        moved = _Kv(name, value, kv.mod_revision, target)
+        return Outcome(True, _holder_of(request.key, moved, granted), float(granted))
+    yield from _quietly_revoke(target)
+    current = _first_kv(_responses(reply)[0]["response_range"])
+    holder = yield from _current_holder(request.key, current)
+    return Outcome(False, holder)
+
+
+def _release(layout: _Layout, key: str, token: str) -> Flow[Outcome]:
+    """Revoke the token's etcd lease: etcd deletes the key with it, in one step.
+
+    The key is attached to one of the token's two leases exactly while the token holds
+    it (a steal revokes the holder's lease before it takes the key), so a revoke that
+    finds the lease is a release; one that finds neither lease is a loss.
+    """
+    for lease in layout.lease_ids(key, token):
+        try:
+            yield _revoke(lease)
+        except _ReplyError as exc:
+            if exc.code != _NOT_FOUND:
+                raise
+        else:
+            return Outcome(True)
+    reply = yield _Call("/v3/kv/range", {"key": _b64(layout.name(key))})
+    holder = yield from _current_holder(key, _first_kv(reply))
+    return Outcome(False, holder)
+
+
+def _holders(layout: _Layout, prefix: str) -> Flow[list[Holder]]:
+    start = layout.name(prefix)
+    reply = yield _Call("/v3/kv/range", {"key": _b64(start), "range_end": _b64(_range_end(start))})
+    found = []
+    for raw in reply.get("kvs") or ():
+        kv = _Kv.of(raw)
+        holder = yield from _current_holder(layout.key_of(kv.key), kv)
+        if holder is not None:
+            found.append(holder)
+    return found
+
+
+def _holder(layout: _Layout, key: str) -> Flow[Holder | None]:
+    reply = yield _Call("/v3/kv/range", {"key": _b64(layout.name(key))})
+    holder = yield from _current_holder(key, _first_kv(reply))
+    return holder
+
+
+# -- transport -----------------------------------------------------------------------
+
+
+def _decode(call: _Call, response: httpx.Response) -> Any:
+    """The reply of ``call``; ``_ReplyError`` when etcd answered with an error."""
+    if call.stream:
+        # The gateway may end the stream before every request got its reply (it does
+        # under load); callers ask again for the rest (``_keep_alive``).
+        results = []
+        for line in response.text.splitlines():
+            if line.strip():
+                results.append(_result(json.loads(line)))
+        return results
+    reply = response.json()
+    if response.status_code != 200 or "error" in reply:
+        raise _ReplyError(_int(reply.get("code")), str(reply.get("message") or reply))
+    return reply
+
+
+def _result(message: Mapping[str, Any]) -> Any:
+    if "error" in message:
+        error = message["error"]
+        raise _ReplyError(_int(error.get("grpc_code", error.get("code"))), str(error))
+    return message["result"]
+
+
+def _content(call: _Call) -> bytes:
+    if call.stream:
+        return b"\n".join(json.dumps(part).encode() for part in call.body)
+    return json.dumps(call.body).encode()
+
+
+class _Endpoints:
+    """The cluster's client URLs and which one is in use (the next after a refusal)."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self._urls = list(urls)
+        self._current = 0
+        self._mutex = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._urls)
+
+    def current(self) -> str:
+        return self._urls[self._current]
+
+    def failed(self, url: str) -> None:
+        with self._mutex:
+            if self._urls[self._current] == url:
+                self._current = (self._current + 1) % len(self._urls)
+
+
+def _http_client_options(timeout: float) -> dict[str, Any]:
+    return {
+        "timeout": httpx.Timeout(timeout),
+        "trust_env": False,  # etcd is reached directly, never through $HTTP_PROXY
+        "headers": {"content-type": "application/json"},
+    }
+
+
+class _Transport:
+    """Sends calls with one ``httpx.Client``; a refused connection tries the next endpoint."""
+
+    def __init__(self, endpoints: _Endpoints, timeout: float) -> None:
+        self.endpoints = endpoints
+        self.timeout = timeout
+        self._pid = os.getpid()
+        self._client = httpx.Client(**_http_client_options(timeout))
+
+    def send(self, call: _Call) -> Any:
+        if self._pid != os.getpid():  # forked: the parent's connections are not ours
+            self._pid, self._client = (
+                os.getpid(),
+                httpx.Client(**_http_client_options(self.timeout)),
+            )
+        for attempt in range(len(self.endpoints)):
+            url = self.endpoints.current()
+            try:
+                response = self._client.post(url + call.path, content=_content(call))
+            except httpx.ConnectError:
+                self.endpoints.failed(url)
+                if attempt == len(self.endpoints) - 1:
+                    raise
+                continue
+            except httpx.TransportError:
+                self.endpoints.failed(url)
+                raise
+            try:
+                return _decode(call, response)
+            except _ReplyError as exc:
+                if exc.code == _UNAVAILABLE:
+                    self.endpoints.failed(url)
+                raise
+        raise AssertionError("unreachable")
+
+    def run(self, flow: Flow[T], what: str) -> T:
+        with translate_errors(*_DRIVER_ERRORS, what=what):
+            try:
+                call = next(flow)
+                while True:
+                    try:
+                        reply = self.send(call)
+                    except _ReplyError as exc:
+                        call = flow.throw(exc)
+                    else:
+                        call = flow.send(reply)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class _AsyncTransport:
+    """The same as ``_Transport`` with ``httpx.AsyncClient``."""
+
+    def __init__(self, endpoints: _Endpoints, timeout: float) -> None:
+        self.endpoints = endpoints
+        self.timeout = timeout
+        self._client = httpx.AsyncClient(**_http_client_options(timeout))
+
+    async def send(self, call: _Call) -> Any:
+        for attempt in range(len(self.endpoints)):
+            url = self.endpoints.current()
+            try:
+                response = await self._client.post(url + call.path, content=_content(call))
+            except httpx.ConnectError:
+                self.endpoints.failed(url)
+                if attempt == len(self.endpoints) - 1:
+                    raise
+                continue
+            except httpx.TransportError:
+                self.endpoints.failed(url)
+                raise
+            try:
+                return _decode(call, response)
+            except _ReplyError as exc:
+                if exc.code == _UNAVAILABLE:
+                    self.endpoints.failed(url)
+                raise
+        raise AssertionError("unreachable")
+
+    async def run(self, flow: Flow[T], what: str) -> T:
+        with translate_errors(*_DRIVER_ERRORS, what=what):
+            try:
+                call = next(flow)
+                while True:
+                    try:
+                        reply = await self.send(call)
+                    except _ReplyError as exc:
+                        call = flow.throw(exc)
+                    else:
+                        call = flow.send(reply)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+# -- waiting -------------------------------------------------------------------------
+
+
+def _watch_request(layout: _Layout, start_revision: int) -> bytes:
+    return json.dumps(
+        {
+            "create_request": {
+                "key": _b64(layout.prefix),
+                "range_end": _b64(_range_end(layout.prefix)),
+                "start_revision": str(start_revision),
+                "filters": ["NOPUT"],
+            }
+        }
+    ).encode()
+
+
+@dataclass
+class _WatchState:
+    """What the watch stream of one store has seen (shared by the sync and async hubs).
+
+    ``start``: the revision the stream was opened from (0: no stream); ``next``: the
+    revision to resume from after a broken connection.
+    """
+
+    layout: _Layout
+    waiters: dict[str, set[Any]] = field(default_factory=dict)
+    start: int = 0
+    next: int = 0
+    idle_since: float | None = None
+
+    def add(self, key: str, waiter: Any) -> None:
+        self.waiters.setdefault(key, set()).add(waiter)
+        self.idle_since = None
+
+    def remove(self, key: str, waiter: Any) -> None:
+        waiters = self.waiters.get(key)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self.waiters[key]
+        if not self.waiters:
+            self.idle_since = time.monotonic()
+
+    def covers(self, revision: int) -> bool:
+        """Whether the running stream delivers every deletion from ``revision`` on."""
+        return 0 < self.start <= revision
+
+    def lingered(self) -> bool:
+        return self.idle_since is not None and time.monotonic() - self.idle_since >= LINGER
+
+    def everyone(self) -> list[Any]:
+        return [waiter for waiters in self.waiters.values() for waiter in waiters]
+
+    def message(self, line: str) -> tuple[list[Any], bool]:
+        """Take in one line of the stream: the waiters to ring, and whether it ended."""
+        if not line.strip():
+            return [], False
+        decoded = json.loads(line)
+        if "error" in decoded:
+            return self.everyone(), True
+        result = decoded.get("result") or {}
+        if result.get("created") and self.start == 0:  # watching from now on
+            self.start = self.next = _int(result.get("header", {}).get("revision")) + 1
+        if result.get("canceled") or _int(result.get("compact_revision")):
+            # Compacted past where we were: ring everyone, resume from now.
+            self.next = 0
+            return self.everyone(), True
+        ring: list[Any] = []
+        for event in result.get("events") or ():
+            kv = event.get("kv") or {}
+            self.next = max(self.next, _int(kv.get("mod_revision")) + 1)
+            if event.get("type") == "DELETE":
+                name = _unb64(kv.get("key", ""))
+                if name.startswith(self.layout.prefix):
+                    ring.extend(self.waiters.get(self.layout.key_of(name), ()))
+        return ring, False
+
+
+class _EtcdWaiter(Doorbell):
+    """A waiter of the sync store, rung by its watch thread when the key is deleted."""
+
+    __slots__ = ("kept_until", "key", "lease", "store")
+
+    def __init__(self, store: EtcdStore, key: str) -> None:
+        super().__init__()
+        self.store = store
+        self.key = key
+        self.lease = 0  # the etcd lease a refused try keeps for the next one
+        self.kept_until = 0.0  # ... and until when etcd keeps it at least (monotonic)
+
+    def close(self) -> None:
+        self.store._hub.leave(self)
+        lease, self.lease = self.lease, 0
+        if lease:
+            self.store._drop_lease(lease)
+
+
+class _WatchHub:
+    """One watch stream per sync store, read by one thread, shared by its waiters."""
+
+    def __init__(self, transport: _Transport, layout: _Layout) -> None:
+        self._transport = transport
+        self._mutex = threading.Lock()
+        self._state = _WatchState(layout)
+        self._thread: threading.Thread | None = None
+        self._stream: httpx.Response | None = None
+        self._closed = False
+        self._pid = os.getpid()
+
+    def join(self, waiter: _EtcdWaiter) -> None:
+        with self._mutex:
+            if self._pid != os.getpid():  # forked: the parent's stream is not ours
+                self._pid, self._thread, self._stream = os.getpid(), None, None
+                self._state = _WatchState(self._state.layout)
+            self._state.add(waiter.key, waiter)
+
+    def leave(self, waiter: _EtcdWaiter) -> None:
+        with self._mutex:
+            self._state.remove(waiter.key, waiter)
+            idle = not self._state.waiters and self._thread is not None
+        if idle:  # close the stream once it has lingered unused
+            timer = threading.Timer(LINGER + 0.1, self.poke)
+            timer.daemon = True
+            timer.start()
+
+    def watch_from(self, waiter: _EtcdWaiter, revision: int) -> None:
+        """Make sure deletions from ``revision`` on reach ``waiter`` (rings it if unsure)."""
+        with self._mutex:
+            if self._closed:
+                raise RuntimeError("this store is closed")
+            if self._thread is None:
+                self._state.start = self._state.next = revision
+                self._thread = threading.Thread(
+                    target=self._read, name="keymutex-etcd-watch", daemon=True
+                )
+                self._thread.start()
+                return
+            covered = self._state.covers(revision)
+        if not covered:
+            waiter.ring()  # the stream may have missed a deletion: look again now
+
+    def _read(self) -> None:
+        failures = 0
+        while True:
+            with self._mutex:
+                if self._closed or self._state.lingered() or self._thread is None:
+                    self._thread = None
+                    self._state.start = 0
+                    return
+                if self._state.next == 0:  # compacted: nothing to resume, watch from now
+                    self._state.start = 0
+                resume = self._state.next
+            url = self._transport.endpoints.current()
+            try:
+                self._stream_once(url, resume)
+                failures = 0
+            except (httpx.HTTPError, OSError, ValueError) as exc:
+                with self._mutex:
+                    stopping = self._closed or self._state.lingered()
+                if stopping:
+                    continue  # broken on purpose by poke()
+                self._transport.endpoints.failed(url)
+                failures += 1
+                _LOG.warning("etcd watch stream failed (%s); reconnecting", exc)
+                time.sleep(min(1.0, 0.05 * 2**failures))
+            with self._mutex:
+                everyone = self._state.everyone()
+            for waiter in everyone:  # a stream that ended may have missed something
+                waiter.ring()
+
+    def _stream_once(self, url: str, resume: int) -> None:
+        client = httpx.Client(**{**_http_client_options(self._transport.timeout), "timeout": None})
+        try:
+            with client.stream(
+                "POST", url + "/v3/watch", content=_watch_request(self._state.layout, resume)
+            ) as response:
+                if response.status_code != 200:
+                    raise ValueError(f"watch refused: HTTP {response.status_code}")
+                with self._mutex:
+                    self._stream = response
+                for line in response.iter_lines():
+                    with self._mutex:
+                        ring, ended = self._state.message(line)
+                        stop = self._closed or self._state.lingered()
+                    for waiter in ring:
+                        waiter.ring()
+                    if ended or stop:
+                        return
+        finally:
+            with self._mutex:
+                self._stream = None
+            client.close()
+
+    def poke(self) -> None:
+        """Wake the reader if it should stop (closed, or idle past ``LINGER``)."""
+        with self._mutex:
+            stream = self._stream if (self._closed or self._state.lingered()) else None
+        if stream is not None:
+            _shutdown(stream)
+
+    def close(self) -> None:
+        with self._mutex:
+            self._closed = True
+            thread = self._thread
+        self.poke()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+
+
+def _shutdown(stream: httpx.Response) -> None:
+    """Break a streaming response another thread is blocked reading."""
+    network = stream.extensions.get("network_stream")
+    sock = network.get_extra_info("socket") if network is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+class _AsyncEtcdWaiter:
+    """A waiter of the async store, rung by its watch task when the key is deleted."""
+
+    __slots__ = ("_event", "kept_until", "key", "lease", "store")
+
+    def __init__(self, store: AsyncEtcdStore, key: str) -> None:
+        self.store = store
+        self.key = key
+        self.lease = 0
+        self.kept_until = 0.0
+        self._event = asyncio.Event()
+
+    def ring(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float) -> bool:
+        if not self._event.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
+        rung = self._event.is_set()
+        self._event.clear()
+        return rung
+
+    async def aclose(self) -> None:
+        self.store._hub.leave(self)
+        lease, self.lease = self.lease, 0
+        if lease:
+            await self.store._drop_lease(lease)
+
+
+class _AsyncWatchHub:
+    """One watch stream per async store, read by one task, shared by its waiters."""
+
+    def __init__(self, transport: _AsyncTransport, layout: _Layout) -> None:
+        self._transport = transport
+        self._state = _WatchState(layout)
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def join(self, waiter: _AsyncEtcdWaiter) -> None:
+        self._state.add(waiter.key, waiter)
+
+    def leave(self, waiter: _AsyncEtcdWaiter) -> None:
+        self._state.remove(waiter.key, waiter)
+        if not self._state.waiters and self._task is not None:
+            asyncio.get_running_loop().call_later(LINGER + 0.1, self._stop_if_idle)
+
+    def _stop_if_idle(self) -> None:
+        if self._state.lingered() and self._task is not None:
+            self._task.cancel()
+            self._task = None
+            self._state.start = 0
+
+    def watch_from(self, waiter: _AsyncEtcdWaiter, revision: int) -> None:
+        if self._closed:
+            raise RuntimeError("this store is closed")
+        if self._task is None or self._task.done():
+            self._state.start = self._state.next = revision
+            self._task = asyncio.create_task(self._read(), name="keymutex-etcd-watch")
+        elif not self._state.covers(revision):
+            waiter.ring()
+
+    async def _read(self) -> None:
+        failures = 0
+        client = httpx.AsyncClient(
+            **{**_http_client_options(self._transport.timeout), "timeout": None}
+        )
+        try:
+            while not self._closed:
+                if self._state.next == 0:
+                    self._state.start = 0
+                resume = self._state.next
+                url = self._transport.endpoints.current()
+                try:
+                    async with client.stream(
+                        "POST",
+                        url + "/v3/watch",
+                        content=_watch_request(self._state.layout, resume),
+                    ) as response:
+                        if response.status_code != 200:
+                            raise ValueError(f"watch refused: HTTP {response.status_code}")
+                        async for line in response.aiter_lines():
+                            ring, ended = self._state.message(line)
+                            for waiter in ring:
+                                waiter.ring()
+                            if ended:
+                                break
+                    failures = 0
+                except (httpx.HTTPError, OSError, ValueError) as exc:
+                    self._transport.endpoints.failed(url)
+                    failures += 1
+                    _LOG.warning("etcd watch stream failed (%s); reconnecting", exc)
+                    await asyncio.sleep(min(1.0, 0.05 * 2**failures))
+                for waiter in self._state.everyone():
+                    waiter.ring()
+        finally:
+            await client.aclose()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+# -- the stores ----------------------------------------------------------------------
+
+
+class EtcdStore:
+    """The etcd store for one namespace (sync, on ``httpx.Client``)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, endpoints: Sequence[str], namespace: str, timeout: float) -> None:
+        self._layout = _Layout(namespace)
+        self._transport = _Transport(_Endpoints(endpoints), timeout)
+        self._hub = _WatchHub(self._transport, self._layout)
+
+    def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Any,
+    ) -> Outcome:
+        assert waiter is None or isinstance(waiter, _EtcdWaiter)
+        flow = _acquire(
+            self._layout,
+            key,
+            token,
+            ttl,
+            owner,
+            info,
+            steal,
+            waiter is not None,
+            waiter.kept_until if waiter is not None and waiter.lease else None,
+        )
+        done = self._transport.run(flow, f"etcd acquire of {key!r}")
+        if waiter is not None:
+            waiter.lease, waiter.kept_until = done.kept_lease, done.kept_until
+            if not done.outcome.ok:
+                self._hub.watch_from(waiter, done.revision + 1)
+        return done.outcome
+
+    def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        return self.renew_many([RenewRequest(key, token, ttl)])[0]
+
+    def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        if not requests:
+            return []
+        return self._transport.run(
+            _renew_many(self._layout, requests), f"etcd renewal of {len(requests)} lease(s)"
+        )
+
+    def release(self, key: str, token: str) -> Outcome:
+        return self._transport.run(_release(self._layout, key, token), f"etcd release of {key!r}")
+
+    def holder(self, key: str) -> Holder | None:
+        return self._transport.run(_holder(self._layout, key), f"etcd read of {key!r}")
+
+    def holders(self, prefix: str) -> list[Holder]:
+        return self._transport.run(_holders(self._layout, prefix), f"etcd range of {prefix!r}")
+
+    def waiter(self, key: str) -> _EtcdWaiter:
+        waiter = _EtcdWaiter(self, key)
+        self._hub.join(waiter)
+        return waiter
+
+    def _drop_lease(self, lease: int) -> None:
+        """Revoke the lease a waiter kept, when it gives up (best effort)."""
+        try:
+            self._transport.run(_quietly_revoke(lease), "etcd revoke")
+        except StoreError as exc:  # it expires by its TTL
+            _LOG.warning("could not revoke an unused etcd lease: %s", exc)
+
+    def close(self) -> None:
+        self._hub.close()
+        with contextlib.suppress(*_DRIVER_ERRORS):
+            self._transport.close()
+
+
+class AsyncEtcdStore:
+    """The etcd store for one namespace (asyncio, on ``httpx.AsyncClient``)."""
+
+    capabilities = CAPABILITIES
+
+    def __init__(self, endpoints: Sequence[str], namespace: str, timeout: float) -> None:
+        self._layout = _Layout(namespace)
+        self._transport = _AsyncTransport(_Endpoints(endpoints), timeout)
+        self._hub = _AsyncWatchHub(self._transport, self._layout)
+
+    async def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: Any,
+    ) -> Outcome:
+        assert waiter is None or isinstance(waiter, _AsyncEtcdWaiter)
+        flow = _acquire(
+            self._layout,
+            key,
+            token,
+            ttl,
+            owner,
+            info,
+            steal,
+            waiter is not None,
+            waiter.kept_until if waiter is not None and waiter.lease else None,
+        )
+        done = await self._transport.run(flow, f"etcd acquire of {key!r}")
+        if waiter is not None:
+            waiter.lease, waiter.kept_until = done.kept_lease, done.kept_until
+            if not done.outcome.ok:
+                self._hub.watch_from(waiter, done.revision + 1)
+        return done.outcome
+
+    async def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        return (await self.renew_many([RenewRequest(key, token, ttl)]))[0]
+
+    async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        if not requests:
+            return []
+        return await self._transport.run(
+            _renew_many(self._layout, requests), f"etcd renewal of {len(requests)} lease(s)"
+        )
+
+    async def release(self, key: str, token: str) -> Outcome:
+        return await self._transport.run(
+            _release(self._layout, key, token), f"etcd release of {key!r}"
+        )
+
+    async def holder(self, key: str) -> Holder | None:
+        return await self._transport.run(_holder(self._layout, key), f"etcd read of {key!r}")
+
+    async def holders(self, prefix: str) -> list[Holder]:
+        return await self._transport.run(
+            _holders(self._layout, prefix), f"etcd range of {prefix!r}"
+        )
+
+    async def waiter(self, key: str) -> _AsyncEtcdWaiter:
+        waiter = _AsyncEtcdWaiter(self, key)
+        self._hub.join(waiter)
+        return waiter
+
+    async def _drop_lease(self, lease: int) -> None:
+        try:
+            await self._transport.run(_quietly_revoke(lease), "etcd revoke")
+        except StoreError as exc:
+            _LOG.warning("could not revoke an unused etcd lease: %s", exc)
+
+    async def aclose(self) -> None:
+        await self._hub.aclose()
+        with contextlib.suppress(*_DRIVER_ERRORS):
+            await self._transport.aclose()
+
+
+# -- URLs ----------------------------------------------------------------------------
+
+OPTIONS = frozenset({"timeout"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    endpoints: tuple[str, ...]
+    timeout: float
+
+
+def _parse(url: str, options: Mapping[str, object]) -> _Target:
+    unknown = set(options) - OPTIONS
+    if unknown:
+        raise TypeError(
+            f"unknown etcd store options {sorted(unknown)}; accepted: {sorted(OPTIONS)}"
+        )
+    timeout = options.get("timeout", DEFAULT_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout must be a number of seconds, not {timeout!r}")
+    if not (0 < timeout < math.inf):
+        raise ValueError(f"timeout must be positive and finite (seconds), not {timeout!r}")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not an etcd URL: {exc}") from None
+    if parts.scheme.lower() != "etcd":
+        raise ValueError(f"{url!r} is not an etcd URL (etcd://host:port[,host:port…])")
+    if parts.query or parts.fragment or parts.path not in ("", "/"):
+        raise ValueError(f"{url!r}: expected etcd://host:port[,host:port…] with nothing after")
+    if "@" in parts.netloc:
+        raise ValueError(f"{url!r}: etcd authentication is not supported; use a trusted network")
+    endpoints = []
+    for part in parts.netloc.split(","):
+        host, port = part, str(DEFAULT_PORT)
+        if part.startswith("["):  # [IPv6]:port
+            host, _, rest = part[1:].partition("]")
+            if rest:
+                if not rest.startswith(":"):
+                    raise ValueError(f"{url!r}: bad endpoint {part!r}")
+                port = rest[1:]
+            host = f"[{host}]"
+        elif ":" in part:
+            host, _, port = part.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{url!r}: expected host:port[,host:port…], got {part!r}")
+        endpoints.append(f"http://{host}:{int(port)}")
+    return _Target(tuple(endpoints), float(timeout))
+
+
+class EtcdDriver:
+    def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> EtcdStore:
+        target = _parse(url, options)
+        return EtcdStore(target.endpoints, namespace, target.timeout)
+
+    def open_async(
+        self, url: str, *, namespace: str, options: Mapping[str, object]
+    ) -> AsyncEtcdStore:
+        target = _parse(url, options)
+        return AsyncEtcdStore(target.endpoints, namespace, target.timeout)
+
+
+driver = EtcdDriver()

@@ -1,0 +1,1 @@
+"""Safety suite (issue 7): fault injection, fencing and linearizability checks."""

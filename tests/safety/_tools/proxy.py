@@ -1,0 +1,150 @@
+"""An asyncio TCP proxy between a client and a store, with network faults on demand.
+
+It runs its own event loop in a daemon thread, listens on a free port of 127.0.0.1
+and forwards every connection to ``upstream``. ``set_mode`` changes what happens to
+bytes from then on, on every connection, old and new:
+
+- ``pass``: forwarded as they come;
+- ``latency``: each chunk forwarded ``latency`` seconds late (in order);
+- ``blackhole``: every byte dropped in both directions, sockets kept open: the client
+  sees a peer that is alive and silent (as behind a dropped route), until its timeout;
+- ``drop_replies``: requests forwarded to the store, replies dropped: the store acts,
+  the client never learns of it;
+- ``reset``: every connection is closed with a TCP RST, and so is each new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+from types import TracebackType
+from typing import Literal, Self
+
+__all__ = ["MODES", "Proxy"]
+
+Mode = Literal["pass", "latency", "blackhole", "drop_replies", "reset"]
+MODES: tuple[Mode, ...] = ("pass", "latency", "blackhole", "drop_replies", "reset")
+HOST = "127.0.0.1"
+
+
+def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+class Proxy:
+    """A TCP proxy to ``upstream`` with switchable faults (a context manager)."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.mode: Mode = "pass"
+        self.latency = 0.0
+        self.port = 0
+        self.connections = 0  # accepted so far
+        self.dropped_bytes = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+        self._open: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter | None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (HOST, self.port)
+
+    def start(self) -> Self:
+        self._thread.start()
+        self._server = self._call(asyncio.start_server(self._accept, HOST, 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def set_mode(self, mode: Mode, latency: float = 0.0) -> None:
+        """Switch every connection to ``mode`` (``reset`` also resets the open ones)."""
+        assert mode in MODES, mode
+        self._call(self._switch(mode, latency))
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self._call(self._shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- in the proxy's loop ----------------------------------------------------------
+
+    def _call(self, coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    async def _switch(self, mode: Mode, latency: float) -> None:
+        self.mode, self.latency = mode, latency
+        if mode == "reset":
+            for client, upstream in list(self._open):
+                _abort_with_rst(client)
+                if upstream is not None:
+                    _abort_with_rst(upstream)
+            self._open.clear()
+
+    async def _shutdown(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for client, upstream in list(self._open):
+            client.transport.abort()
+            if upstream is not None:
+                upstream.transport.abort()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        if self.mode == "reset":
+            _abort_with_rst(writer)
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            _abort_with_rst(writer)
+            return
+        pair = (writer, up_writer)
+        self._open.add(pair)
+        for task in (
+            asyncio.create_task(self._pump(reader, up_writer, reply=False)),
+            asyncio.create_task(self._pump(up_reader, writer, reply=True)),
+        ):
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, reply: bool
+    ) -> None:
+        try:
+            while data := await reader.read(65536):
+                mode = self.mode
+                if mode == "blackhole" or (mode == "drop_replies" and reply):
+                    self.dropped_bytes += len(data)
+                    continue
+                if mode == "latency" and self.latency > 0:
+                    await asyncio.sleep(self.latency)
+                writer.write(data)
+                await writer.drain()
+            writer.write_eof()
+        except (ConnectionError, OSError, RuntimeError):
+            writer.transport.abort()

@@ -1,0 +1,315 @@
+"""What only the etcd store promises, checked on a real etcd (tests/_etcd_fixtures.py).
+
+etcd itself is the witness: its ``/metrics`` count the requests a step made, and its
+gateway shows the keys and leases a step left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+import keymutex
+from keymutex.stores.etcd import _Layout, etcd_ttl
+
+pytestmark = pytest.mark.usefixtures("etcd_url")
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"unit-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def locks(etcd_url: str, namespace: str) -> Iterator[keymutex.Locks]:
+    with keymutex.Locks(etcd_url, namespace=namespace, ttl=10.0) as client:
+        yield client
+
+
+class Etcd:
+    """The test's own look at the etcd behind ``etcd_url``, through its JSON gateway."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.base = "http://" + url.removeprefix("etcd://")
+        self.layout = _Layout(namespace)
+
+    def post(self, path: str, body: dict[str, object]) -> dict[str, object]:
+        reply = httpx.post(self.base + path, json=body, timeout=5.0)
+        reply.raise_for_status()
+        decoded = reply.json()
+        assert isinstance(decoded, dict)
+        return decoded
+
+    def kv(self, key: str) -> dict[str, str] | None:
+        name = base64.b64encode(self.layout.name(key)).decode()
+        kvs = self.post("/v3/kv/range", {"key": name}).get("kvs")
+        assert kvs is None or isinstance(kvs, list)
+        return kvs[0] if kvs else None
+
+    def namespace_keys(self) -> list[object]:
+        prefix = self.layout.prefix
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        reply = self.post(
+            "/v3/kv/range",
+            {
+                "key": base64.b64encode(prefix).decode(),
+                "range_end": base64.b64encode(end).decode(),
+            },
+        )
+        kvs = reply.get("kvs") or []
+        assert isinstance(kvs, list)
+        return kvs
+
+    def lease_ids(self) -> set[int]:
+        leases = self.post("/v3/lease/leases", {}).get("leases") or []
+        assert isinstance(leases, list)
+        return {int(lease["ID"]) for lease in leases}
+
+    def granted_ttl(self, lease: int) -> int:
+        return int(str(self.post("/v3/lease/timetolive", {"ID": lease}).get("grantedTTL", 0)))
+
+    def requests(self) -> dict[str, int]:
+        """How many requests etcd has started, by gRPC method (the gateway's included)."""
+        text = httpx.get(self.base + "/metrics", timeout=5.0).text
+        counts: dict[str, int] = {}
+        pattern = re.compile(r'^grpc_server_started_total\{.*grpc_method="(\w+)".*\} (\d+)', re.M)
+        for method, count in pattern.findall(text):
+            counts[method] = counts.get(method, 0) + int(count)
+        return counts
+
+
+@pytest.fixture
+def etcd(etcd_url: str, namespace: str) -> Etcd:
+    return Etcd(etcd_url, namespace)
+
+
+def made(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {m: after.get(m, 0) - n for m, n in before.items() if after.get(m, 0) - n}
+
+
+def test_acquire_is_one_grant_and_one_transaction_release_one_revoke(
+    locks: keymutex.Locks, etcd: Etcd
+) -> None:
+    locks.acquire("warm-up", timeout=0).release()  # the connection is open
+    before = etcd.requests()
+    lease = locks.acquire("doc", timeout=0)
+    assert made(before, etcd.requests()) == {"LeaseGrant": 1, "Txn": 1}
+    before = etcd.requests()
+    lease.release()
+    assert made(before, etcd.requests()) == {"LeaseRevoke": 1}  # etcd deletes the key
+
+
+def test_renew_many_batches_keepalives_and_reads_in_one_transaction(
+    locks: keymutex.Locks, etcd: Etcd
+) -> None:
+    leases = [locks.acquire(f"job:{n}", ttl=10.0) for n in range(20)]
+    store = locks._store
+    before = etcd.requests()
+    outcomes = store.renew_many(
+        [keymutex._store.RenewRequest(x.key, x.token, 10.0) for x in leases]
+    )
+    assert all(outcome.ok for outcome in outcomes)
+    requests = made(before, etcd.requests())
+    assert requests["Txn"] == 1  # every key read in one transaction
+    # All keep-alives in one request; the gateway may cut a stream short, and the
+    # leases it left out are sent again: still far fewer requests than leases.
+    assert 1 <= requests["LeaseKeepAlive"] <= 5
+    assert set(requests) == {"Txn", "LeaseKeepAlive"}
+    for lease in leases:
+        lease.release()
+
+
+def test_the_fence_is_the_keys_etcd_revision_and_grows_across_expiry_and_steal(
+    make_pair: tuple[keymutex.Locks, keymutex.Locks], etcd: Etcd
+) -> None:
+    alice, bob = make_pair
+    first = alice.acquire("row", ttl=0.5)
+    kv = etcd.kv("row")
+    assert kv is not None
+    assert first.fence == int(kv["mod_revision"]) == int(kv["create_revision"])
+    # Expiry: etcd deletes the key itself; the waiter is woken by the deletion.
+    second = bob.acquire("row", timeout=10)
+    assert second.fence > first.fence
+    # Steal: an overwrite, a newer revision.
+    third = alice.acquire("row", steal=True, timeout=0)
+    assert third.fence > second.fence
+    kv = etcd.kv("row")
+    assert kv is not None
+    assert int(kv["mod_revision"]) == third.fence
+    with pytest.raises(keymutex.LockLost):
+        second.release()
+    # A renewal with another TTL moves the key to another etcd lease, fence unchanged.
+    third.renew(ttl=40)
+    assert alice.holder("row").fence == third.fence  # type: ignore[union-attr]
+    assert third.fence < int(etcd.kv("row")["mod_revision"])  # type: ignore[index]
+    third.release()
+
+
+@pytest.fixture
+def make_pair(etcd_url: str, namespace: str) -> Iterator[tuple[keymutex.Locks, keymutex.Locks]]:
+    with (
+        keymutex.Locks(etcd_url, namespace=namespace, owner="alice") as alice,
+        keymutex.Locks(etcd_url, namespace=namespace, owner="bob") as bob,
+    ):
+        yield alice, bob
+
+
+def test_etcd_deletes_the_key_when_the_lease_expires(locks: keymutex.Locks, etcd: Etcd) -> None:
+    lease = locks.acquire("job", ttl=0.3)
+    kv = etcd.kv("job")
+    assert kv is not None
+    lease_id = int(kv["lease"])
+    assert etcd.granted_ttl(lease_id) == etcd_ttl(0.3) == 1  # whole seconds, rounded up
+    assert 0 < lease.remaining <= 0.3  # the client counts the TTL it asked for
+    started = time.monotonic()
+    while etcd.kv("job") is not None:
+        assert time.monotonic() - started < 5, "etcd kept an expired lease's key"
+        time.sleep(0.02)
+    # ceil(0.3) = 1 s, plus up to 0.5 s for etcd's expiry sweep.
+    assert time.monotonic() - started < 2.5
+    assert lease_id not in etcd.lease_ids()
+    assert locks.holder("job") is None
+
+
+@pytest.mark.parametrize(
+    ("ttl", "seconds"), [(0.001, 1), (0.3, 1), (1.0, 1), (1.000001, 2), (29.5, 30), (30.0, 30)]
+)
+def test_etcd_ttl_rounds_up_to_whole_seconds(ttl: float, seconds: int) -> None:
+    assert etcd_ttl(ttl) == seconds
+
+
+def waited_handoff(locks: keymutex.Locks, holder: keymutex.Lease) -> float:
+    got: list[float] = []
+
+    def wait() -> None:
+        locks.acquire(holder.key, timeout=10).release()
+        got.append(time.monotonic())
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # parked on the watch (the safety-net recheck is 1 s away)
+    released = time.monotonic()
+    holder.release()
+    thread.join(10)
+    assert got, "the waiter did not get the key"
+    return got[0] - released
+
+
+def test_a_release_wakes_a_waiter_through_the_watch_promptly(
+    make_pair: tuple[keymutex.Locks, keymutex.Locks],
+) -> None:
+    alice, bob = make_pair
+    delays = [waited_handoff(bob, alice.acquire("doc", timeout=0)) for _ in range(3)]
+    # Without the watch the waiter would only look again at its 1 s recheck.
+    assert max(delays) < 0.25, delays
+
+
+@pytest.mark.asyncio
+async def test_a_release_wakes_an_async_waiter_promptly(etcd_url: str, namespace: str) -> None:
+    async with (
+        keymutex.AsyncLocks(etcd_url, namespace=namespace) as alice,
+        keymutex.AsyncLocks(etcd_url, namespace=namespace) as bob,
+    ):
+        for _ in range(3):
+            held = await alice.acquire("doc", timeout=0)
+            waiting = asyncio.create_task(bob.acquire("doc", timeout=10))
+            await asyncio.sleep(0.5)
+            released = time.monotonic()
+            await held.release()
+            lease = await waiting
+            assert time.monotonic() - released < 0.25
+            await lease.release()
+
+
+def test_nothing_is_left_in_etcd_after_release(locks: keymutex.Locks, etcd: Etcd) -> None:
+    before = etcd.lease_ids()
+    leases = [locks.acquire(f"k{n}", info={"n": n}) for n in range(5)]
+    moved = locks.acquire("moved", ttl=2)
+    moved.renew(ttl=30)  # on a second etcd lease now
+    assert len(etcd.namespace_keys()) == 6
+    for lease in [*leases, moved]:
+        lease.release()
+    assert etcd.namespace_keys() == []
+    assert etcd.lease_ids() <= before
+
+
+def test_the_token_is_never_stored_in_etcd(locks: keymutex.Locks, etcd: Etcd) -> None:
+    lease = locks.acquire("doc", info={"user": "alice"})
+    kv = etcd.kv("doc")
+    assert kv is not None
+    assert lease.token not in base64.b64decode(kv["value"]).decode()
+    assert lease.token not in repr(locks.holder("doc"))
+    lease.release()
+
+
+def test_a_refused_try_leaves_no_lease_behind(
+    make_pair: tuple[keymutex.Locks, keymutex.Locks], etcd: Etcd
+) -> None:
+    alice, bob = make_pair
+    held = alice.acquire("doc")
+    before = etcd.lease_ids()
+    with pytest.raises(keymutex.Locked):
+        bob.acquire("doc", timeout=0)
+    with pytest.raises(keymutex.Locked):
+        bob.acquire("doc", timeout=0.3)  # a waiter: keeps its lease between tries
+    assert etcd.lease_ids() <= before
+    held.release()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "etcd://",
+        "etcd://host:notaport",
+        "etcd://host:70000",
+        "etcd://h1:2379,:2380",
+        "etcd://user:pw@host:2379",
+        "etcd://host:2379/prefix",
+        "etcd://host:2379?timeout=3",
+        "etcd://[::1",
+    ],
+)
+def test_bad_urls_are_refused_before_connecting(url: str) -> None:
+    with pytest.raises(ValueError, match="etcd"):
+        keymutex.Locks(url)
+
+
+def test_options_are_checked_before_connecting() -> None:
+    with pytest.raises(TypeError, match="timeout"):
+        keymutex.Locks("etcd://127.0.0.1:1", password="x")
+    with pytest.raises(ValueError, match="timeout"):
+        keymutex.Locks("etcd://127.0.0.1:1", timeout=0)
+    with pytest.raises(TypeError, match="timeout"):
+        keymutex.Locks("etcd://127.0.0.1:1", timeout=True)
+
+
+def test_an_unreachable_etcd_is_a_store_error() -> None:
+    with socket_nobody_listens_on() as port, keymutex.Locks(f"etcd://127.0.0.1:{port}") as locks:
+        with pytest.raises(keymutex.StoreError) as failed:
+            locks.acquire("doc", timeout=0)
+        assert isinstance(failed.value.__cause__, httpx.ConnectError)
+
+
+def test_a_dead_endpoint_is_skipped(etcd_url: str, namespace: str) -> None:
+    with socket_nobody_listens_on() as port:
+        url = f"etcd://127.0.0.1:{port},{etcd_url.removeprefix('etcd://')}"
+        with keymutex.Locks(url, namespace=namespace) as locks:
+            locks.acquire("doc", timeout=0).release()
+
+
+class socket_nobody_listens_on:  # a context manager named like the function it acts as
+    def __enter__(self) -> int:
+        from _etcd_servers import free_port
+
+        return free_port()
+
+    def __exit__(self, *exc: object) -> None:
+        return None
