@@ -998,14 +998,29 @@ class RedisStore:
     def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
         replies: list[Any] = [None] * len(calls)
         for client, indices in self._nodes.split(self._client, calls):
-            pipe = client.pipeline(transaction=False)
-            for index in indices:
-                call = calls[index]
-                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-            for index, reply in zip(indices, pipe.execute(raise_on_error=False), strict=True):
-                if isinstance(reply, Exception):
-                    raise reply
-                replies[index] = reply
+            try:
+                pipe = client.pipeline(transaction=False)
+                for index in indices:
+                    call = calls[index]
+                    pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+                answers = pipe.execute(raise_on_error=False)
+                for index, reply in zip(indices, answers, strict=True):
+                    if isinstance(reply, Exception):
+                        raise reply
+                    replies[index] = reply
+            except NoScriptError:
+                raise
+            except _DRIVER_ERRORS:
+                if not self._layout.sharded:
+                    raise
+                # The node failed or gave its slots away (a failover): one call each
+                # through the cluster client, which follows MOVED and learns the new
+                # owners for the next tick.
+                for index in indices:
+                    call = calls[index]
+                    replies[index] = self._client.execute_command(
+                        "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
+                    )
         return replies
 
     def release(self, key: str, token: str) -> Outcome:
@@ -1149,16 +1164,26 @@ class AsyncRedisStore:
         replies: list[Any] = [None] * len(calls)
 
         async def on_node(client: Any, indices: list[int]) -> None:
-            pipe = client.pipeline(transaction=False)
-            for index in indices:
-                call = calls[index]
-                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-            for index, reply in zip(
-                indices, await pipe.execute(raise_on_error=False), strict=True
-            ):
-                if isinstance(reply, Exception):
-                    raise reply
-                replies[index] = reply
+            try:
+                pipe = client.pipeline(transaction=False)
+                for index in indices:
+                    call = calls[index]
+                    pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+                answers = await pipe.execute(raise_on_error=False)
+                for index, reply in zip(indices, answers, strict=True):
+                    if isinstance(reply, Exception):
+                        raise reply
+                    replies[index] = reply
+            except NoScriptError:
+                raise
+            except _DRIVER_ERRORS:
+                if not self._layout.sharded:
+                    raise
+                for index in indices:  # as in RedisStore._pipeline
+                    call = calls[index]
+                    replies[index] = await self._client.execute_command(
+                        "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
+                    )
 
         if self._layout.sharded:
             await self._client.initialize()
