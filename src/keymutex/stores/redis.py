@@ -318,10 +318,18 @@ def _holder(key: str, reply: Sequence[Any], now: float) -> Holder | None:
     )
 
 
+# Redis keeps expiry times in whole milliseconds of its own clock, truncated: a key
+# can expire up to this much before "now + ttl" by a finer clock. Time left is reported
+# short by that much, so a client never counts on a lease Redis has dropped.
+CLOCK_GRAIN = 0.001
+
+
 def _outcome(key: str, reply: Sequence[Any]) -> Outcome:
     ok = int(reply[0]) == 1
     holder = _holder(key, reply, time.time())
-    remaining = None if reply[5] is None or int(reply[5]) < 0 else int(reply[5]) / 1000
+    remaining = None
+    if reply[5] is not None and int(reply[5]) >= 0:
+        remaining = max(0.0, int(reply[5]) / 1000 - CLOCK_GRAIN)
     return Outcome(ok, holder, remaining)
 
 
@@ -1210,6 +1218,8 @@ class AsyncRedisStore:
     async def holders(self, prefix: str) -> list[Holder]:
         layout = self._layout
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis scan of {prefix!r}"):
+            if self._layout.sharded:  # a cluster client scans the nodes it knows of
+                await self._client.initialize()
             names: dict[str, str] = {}
             async for name in self._client.scan_iter(
                 match=layout.pattern(prefix), count=SCAN_COUNT
