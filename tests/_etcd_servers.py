@@ -18,7 +18,6 @@ import atexit
 import contextlib
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -28,6 +27,9 @@ from types import TracebackType
 from typing import Self
 
 import httpx
+
+from _processes import free_port
+from _processes import parent_death_guard as _parent_death_guard
 
 __all__ = ["PATIENCE", "EtcdCluster", "EtcdMember", "TopologyError", "cluster", "single"]
 
@@ -39,22 +41,6 @@ _STOP_GRACE = 5.0
 
 class TopologyError(RuntimeError):
     """A member or cluster did not reach the state we waited for (logs attached)."""
-
-
-_ports_lock = threading.Lock()
-_ports_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now, never the same one twice in this process."""
-    with _ports_lock:
-        while True:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((HOST, 0))
-                port = int(sock.getsockname()[1])
-            if port not in _ports_handed_out:
-                _ports_handed_out.add(port)
-                return port
 
 
 def _poll(condition: Callable[[], bool], what: str, logs: Callable[[], str]) -> None:
@@ -80,12 +66,6 @@ def _kill_leftovers() -> None:
         leftovers = list(_running)
     for member in leftovers:
         member.kill()
-
-
-def _parent_death_guard() -> list[str]:
-    if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
-        return ["setpriv", "--pdeathsig", "KILL", "--"]
-    return []
 
 
 class EtcdMember:

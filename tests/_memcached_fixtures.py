@@ -33,6 +33,8 @@ from typing import Self
 
 import pytest
 
+from _processes import free_port
+
 __all__ = ["MemcachedServer", "memcached_server", "memcached_url", "require_memcached"]
 
 HOST = "127.0.0.1"
@@ -60,12 +62,6 @@ def require_memcached() -> str:
         pytest.skip("memcached not on PATH: the memcached tests run against a real server"
                     " (Debian/Ubuntu: apt install memcached)")  # fmt: skip
     return executable
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 class MemcachedServer:

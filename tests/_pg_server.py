@@ -34,7 +34,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -43,6 +42,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+from _processes import free_port as _free_port
 
 __all__ = [
     "PATIENCE",
@@ -99,21 +100,6 @@ def find_binaries() -> Path | None:
 def missing_binaries() -> list[str]:
     """The PostgreSQL programs that cannot be found (empty: all there)."""
     return [] if find_binaries() is not None else list(_PROGRAMS)
-
-
-_ports_lock = threading.Lock()
-_ports_handed_out: set[int] = set()
-
-
-def _free_port() -> int:
-    with _ports_lock:
-        while True:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((HOST, 0))
-                port = int(sock.getsockname()[1])
-            if port not in _ports_handed_out:
-                _ports_handed_out.add(port)
-                return port
 
 
 def _server_account() -> pwd.struct_passwd | None:

@@ -40,6 +40,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from _processes import free_port as _free_port
+from _processes import parent_death_guard as _parent_death_guard
+
 __all__ = [
     "PATIENCE",
     "RedisCluster",
@@ -78,22 +81,6 @@ def missing_executables() -> list[str]:
 
 # ---------------------------------------------------------------------------------------
 # Ports, polling, process hygiene
-
-
-_ports_lock = threading.Lock()
-_ports_handed_out: set[int] = set()
-
-
-def _free_port() -> int:
-    """A loopback port nobody listens on now, never the same one twice in this process."""
-    with _ports_lock:
-        while True:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((HOST, 0))
-                port = int(sock.getsockname()[1])
-            if port not in _ports_handed_out:
-                _ports_handed_out.add(port)
-                return port
 
 
 def _poll(
@@ -145,14 +132,6 @@ def _kill_leftovers() -> None:
         leftovers = list(_running)
     for server in leftovers:
         server.kill()
-
-
-def _parent_death_guard() -> list[str]:
-    # PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, so it is only
-    # set for servers started by the main thread (which lives as long as the process).
-    if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
-        return ["setpriv", "--pdeathsig", "KILL", "--"]
-    return []
 
 
 # ---------------------------------------------------------------------------------------

@@ -43,6 +43,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from _processes import free_port as _free_port
+from _processes import parent_death_guard as _parent_death_guard
+
 __all__ = [
     "PATIENCE",
     "Ensemble",
@@ -100,22 +103,6 @@ def missing() -> str | None:
     return None
 
 
-_ports_lock = threading.Lock()
-_ports_handed_out: set[int] = set()
-
-
-def _free_port() -> int:
-    """A loopback port nobody listens on now, never the same one twice in this process."""
-    with _ports_lock:
-        while True:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((HOST, 0))
-                port = int(sock.getsockname()[1])
-            if port not in _ports_handed_out:
-                _ports_handed_out.add(port)
-                return port
-
-
 def four_letter(port: int, command: str, timeout: float = 2.0) -> str:
     """Send a four-letter command (``srvr``, ``wchp``, ``cons`` …); the reply as text."""
     with socket.create_connection((HOST, port), timeout=timeout) as sock:
@@ -136,14 +123,6 @@ def _kill_leftovers() -> None:
         leftovers = list(_running)
     for server in leftovers:
         server.kill()
-
-
-def _parent_death_guard() -> list[str]:
-    # PR_SET_PDEATHSIG fires when the *thread* that forked the child ends: only for
-    # servers started by the main thread (which lives as long as the process).
-    if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
-        return ["setpriv", "--pdeathsig", "KILL", "--"]
-    return []
 
 
 def _poll(

@@ -171,6 +171,12 @@ def translate_errors(*driver_errors: type[BaseException], what: str) -> Iterator
         raise StoreError(f"{what}: {exc}") from exc
 
 
+def _settle(step: asyncio.Future[Any]) -> None:
+    """Mark a step's outcome as seen: its caller may have been cancelled meanwhile."""
+    if not step.cancelled():
+        step.exception()
+
+
 class _AdaptedWaiter:
     __slots__ = ("_call", "_inner")
 
@@ -197,11 +203,18 @@ class ThreadedAsyncStore:
         self._store = store
         self._inline = inline
         self.capabilities = store.capabilities
+        # Steps running in threads: a cancelled caller stops waiting, the thread goes
+        # on, and ``aclose`` lets it finish before it closes the store under it.
+        self._running: set[asyncio.Future[Any]] = set()
 
     async def _call(self, function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         if self._inline:
             return function(*args, **kwargs)
-        return await asyncio.to_thread(function, *args, **kwargs)
+        step = asyncio.ensure_future(asyncio.to_thread(function, *args, **kwargs))
+        self._running.add(step)
+        step.add_done_callback(_settle)
+        step.add_done_callback(self._running.discard)
+        return await asyncio.shield(step)
 
     async def try_acquire(
         self,
@@ -245,4 +258,6 @@ class ThreadedAsyncStore:
         return _AdaptedWaiter(self._store.waiter(key), self._call)
 
     async def aclose(self) -> None:
+        if self._running:
+            await asyncio.wait(set(self._running))
         await self._call(self._store.close)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from _processes import free_port
 
 __all__ = ["Server", "serve"]
 
@@ -32,13 +33,6 @@ class Server:
     def output(self) -> str:
         """The server's output so far, for assertion messages."""
         return self.log.read_text(errors="replace")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -86,7 +80,7 @@ def serve(directory: Path, *, tokens: list[dict[str, object]] | None = None) -> 
         token_file.write_text(json.dumps({"tokens": tokens}))
         command += ["--token-file", str(token_file)]
     for _attempt in range(3):
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         with log.open("ab") as output:
             process = subprocess.Popen(

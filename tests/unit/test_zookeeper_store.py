@@ -196,14 +196,16 @@ def test_orphaned_contender_node_is_cleaned(own_server: Any, namespace: str) -> 
     raw = kazoo_client.KazooClient(hosts=own_server.address)
     raw.start(timeout=PATIENCE)
     try:
-        with keymutex.Locks(url, namespace=namespace, timeout=0.5) as locks:
+        # A step gives up after 2 s: time enough, on a busy host, for the create to be
+        # written to the socket before the client stops waiting for its reply.
+        with keymutex.Locks(url, namespace=namespace, timeout=2.0) as locks:
             locks.acquire("warm-up", timeout=0).release()  # connected, paths made
             locks.acquire("job", timeout=0).release()
             for _attempt in range(3):
                 own_server.pause()
                 try:
                     with pytest.raises(keymutex.StoreError):
-                        locks.acquire("job", timeout=0)  # no reply within 0.5 s
+                        locks.acquire("job", timeout=0)  # no reply within 2 s
                 finally:
                     own_server.resume()
                 # The create was queued on the socket: the server makes the node now,
