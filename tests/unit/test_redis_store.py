@@ -128,7 +128,7 @@ def test_waiters_of_one_locks_share_one_subscription(
 ) -> None:
     with (
         keymutex.Locks(redis_url, namespace=namespace) as holder,
-        keymutex.Locks(redis_url, namespace=namespace) as waiting,
+        keymutex.Locks(redis_url, namespace=namespace, client_name=namespace) as waiting,
     ):
         leases = [holder.acquire(f"k{i}", timeout=0) for i in range(8)]
         got: list[int] = []
@@ -145,7 +145,10 @@ def test_waiters_of_one_locks_share_one_subscription(
             if all(n == 1 for _, n in counts):
                 break
             time.sleep(0.01)
-        pubsub_clients = [c for c in server.client_list() if int(c["sub"]) > 0]
+        # The waiting Locks's own connections (others of the session may linger).
+        pubsub_clients = [
+            c for c in server.client_list() if c["name"] == namespace and int(c["sub"]) > 0
+        ]
         assert {n for _, n in server.pubsub_numsub(*channels)} == {1}
         assert len(pubsub_clients) == 1
         for lease in leases:

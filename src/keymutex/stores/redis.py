@@ -284,6 +284,13 @@ class _Layout:
         bucket = "km:" if self._buckets == 1 else "km:{*}:"
         return f"{bucket}{_glob_escape(self._middle + prefix)}*"
 
+    def listed(self, name: str, prefix: str) -> str | None:
+        """The key of a scanned name if it is a lease of ours under ``prefix``."""
+        key = self.key_of(name)
+        if key is None or not key.startswith(prefix) or name != self.lease(key):
+            return None
+        return key
+
     def key_of(self, name: str) -> str | None:
         """The key of a lease hash's name, or ``None`` if it is not one of ours."""
         start = name.find("}:") + 2 if self._buckets > 1 else len("km:")
@@ -341,6 +348,28 @@ def _hash_reply(key: str, fields: Sequence[Any], pttl: Any) -> Holder | None:
     if fields[0] is None or pttl is None or int(pttl) <= 0:
         return None  # gone between SCAN and read, or expiring this instant
     return _holder(key, [0, *fields, pttl], time.time())
+
+
+def _queue_reads(pipe: Any, names: Sequence[str]) -> None:
+    """Queue the reads of lease hashes on ``pipe``: their fields, then their PTTL."""
+    for name in names:
+        pipe.hmget(name, "o", "i", "f", "a")
+        pipe.pttl(name)
+
+
+def _read_holders(keys: Sequence[str], replies: Sequence[Any]) -> list[Holder]:
+    """The live holders among the replies of ``_queue_reads`` for these keys."""
+    found = (_hash_reply(key, replies[2 * i], replies[2 * i + 1]) for i, key in enumerate(keys))
+    return [holder for holder in found if holder is not None]
+
+
+def _batches(names: Mapping[str, str]) -> list[tuple[list[str], list[str]]]:
+    """Scanned lease names (name -> key) in key order, as (names, keys) batches."""
+    ordered = sorted(names.items(), key=lambda item: item[1])
+    return [
+        ([name for name, _ in chunk], [key for _, key in chunk])
+        for chunk in (ordered[i : i + SCAN_COUNT] for i in range(0, len(ordered), SCAN_COUNT))
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -1038,10 +1067,9 @@ class RedisStore:
         name = self._layout.lease(key)
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis read of {key!r}"):
             pipe = self._client.pipeline(transaction=False)
-            pipe.hmget(name, "o", "i", "f", "a")
-            pipe.pttl(name)
-            fields, pttl = pipe.execute()
-        return _hash_reply(key, fields, pttl)
+            _queue_reads(pipe, [name])
+            found = _read_holders([key], pipe.execute())
+        return found[0] if found else None
 
     def holders(self, prefix: str) -> list[Holder]:
         layout = self._layout
@@ -1049,23 +1077,13 @@ class RedisStore:
             names = {
                 name: key
                 for name in self._client.scan_iter(match=layout.pattern(prefix), count=SCAN_COUNT)
-                if (key := layout.key_of(name)) is not None
-                and key.startswith(prefix)
-                and name == layout.lease(key)
+                if (key := layout.listed(name, prefix)) is not None
             }
             found: list[Holder] = []
-            ordered = sorted(names.items(), key=lambda item: item[1])
-            for start in range(0, len(ordered), SCAN_COUNT):
-                batch = ordered[start : start + SCAN_COUNT]
+            for batch, keys in _batches(names):
                 pipe = self._client.pipeline(transaction=False)
-                for name, _ in batch:
-                    pipe.hmget(name, "o", "i", "f", "a")
-                    pipe.pttl(name)
-                replies = pipe.execute()
-                for index, (_, key) in enumerate(batch):
-                    holder = _hash_reply(key, replies[2 * index], replies[2 * index + 1])
-                    if holder is not None:
-                        found.append(holder)
+                _queue_reads(pipe, batch)
+                found += _read_holders(keys, pipe.execute())
         return found
 
     def waiter(self, key: str) -> _RedisWaiter:
@@ -1210,36 +1228,27 @@ class AsyncRedisStore:
         name = self._layout.lease(key)
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis read of {key!r}"):
             pipe = self._client.pipeline(transaction=False)
-            pipe.hmget(name, "o", "i", "f", "a")
-            pipe.pttl(name)
-            fields, pttl = await pipe.execute()
-        return _hash_reply(key, fields, pttl)
+            _queue_reads(pipe, [name])
+            found = _read_holders([key], await pipe.execute())
+        return found[0] if found else None
 
     async def holders(self, prefix: str) -> list[Holder]:
         layout = self._layout
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis scan of {prefix!r}"):
-            if self._layout.sharded:  # a cluster client scans the nodes it knows of
+            if layout.sharded:  # a cluster client scans the nodes it knows of
                 await self._client.initialize()
-            names: dict[str, str] = {}
-            async for name in self._client.scan_iter(
-                match=layout.pattern(prefix), count=SCAN_COUNT
-            ):
-                key = layout.key_of(name)
-                if key is not None and key.startswith(prefix) and name == layout.lease(key):
-                    names[name] = key
+            names = {
+                name: key
+                async for name in self._client.scan_iter(
+                    match=layout.pattern(prefix), count=SCAN_COUNT
+                )
+                if (key := layout.listed(name, prefix)) is not None
+            }
             found: list[Holder] = []
-            ordered = sorted(names.items(), key=lambda item: item[1])
-            for start in range(0, len(ordered), SCAN_COUNT):
-                batch = ordered[start : start + SCAN_COUNT]
+            for batch, keys in _batches(names):
                 pipe = self._client.pipeline(transaction=False)
-                for name, _ in batch:
-                    pipe.hmget(name, "o", "i", "f", "a")
-                    pipe.pttl(name)
-                replies = await pipe.execute()
-                for index, (_, key) in enumerate(batch):
-                    holder = _hash_reply(key, replies[2 * index], replies[2 * index + 1])
-                    if holder is not None:
-                        found.append(holder)
+                _queue_reads(pipe, batch)
+                found += _read_holders(keys, await pipe.execute())
         return found
 
     async def waiter(self, key: str) -> _AsyncRedisWaiter:
