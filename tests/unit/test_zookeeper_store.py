@@ -191,43 +191,56 @@ def test_a_renewal_after_the_deadline_is_undone(zookeeper_url: str, namespace: s
 
 
 def test_orphaned_contender_node_is_cleaned(own_server: Any, namespace: str) -> None:
-    """A create that reached the server while its reply did not reach us."""
+    """A create that reached the server while its reply did not reach us.
+
+    The orphan may be cleaned as soon as the client reconnects, before we could see it
+    in the listing: the key node's ``cversion`` (one per child created or deleted)
+    tells whether the create reached the server whatever happened next. Another
+    client holds the key, so the key's node (a container) stays while we look.
+    """
     url = own_server.url
     raw = kazoo_client.KazooClient(hosts=own_server.address)
     raw.start(timeout=PATIENCE)
+    path = key_path(namespace, "job")
     try:
-        # A step gives up after 2 s: time enough, on a busy host, for the create to be
-        # written to the socket before the client stops waiting for its reply.
-        with keymutex.Locks(url, namespace=namespace, timeout=2.0) as locks:
+        with (
+            keymutex.Locks(url, namespace=namespace, owner="holder") as other,
+            # A step gives up after 2 s: time enough, on a busy host, for the create
+            # to be written to the socket before the client stops waiting for it.
+            keymutex.Locks(url, namespace=namespace, timeout=2.0) as locks,
+        ):
+            held = other.acquire("job", ttl=600.0, timeout=0)
+            (holding,) = contenders(raw, namespace, "job")
             locks.acquire("warm-up", timeout=0).release()  # connected, paths made
-            locks.acquire("job", timeout=0).release()
             for _attempt in range(3):
+                before = raw.exists(path).cversion
                 own_server.pause()
                 try:
                     with pytest.raises(keymutex.StoreError):
                         locks.acquire("job", timeout=0)  # no reply within 2 s
                 finally:
                     own_server.resume()
-                # The create was queued on the socket: the server makes the node now,
-                # unless the client gave the connection up before sending it (a busy
-                # host): then the fault did not happen, and is injected again.
+                # The create was queued on the socket and the server makes the node
+                # now, unless the client gave the connection up before sending it (a
+                # busy host): then the fault did not happen, and is injected again.
                 try:
-                    wait_until(
-                        lambda: len(contenders(raw, namespace, "job")) == 1,
-                        "the orphan",
-                        patience=5.0,
-                    )
+                    wait_until(lambda c=before: raw.exists(path).cversion > c, "the orphan", 5.0)
                     break
                 except AssertionError:
                     continue
             else:
-                raise AssertionError("three paused creates left no orphan to clean up")
-            (orphan,) = contenders(raw, namespace, "job")
-            # The next step of that client finds it by its digest and deletes it.
-            assert locks.holder("job") is None
-            assert contenders(raw, namespace, "job") == []
+                raise AssertionError("three paused creates never reached the server")
+            # The client deletes it: at its reconnection, or at its next step.
+            holder = locks.holder("job")
+            assert holder is not None
+            assert holder.owner == "holder"
+            wait_until(
+                lambda: contenders(raw, namespace, "job") == [holding], "the orphan is gone"
+            )
+            assert raw.exists(path).cversion >= before + 2  # created, then deleted
+            held.release()
             lease = locks.acquire("job", timeout=0)
-            assert contenders(raw, namespace, "job") != [orphan]
+            assert lease.fence > held.fence
             lease.release()
     finally:
         raw.stop()
