@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # Debian packages the tests need (real servers are added here as stores land).
 APT_PACKAGES := redis-server redis-sentinel postgresql memcached zookeeperd etcd-server nodejs chromium
 
-.PHONY: test serve demo lint bench sysdeps venv clean
+.PHONY: test serve demo lint bench chaos sysdeps venv clean
 
 # Debian's own python3 needs python3-venv for `-m venv`: installed here when root.
 $(BIN)/python:
@@ -64,6 +64,11 @@ demo: $(VENV)/.installed-base
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/run_all.py
+
+# The long safety run: 10,000 fenced writes per store under pauses and kills
+# (tests/safety/chaos.py; `make test` runs a short one). CHAOS_ARGS: e.g. --stores redis
+chaos: sysdeps $(VENV)/.installed-test
+	cd tests && PYTHONPATH=. ../$(BIN)/python -m safety.chaos $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

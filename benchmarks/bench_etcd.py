@@ -44,6 +44,10 @@ import httpx
 import keymutex
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _common import cpu_model as _cpu
+from _common import host_clock as _clock
+from _common import percentile as _percentile
+
 from _etcd_servers import single  # the tests' server helper
 
 PROCESSES = 4
@@ -52,15 +56,6 @@ RESULTS = Path(__file__).parent / "results"
 FLOOR = "range read (floor: one round trip)"
 BARE = "bare lease grant + txn + delete (same client)"
 SYNC = "**keymutex Locks: acquire() + release()**"
-
-
-def _clock() -> float:
-    return time.clock_gettime(time.CLOCK_BOOTTIME)  # shared by all processes on the host
-
-
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def _b64(text: str) -> str:
@@ -217,16 +212,6 @@ def contention(url: str, seconds: float) -> dict[str, float]:
 
 
 # -- report ------------------------------------------------------------------------------
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def _etcd_version() -> str:

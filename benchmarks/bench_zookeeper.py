@@ -32,7 +32,6 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,22 +46,16 @@ from kazoo.version import __version__ as kazoo_version
 import keymutex
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _common import cpu_model as _cpu
+from _common import host_clock as _clock
+from _common import percentile as _percentile
+from _common import revision as _revision
+
 import _zk_servers  # the tests' server helper
 
 PROCESSES = 4
 WARM_UP = 100
 RESULTS = Path(__file__).parent / "results"
-
-
-def _clock() -> float:
-    return time.clock_gettime(time.CLOCK_BOOTTIME)  # shared by all processes on the host
-
-
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def _hosts(url: str) -> str:
@@ -192,25 +185,6 @@ def contention(url: str, kind: str, seconds: float) -> dict[str, float]:
         "same holder %": 100 * same / max(1, len(records) - 1),
         "worst wait ms": max((r[1] - r[0]) * 1000 for r in records),
     }
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def _revision() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def report(

@@ -28,6 +28,7 @@ SCRIPTS = {
     "zookeeper": ["bench_zookeeper.py"],
     "etcd": ["bench_etcd.py"],
     "server": ["bench_server.py"],
+    "stores": ["bench_stores.py"],
 }
 
 

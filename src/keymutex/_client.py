@@ -28,12 +28,15 @@ import itertools
 import logging
 import math
 import os
+import queue
 import secrets
 import socket
 import string
 import threading
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -67,6 +70,7 @@ MAX_NAMESPACE_BYTES = 256
 
 P = ParamSpec("P")
 R = TypeVar("R")
+L = TypeVar("L", bound=LeaseState)
 OnLost = Callable[[Any], object]
 
 
@@ -191,6 +195,9 @@ class _RenewalPlan:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, LeaseState]] = []
+        # Each lease's local deadline as last seen: an entry may be stale (the lease
+        # was renewed since), and is then pushed again with the new one when reached.
+        self._deadlines: list[tuple[float, int, LeaseState]] = []
         self._order = itertools.count()
         self._active: set[int] = set()
 
@@ -199,6 +206,7 @@ class _RenewalPlan:
         self._active.add(id(lease))
         due = now + lease._ttl / 3
         heapq.heappush(self._heap, (due, next(self._order), lease))
+        heapq.heappush(self._deadlines, (lease._deadline, next(self._order), lease))
         return due
 
     def discard(self, lease: LeaseState) -> None:
@@ -215,6 +223,33 @@ class _RenewalPlan:
         while heap and id(heap[0][2]) not in self._active:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
+
+    def next_deadline(self) -> float | None:
+        """When the first lease may reach its deadline (maybe earlier: then it was renewed)."""
+        heap = self._deadlines
+        while heap and id(heap[0][2]) not in self._active:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def overdue(self, now: float) -> list[LeaseState]:
+        """Leases past their local deadline, now lost: those whose ``on_lost`` is due.
+
+        However long a renewal call takes, its leases' holders learn of the loss by
+        their deadline: the reply of a call still under way comes too late to count.
+        """
+        lost = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            lease = heapq.heappop(heap)[2]
+            if not self.active(lease):
+                continue
+            if lease._deadline > now:  # renewed since this entry was made
+                heapq.heappush(heap, (lease._deadline, next(self._order), lease))
+                continue
+            self.discard(lease)
+            if lease._mark_lost(None):
+                lost.append(lease)
+        return lost
 
     def take_due(self, now: float) -> list[LeaseState]:
         due = []
@@ -258,6 +293,41 @@ def _outcome_or_lost(key: str, outcome: Outcome) -> Outcome:
     return outcome
 
 
+class _CallThread:
+    """A daemon thread that makes the renewer's store calls, one at a time.
+
+    The renewer hands each call over and keeps watching the leases' deadlines while it
+    runs: a call that hangs on a silent store cannot delay ``on_lost`` past them.
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
+        self._calls = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, call: Callable[[], R]) -> Future[R]:
+        future: Future[R] = Future()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="keymutex-renewer-call", daemon=True
+            )
+            self._thread.start()
+        self._calls.put((future, call))
+        return future
+
+    def _run(self) -> None:
+        while (job := self._calls.get()) is not None:
+            future, call = job
+            try:
+                future.set_result(call())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._calls.put(None)
+
+
 class _Renewer:
     """One thread that renews every renewing lease of a ``Locks``, in batches."""
 
@@ -266,6 +336,7 @@ class _Renewer:
         self._plan = _RenewalPlan()
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._calls = _CallThread()
         self._closed = False
         # When the thread looks at the plan next (-inf: it is at work and will look
         # soon). A lease due later needs no wake-up: a thread switch per lock() saved.
@@ -288,21 +359,26 @@ class _Renewer:
         with self._wakeup:
             self._plan.discard(lease)
 
-    def _next_batch(self) -> list[LeaseState] | None:
+    def _next_batch(self) -> tuple[list[LeaseState], list[LeaseState]] | None:
+        """The leases due for renewal, and those found lost; ``None`` once closed."""
         with self._wakeup:
             while not self._closed:
                 now = _clock.monotonic()
+                lost = self._plan.overdue(now)
                 due = self._plan.take_due(now)
-                if due:
-                    return due
-                when = self._plan.next_due()
+                if due or lost:
+                    return due, lost
+                when = _earliest(self._plan.next_due(), self._plan.next_deadline())
                 self._until = math.inf if when is None else when
                 self._wakeup.wait(None if when is None else when - now)
                 self._until = -math.inf
             return None
 
     def _run(self) -> None:
-        while (due := self._next_batch()) is not None:
+        while (work := self._next_batch()) is not None:
+            due, overdue = work
+            for lease in overdue:
+                lease._notify_lost()
             # A lease its owner is renewing right now is looked at again shortly.
             batch: list[Lease] = []
             for lease in due:
@@ -324,16 +400,30 @@ class _Renewer:
         """Renew ``batch`` in one store call; the leases this showed lost."""
         sent_at = _clock.monotonic()
         requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
+        call = self._calls.submit(functools.partial(self._store.renew_many, requests))
+        while True:  # while the call runs, holders past their deadline learn it
+            with self._wakeup:
+                deadline = self._plan.next_deadline()
+            wait = None if deadline is None else max(0.0, deadline - _clock.monotonic())
+            if futures.wait([call], wait).done:
+                break
+            with self._wakeup:
+                overdue = self._plan.overdue(_clock.monotonic())
+            for lease in overdue:
+                lease._notify_lost()
         try:
-            outcomes = self._store.renew_many(requests)
+            outcomes = call.result()
         except Exception as exc:  # StoreError, or a bug: the renewer must live on
             _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
             with self._wakeup:
                 return [x for x in batch if self._plan.failed(x, _clock.monotonic())]
         with self._wakeup:
-            return [
+            lost = [
                 x for x, o in zip(batch, outcomes, strict=True) if self._plan.settle(x, o, sent_at)
             ]
+        for lease in _renewed_too_late(batch, outcomes):  # on the renewal's connection
+            self._calls.submit(functools.partial(_release_quietly, self._store, lease))
+        return lost
 
     def close(self) -> None:
         with self._wakeup:
@@ -341,6 +431,35 @@ class _Renewer:
             self._wakeup.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        self._calls.close()
+
+
+def _release_quietly(store: Store, lease: LeaseState) -> None:
+    try:
+        store.release(lease.key, lease.token)
+    except Exception as exc:
+        _LOG.warning("releasing the lost lease on %r failed: %s", lease.key, exc)
+
+
+async def _release_quietly_async(store: AsyncStore, lease: LeaseState) -> None:
+    try:
+        await store.release(lease.key, lease.token)
+    except Exception as exc:
+        _LOG.warning("releasing the lost lease on %r failed: %s", lease.key, exc)
+
+
+def _earliest(*times: float | None) -> float | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
+
+
+def _renewed_too_late(batch: Sequence[L], outcomes: Sequence[Outcome]) -> list[L]:
+    """Leases the store renewed after their holder was told they were lost.
+
+    The holder stopped relying on them at their deadline: release them rather than
+    keep the key from everyone for another TTL.
+    """
+    return [x for x, o in zip(batch, outcomes, strict=True) if o.ok and x._lost]
 
 
 class _LockContext:
@@ -531,6 +650,7 @@ class Locks:
 
     def _contend(self, request: _Request, token: str, deadline: Deadline) -> Lease:
         notifies = self._store.capabilities.notifies
+        at_store = self._store.capabilities.waits_at_store
         backoff = None if notifies else Backoff()
         # With a store that notifies, even the first try carries the waiter: a refusal
         # queues it in the same atomic step, so no release can slip in between.
@@ -545,7 +665,7 @@ class Locks:
                     raise Locked(request.key, outcome.holder)
                 if waiter is None:
                     waiter = self._store.waiter(request.key)
-                waiter.wait(park_time(deadline, outcome.remaining, backoff))
+                waiter.wait(park_time(deadline, outcome.remaining, backoff, at_store=at_store))
         finally:
             if waiter is not None:
                 waiter.close()
@@ -641,6 +761,7 @@ class _AsyncRenewer:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._callbacks: set[asyncio.Task[Any]] = set()
+        self._releases: set[asyncio.Task[Any]] = set()  # of leases renewed too late
         self._until = -math.inf  # as in _Renewer
 
     def add(self, lease: AsyncLease) -> None:
@@ -662,9 +783,11 @@ class _AsyncRenewer:
     async def _run(self, wakeup: asyncio.Event) -> None:
         while self._plan:
             now = _clock.monotonic()
+            for lease in self._plan.overdue(now):
+                self.call_on_lost(lease)
             batch = self._plan.take_due(now)
             if not batch:
-                when = self._plan.next_due()
+                when = _earliest(self._plan.next_due(), self._plan.next_deadline())
                 wakeup.clear()
                 self._until = math.inf if when is None else when
                 try:
@@ -696,21 +819,41 @@ class _AsyncRenewer:
         """Renew ``batch`` in one store call; the leases this showed lost."""
         sent_at = _clock.monotonic()
         requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
+        call = asyncio.ensure_future(self._store.renew_many(requests))
         try:
-            outcomes = await self._store.renew_many(requests)
+            while True:  # while the call runs, holders past their deadline learn it
+                deadline = self._plan.next_deadline()
+                wait = None if deadline is None else max(0.0, deadline - _clock.monotonic())
+                if (await asyncio.wait([call], timeout=wait))[0]:
+                    break
+                for lease in self._plan.overdue(_clock.monotonic()):
+                    self.call_on_lost(lease)
+        except BaseException:  # cancelled (aclose): the call goes too, and ends first
+            call.cancel()
+            await asyncio.wait([call])
+            raise
+        try:
+            outcomes = call.result()
         except Exception as exc:  # StoreError, or a bug: the renewer must live on
             _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
             return [x for x in batch if self._plan.failed(x, _clock.monotonic())]
-        return [
+        lost = [
             x for x, o in zip(batch, outcomes, strict=True) if self._plan.settle(x, o, sent_at)
         ]
+        for lease in _renewed_too_late(batch, outcomes):
+            self._spawn(_release_quietly_async(self._store, lease), self._releases)
+        return lost
 
     def call_on_lost(self, lease: LeaseState) -> None:
         result = lease._notify_lost()
         if inspect.isawaitable(result):
-            task = asyncio.ensure_future(result)
-            self._callbacks.add(task)
-            task.add_done_callback(self._callbacks.discard)
+            self._spawn(result, self._callbacks)
+
+    @staticmethod
+    def _spawn(work: Awaitable[Any], tasks: set[asyncio.Task[Any]]) -> None:
+        task = asyncio.ensure_future(work)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -719,6 +862,8 @@ class _AsyncRenewer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._releases:  # before the store closes
+            await asyncio.wait(self._releases)
 
 
 class _AsyncLockContext:
@@ -913,6 +1058,7 @@ class AsyncLocks:
 
     async def _contend(self, request: _Request, token: str, deadline: Deadline) -> AsyncLease:
         notifies = self._store.capabilities.notifies
+        at_store = self._store.capabilities.waits_at_store
         backoff = None if notifies else Backoff()
         waiter = await self._store.waiter(request.key) if notifies else None
         outcome = None
@@ -926,7 +1072,9 @@ class AsyncLocks:
                     raise Locked(request.key, outcome.holder)
                 if waiter is None:
                     waiter = await self._store.waiter(request.key)
-                await waiter.wait(park_time(deadline, outcome.remaining, backoff))
+                await waiter.wait(
+                    park_time(deadline, outcome.remaining, backoff, at_store=at_store)
+                )
         finally:
             if waiter is not None:
                 try:

@@ -55,6 +55,10 @@ class Capabilities:
     - ``cross_process``: other processes see the same leases.
     - ``durable_fences``: fences never go backwards across a restart of the store.
     - ``clock``: whose clock measures TTLs, e.g. "host-monotonic", "server".
+    - ``waits_at_store``: a waiter's wait is itself a request queued at the store (the
+      lock server), answered at its turn or at the holder's expiry: the client lets it
+      wait up to its own deadline rather than look again every second, which would
+      send it to the back of the queue each time.
     """
 
     notifies: bool
@@ -62,6 +66,7 @@ class Capabilities:
     cross_process: bool
     durable_fences: bool
     clock: str
+    waits_at_store: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,11 +10,13 @@ import random
 
 from keymutex import _clock
 
-__all__ = ["RECHECK_INTERVAL", "Backoff", "Deadline", "park_time"]
+__all__ = ["RECHECK_INTERVAL", "STORE_WAIT", "Backoff", "Deadline", "park_time"]
 
 # Waiters on a store that notifies still look again this often: a safety net for a
 # notification that could not be delivered (its sender died between commit and send).
 RECHECK_INTERVAL = 1.0
+# The longest wait queued at a lock server (which caps waits at 30 s by default).
+STORE_WAIT = 25.0
 # How long after the holder's expiry a waiter wakes, so the store's clock has passed it.
 EXPIRY_MARGIN = 0.002
 
@@ -53,17 +55,26 @@ class Backoff:
 
 
 def park_time(
-    deadline: Deadline, holder_remaining: float | None, backoff: Backoff | None
+    deadline: Deadline,
+    holder_remaining: float | None,
+    backoff: Backoff | None,
+    *,
+    at_store: bool = False,
 ) -> float:
     """How long a refused waiter parks before it tries again.
 
     With ``backoff`` (the store cannot notify) the next backoff step; without it
     (woken by notification) the safety-net interval. Either way no later than the
-    holder's expiry and the caller's deadline.
+    holder's expiry and the caller's deadline. A wait ``at_store`` (queued at the lock
+    server, which watches the holder's expiry itself) lasts up to the caller's
+    deadline, at most ``STORE_WAIT``.
     """
-    park = backoff.next() if backoff is not None else RECHECK_INTERVAL
-    if holder_remaining is not None:
-        park = min(park, holder_remaining + EXPIRY_MARGIN)
+    if at_store:
+        park = STORE_WAIT
+    else:
+        park = backoff.next() if backoff is not None else RECHECK_INTERVAL
+        if holder_remaining is not None:
+            park = min(park, holder_remaining + EXPIRY_MARGIN)
     left = deadline.remaining()
     if left is not None:
         park = min(park, left)

@@ -25,6 +25,8 @@ STORE_FIXTURES = {
     "redis": "redis_url",
     "postgresql": "postgresql_url",
     "memcached": "memcached_url",
+    "etcd": "etcd_url",
+    "zookeeper": "zookeeper_url",
 }
 
 

@@ -416,41 +416,9 @@ def test_renewals_blackholed_lease_lost_by_local_deadline(
     assert seen["lost"] <= seen["granted"], seen
 
 
-ON_LOST_FINDING = (
-    "on_lost is called only when the blocked renewal call returns: with the store silent,"
-    " {why}; meanwhile another client was granted the key. The renewer thread cannot act"
-    " on the local deadline while it waits inside the store call (_Renewer._renew)."
-)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "store_url",
-    [
-        pytest.param(
-            "redis",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=ON_LOST_FINDING.format(
-                    why="Redis renewals time out after socket_timeout (5 s by default),"
-                    " so on_lost comes ~4 s after the local deadline"
-                ),
-            ),
-        ),
-        pytest.param(
-            "postgresql",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=ON_LOST_FINDING.format(
-                    why="PostgreSQL calls have no timeout at all, so on_lost never comes"
-                    " until the connection breaks"
-                ),
-            ),
-        ),
-    ],
-    indirect=True,
-)
+@stores("redis", "postgresql")
 def test_renewals_blackholed_on_lost_by_local_deadline(store_url: str, namespace: str) -> None:
     """Same run: ``on_lost`` must be called by the local deadline too (issue 7: every lost
     lease is reported to its holder no later than its local deadline)."""
@@ -460,6 +428,99 @@ def test_renewals_blackholed_on_lost_by_local_deadline(store_url: str, namespace
         f"on_lost came {seen['on_lost'] - seen['deadline']:.2f} s after the local deadline,"
         f" {seen['on_lost'] - seen['granted']:.2f} s after another client was granted the key"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@stores("redis", "postgresql")
+def test_renewals_blackholed_async_on_lost_by_local_deadline(
+    store_url: str, namespace: str
+) -> None:
+    """The same for ``AsyncLocks``: its renewer task learns of the loss by the deadline,
+    while its renewal call still waits on the silent link."""
+    seen = asyncio.run(_async_blackhole_run(store_url, namespace))
+    assert "on_lost" in seen, "on_lost not called within 6 s after the grant"
+    assert seen["lost_at_on_lost"] is True
+    assert seen["on_lost"] <= seen["deadline"] + CLOCK_SLACK, (
+        f"on_lost came {seen['on_lost'] - seen['deadline']:.2f} s after the local deadline"
+    )
+    assert seen["on_lost"] <= seen["granted"], seen
+
+
+async def _async_blackhole_run(store_url: str, namespace: str) -> dict[str, float | bool]:
+    seen: dict[str, float | bool] = {}
+    on_lost = asyncio.Event()
+
+    def record(lease: keymutex.AsyncLease) -> None:
+        seen["on_lost"] = time.monotonic()
+        seen["lost_at_on_lost"] = lease.lost
+        on_lost.set()
+
+    with Proxy(_upstream(store_url)) as proxy:
+        holder = keymutex.AsyncLocks(
+            _proxied(store_url, proxy), namespace=namespace, ttl=BLACKHOLE_TTL
+        )
+        other = keymutex.AsyncLocks(store_url, namespace=namespace, ttl=5.0)
+        try:
+            lease = await holder.acquire("k", renew=True, on_lost=record)
+            await asyncio.sleep(BLACKHOLE_TTL / 2)  # one renewal went through
+            proxy.set_mode("blackhole")
+            seen["deadline"] = time.monotonic() + lease.remaining
+            grant = await other.acquire("k", timeout=20)
+            seen["granted"] = time.monotonic()
+            await grant.release()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(on_lost.wait(), 6)
+        finally:
+            proxy.set_mode("reset")  # a renewal stuck on the silent link fails now
+            await holder.aclose()
+            await other.aclose()
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@stores("redis")
+def test_renewal_granted_after_the_deadline_is_given_back(store_url: str, namespace: str) -> None:
+    """A renewal that lands in time but whose reply comes after the holder's local
+    deadline: the holder was told of the loss at the deadline (it cannot know the
+    renewal landed), and the renewer then releases the lease it no longer relies on,
+    rather than keep the key from everyone until the renewed expiry."""
+    # Renewed at ~1 s (deadline ~4 s), the renewal at ~2 s lands at ~3.2 s (the store's
+    # expiry moves to ~6.2 s), its reply comes at ~4.4 s; the release lands at ~5.6 s.
+    ttl, latency = 3.0, 1.2
+    seen: dict[str, float] = {}
+    with Proxy(_upstream(store_url)) as proxy:
+        holder = keymutex.Locks(_proxied(store_url, proxy), namespace=namespace, ttl=ttl)
+        other = keymutex.Locks(store_url, namespace=namespace)
+        try:
+            holder.acquire("warm-up").release()  # scripts loaded: each step 1 round trip
+            lease = holder.acquire(
+                "k", renew=True, on_lost=lambda _: seen.setdefault("on_lost", time.monotonic())
+            )
+            time.sleep(ttl / 3 + 0.3)  # one renewal went through: its connection is made
+            deadline = time.monotonic() + lease.remaining
+            proxy.set_mode("latency", latency)
+            renewed_until = 0.0  # the latest expiry the store showed (wall clock)
+            while True:
+                current = other.holder("k")
+                if current is None:
+                    freed = time.time()
+                    break
+                renewed_until = max(renewed_until, current.expires_at)
+                assert time.monotonic() < deadline + 3 * ttl, "never freed"
+                time.sleep(0.01)
+        finally:
+            proxy.set_mode("reset")
+            holder.close()
+            other.close()
+    assert "on_lost" in seen
+    assert seen["on_lost"] <= deadline + CLOCK_SLACK
+    assert lease.lost
+    # The store did renew the lease (its expiry moved past the first one) …
+    assert renewed_until > lease.acquired_at + ttl + 1.5
+    # … and the key was given back before that renewed expiry.
+    assert freed < renewed_until - 0.2, (freed, renewed_until)
 
 
 # Redis: a call times out after socket_timeout and is retried once (measured: 10.0 s with

@@ -7,9 +7,14 @@ them, and a grant that arrives while a client gives up is handed back.
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 
+import httpx
 import pytest
 
 import keymutex
@@ -67,3 +72,62 @@ def test_a_waiter_that_gives_up_leaves_the_key_free(live: Live) -> None:
         lease.release()
         # Nobody took the key on the gone waiter's behalf: it is free at once.
         holder.acquire("k", timeout=0).release()
+
+
+def _refusals(live: Live) -> float:
+    metrics = httpx.get(f"{live.url}/metrics").text
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in metrics.splitlines()
+        if line.startswith("keymutex_refusals_total")
+    )
+
+
+def test_a_long_wait_is_one_request_at_the_server(live: Live) -> None:
+    """A waiter waits at the server up to its own deadline: not a request each second,
+    which would also send it to the back of the server's queue each time."""
+    with keymutex.Locks(live.url) as holder, keymutex.Locks(live.url) as waiting:
+        holder.acquire("k", timeout=0)
+        before = _refusals(live)
+        with pytest.raises(keymutex.Locked):
+            waiting.acquire("k", timeout=3.5)
+        # A try, the wait (refused at the deadline), and the try that finds it passed.
+        assert _refusals(live) - before == 3
+
+
+WAITER = """
+import json, sys, keymutex
+with keymutex.Locks(sys.argv[1]) as locks:
+    lease = locks.acquire("k", ttl=1.0, timeout=30)
+    print(json.dumps({"fence": lease.fence, "lost": lease.lost}), flush=True)
+"""
+
+
+def test_a_grant_read_late_is_not_counted_from_when_it_was_read(live: Live) -> None:
+    """A waiter is granted the key while it is frozen (the reply waits in its socket)
+    until well past the TTL, and another client takes the key meanwhile: when it reads
+    the grant, its lease must already say ``lost`` — the grant's time is counted from
+    when its request was sent, not from when the reply was read."""
+    with keymutex.Locks(live.url) as holder:
+        lease = holder.acquire("k", timeout=0)
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", WAITER, live.url], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            _queued(live, 1)
+            waiter.send_signal(signal.SIGSTOP)
+            try:
+                lease.release()  # the server grants the frozen waiter its turn
+                # Its lease expires at the server, and another takes the key.
+                other = holder.acquire("k", timeout=10)
+            finally:
+                waiter.send_signal(signal.SIGCONT)
+            out, _ = waiter.communicate(timeout=30)
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+                waiter.wait()
+        granted = json.loads(out)
+        assert granted["fence"] < other.fence
+        assert granted["lost"] is True, "the late grant looked valid while another held the key"
+        other.release()

@@ -134,7 +134,12 @@ def test_http_store_round_trip_and_capabilities(live: Live) -> None:
         lease = locks.acquire("order:1", info={"n": 1})
         store = locks._store
         assert store.capabilities == Capabilities(
-            notifies=True, fair=False, cross_process=True, durable_fences=True, clock="server"
+            notifies=True,
+            fair=False,
+            cross_process=True,
+            durable_fences=True,
+            clock="server",
+            waits_at_store=True,
         )
         seen = locks.holder("order:1")
         assert seen is not None

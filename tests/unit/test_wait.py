@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from keymutex._wait import EXPIRY_MARGIN, RECHECK_INTERVAL, Backoff, Deadline, park_time
+from keymutex._wait import (
+    EXPIRY_MARGIN,
+    RECHECK_INTERVAL,
+    STORE_WAIT,
+    Backoff,
+    Deadline,
+    park_time,
+)
 
 
 def test_a_notified_waiter_parks_until_the_holder_expires() -> None:
@@ -33,3 +40,10 @@ def test_backoff_grows_with_jitter_up_to_its_ceiling() -> None:
 def test_a_backing_off_waiter_still_wakes_at_the_holders_expiry() -> None:
     backoff = Backoff(initial=1.0, maximum=1.0)
     assert park_time(Deadline(None), 0.01, backoff) == pytest.approx(0.01 + EXPIRY_MARGIN)
+
+
+def test_a_wait_at_the_store_lasts_until_the_deadline_not_the_holders_expiry() -> None:
+    # The lock server watches the holder's expiry itself, and a new wait would queue
+    # at the back: one long wait, bounded by the caller's deadline.
+    assert park_time(Deadline(None), 0.3, None, at_store=True) == STORE_WAIT
+    assert park_time(Deadline(4.0), 0.3, None, at_store=True) == pytest.approx(4.0, abs=0.05)

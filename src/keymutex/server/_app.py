@@ -298,13 +298,20 @@ class _Server:
             self.metrics.wait_seconds.labels(namespace, kind).observe(_clock.monotonic() - started)
 
     @staticmethod
-    def lease_json(lease: AsyncLease, ttl: float, received: float) -> dict[str, Any]:
+    def lease_json(
+        lease: AsyncLease, ttl: float, received: float, *, waited: bool = False
+    ) -> dict[str, Any]:
         """A lease as the API shows it to its holder.
 
-        ``expires_in`` counts from when the request was ``received`` (at most ``ttl``):
-        a client that counts it from when it sent the request never overstates what
-        the store granted, and loses only the request's way here, not the server's work.
+        ``expires_in`` counts from when the request was ``received``: a client that
+        counts it from when it sent the request never overstates what the store
+        granted, and loses only the request's way here, not the server's work (at
+        most ``ttl``) — nor, after an acquire that may have ``waited`` here for its
+        turn, that wait (then it may exceed ``ttl``). A client that counted it from
+        when the reply came would overstate it by the reply's way back, which nothing
+        bounds (a paused client, a slow network).
         """
+        expires_in = max(0.0, lease.remaining + _clock.monotonic() - received)
         return {
             "key": lease.key,
             "owner": lease.owner,
@@ -312,7 +319,7 @@ class _Server:
             "fence": lease.fence,
             "acquired_at": lease.acquired_at,
             "expires_at": lease.expires_at,
-            "expires_in": max(0.0, min(ttl, lease.remaining + _clock.monotonic() - received)),
+            "expires_in": expires_in if waited else min(ttl, expires_in),
             "token": lease.token,
             "ttl": ttl,
         }
@@ -370,7 +377,7 @@ class _Server:
                 ) from None
         self.metrics.acquires.labels(namespace).inc()
         self.changes.changed(namespace, key)
-        return JSONResponse(self.lease_json(lease, ttl, received))
+        return JSONResponse(self.lease_json(lease, ttl, received, waited=limit > 0))
 
     async def renew(self, request: Request) -> Response:
         received = _clock.monotonic()

@@ -49,7 +49,12 @@ from keymutex._version import __version__
 __all__ = ["AsyncHttpStore", "HttpStore", "driver"]
 
 CAPABILITIES = Capabilities(
-    notifies=True, fair=False, cross_process=True, durable_fences=False, clock="server"
+    notifies=True,
+    fair=False,
+    cross_process=True,
+    durable_fences=False,
+    clock="server",
+    waits_at_store=True,
 )
 TOKEN_ENVVAR = "KEYMUTEX_API_TOKEN"  # noqa: S105 - the name of a variable, not a secret
 DEFAULT_TIMEOUT = 10.0
@@ -279,22 +284,23 @@ class _WaiterState:
     def __init__(self, key: str) -> None:
         self.key = key
         self.request: dict[str, Any] | None = None  # the refused acquire's arguments
-        self.round_trip = 0.0  # of that refused acquire: bounds a reply's transit time
-        self.granted: tuple[Outcome, float] | None = None  # and when its reply came
+        self.sent_at = 0.0  # when the last wait (an acquire) was sent
+        self.granted: tuple[Outcome, float] | None = None  # and when its request was sent
         self.asked = False  # an acquire was sent while waiting: the key may be ours
 
-    def refused(self, request: dict[str, Any], round_trip: float) -> None:
-        self.request, self.round_trip = request, round_trip
+    def refused(self, request: dict[str, Any]) -> None:
+        self.request = request
 
     def wait_call(self, protocol: _Protocol, timeout: float) -> _Call | None:
         if self.request is None:
             return None
         self.asked = True
+        self.sent_at = _clock.monotonic()
         return protocol.acquire(self.key, **self.request, steal=False, timeout=timeout)
 
     def answered(self, outcome: Outcome) -> bool:
         if outcome.ok:
-            self.granted = (outcome, _clock.monotonic())
+            self.granted = (outcome, self.sent_at)
         else:
             self.asked = False  # refused for good: nothing of ours to give back
         return outcome.ok
@@ -302,17 +308,17 @@ class _WaiterState:
     def take_grant(self) -> Outcome | None:
         """The grant that came while waiting, its time left counted from now.
 
-        The server's ``expires_in`` was measured when it answered: the time since the
-        reply came, and a whole round trip for its way here, are taken off.
+        The server's ``expires_in`` counts from when it received the request, so it is
+        counted here from when the request was sent: never more than the store granted,
+        however long the reply took to come or to be read (a paused process).
         """
         if self.granted is None:
             return None
-        (outcome, received_at), self.granted = self.granted, None
+        (outcome, sent_at), self.granted = self.granted, None
         self.asked = False
         remaining = outcome.remaining
         if remaining is not None:
-            spent = _clock.monotonic() - received_at + self.round_trip
-            remaining = max(0.0, remaining - spent)
+            remaining = max(0.0, sent_at + remaining - _clock.monotonic())
         return Outcome(True, outcome.holder, remaining)
 
     def unclaimed_token(self) -> str | None:
@@ -418,12 +424,11 @@ class HttpStore:
         granted = None if waiter is None else waiter.take_grant()
         if granted is not None:
             return granted
-        sent_at = _clock.monotonic()
         call = self._protocol.acquire(key, token, ttl, owner, info, steal)
         outcome = _Protocol.acquired(*self._send(call))
         if waiter is not None and not outcome.ok:
             request = {"token": token, "ttl": ttl, "owner": owner, "info": info}
-            waiter.refused(request, _clock.monotonic() - sent_at)
+            waiter.refused(request)
         return outcome
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
@@ -530,12 +535,11 @@ class AsyncHttpStore:
         granted = None if waiter is None else waiter.take_grant()
         if granted is not None:
             return granted
-        sent_at = _clock.monotonic()
         call = self._protocol.acquire(key, token, ttl, owner, info, steal)
         outcome = _Protocol.acquired(*await self._send(call))
         if waiter is not None and not outcome.ok:
             request = {"token": token, "ttl": ttl, "owner": owner, "info": info}
-            waiter.refused(request, _clock.monotonic() - sent_at)
+            waiter.refused(request)
         return outcome
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
