@@ -61,15 +61,25 @@ def make_resource(tmp_path: Path) -> Iterator[Callable[..., ResourceServer]]:
 
 
 @pytest.fixture
-def spawn_worker(tmp_path: Path) -> Iterator[Callable[[WorkerConfig], subprocess.Popen[bytes]]]:
+def spawn_worker(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     """Start workers as processes of their own; killed (after SIGCONT) if still running."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def spawn(config: WorkerConfig) -> subprocess.Popen[bytes]:
+    def spawn(
+        config: WorkerConfig,
+        env: dict[str, str] | None = None,
+        wrap: Callable[[list[str]], list[str]] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """``env``: added to the worker's; ``wrap``: turns its command line into another
+        (e.g. ``ip netns exec …``)."""
         log = open(tmp_path / f"{config.name or 'worker'}.stderr", "ab")  # noqa: SIM115
+        argv = command(config) if wrap is None else wrap(command(config))
         with log:
             process = subprocess.Popen(
-                command(config), env=child_env(), stdout=log, stderr=subprocess.STDOUT
+                argv,
+                env={**child_env(), **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         started.append(process)
         return process

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:
     from _redis_servers import RedisServer
 
-__all__ = ["kill", "paused", "redis_standalone", "wait_until"]
+__all__ = [
+    "NetworkNamespace",
+    "kill",
+    "network_namespace",
+    "paused",
+    "redis_standalone",
+    "wait_until",
+]
 
 T = TypeVar("T")
 
@@ -78,3 +85,63 @@ def redis_standalone(directory: Path, *, appendonly: bool) -> Iterator[RedisServ
 
     with standalone(directory, appendonly=appendonly, appendfsync="always") as server:
         yield server
+
+
+class NetworkNamespace:
+    """A network namespace linked to this one by a veth pair (``network_namespace``).
+
+    A process started with ``command(...)`` runs inside it and reaches this namespace
+    only through the link, at ``host_ip``; ``partition()`` takes the link down (packets
+    are dropped, sockets stay open: a real partition, not an in-process proxy),
+    ``heal()`` brings it back.
+    """
+
+    def __init__(self, name: str, host_link: str, host_ip: str) -> None:
+        self.name, self.host_link, self.host_ip = name, host_link, host_ip
+
+    def command(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def partition(self) -> None:
+        _ip("link", "set", self.host_link, "down")
+
+    def heal(self) -> None:
+        _ip("link", "set", self.host_link, "up")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def network_namespace_problem() -> str | None:
+    """Why ``network_namespace`` cannot run here, or ``None``."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CAP_NET_ADMIN); the tests ran as a user"
+    try:
+        _ip("netns", "add", "km-probe")
+        _ip("netns", "delete", "km-probe")
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"cannot make a network namespace here: {exc}"
+    return None
+
+
+@contextlib.contextmanager
+def network_namespace(tag: str) -> Iterator[NetworkNamespace]:
+    """A namespace ``km-<tag>`` with a veth link: 10.213.<n>.1 here, 10.213.<n>.2 there."""
+    subnet = int.from_bytes(os.urandom(1), "big")
+    name, host_link, ns_link = f"km-{tag}", f"km{tag}h"[:15], f"km{tag}n"[:15]
+    host_ip, ns_ip = f"10.213.{subnet}.1", f"10.213.{subnet}.2"
+    _ip("netns", "add", name)
+    try:
+        _ip("link", "add", host_link, "type", "veth", "peer", "name", ns_link)
+        _ip("link", "set", ns_link, "netns", name)
+        _ip("addr", "add", f"{host_ip}/30", "dev", host_link)
+        _ip("link", "set", host_link, "up")
+        _ip("-n", name, "addr", "add", f"{ns_ip}/30", "dev", ns_link)
+        _ip("-n", name, "link", "set", ns_link, "up")
+        _ip("-n", name, "link", "set", "lo", "up")
+        yield NetworkNamespace(name, host_link, host_ip)
+    finally:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("link", "delete", host_link)  # its peer goes with it
+        _ip("netns", "delete", name)

@@ -1,7 +1,7 @@
 """An asyncio TCP proxy between a client and a store, with network faults on demand.
 
 It runs its own event loop in a daemon thread, listens on a free port of 127.0.0.1
-and forwards every connection to ``upstream``. ``set_mode`` changes what happens to
+(or of ``host``) and forwards every connection to ``upstream``. ``set_mode`` changes what happens to
 bytes from then on, on every connection, old and new:
 
 - ``pass``: forwarded as they come;
@@ -41,8 +41,9 @@ def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
 class Proxy:
     """A TCP proxy to ``upstream`` with switchable faults (a context manager)."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], *, host: str = HOST) -> None:
         self.upstream = upstream
+        self.host = host  # where it listens
         self.mode: Mode = "pass"
         self.latency = 0.0
         self.port = 0
@@ -56,11 +57,11 @@ class Proxy:
 
     @property
     def address(self) -> tuple[str, int]:
-        return (HOST, self.port)
+        return (self.host, self.port)
 
     def start(self) -> Self:
         self._thread.start()
-        self._server = self._call(asyncio.start_server(self._accept, HOST, 0))
+        self._server = self._call(asyncio.start_server(self._accept, self.host, 0))
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 

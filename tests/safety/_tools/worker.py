@@ -20,6 +20,7 @@ import argparse
 import os
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -90,7 +91,12 @@ def _one_round(
     ttl = None if config.renew else config.ttl  # a renewed lease does not expire by itself
     op = history.invoke("acquire", key, ttl=ttl, pid=os.getpid())
     try:
-        lease = locks.acquire(key, timeout=config.timeout, renew=config.renew)
+        lease = locks.acquire(
+            key,
+            timeout=config.timeout,
+            renew=config.renew,
+            on_lost=lambda lost: history.note("on_lost", key=key, fence=lost.fence),
+        )
     except keymutex.Locked:
         history.complete(op, "fail")
         return
@@ -101,7 +107,9 @@ def _one_round(
     history.complete(op, "ok", fence=lease.fence, lease=lease_id, remaining=lease.remaining)
     section = history.invoke("cs", key, fence=lease.fence, lease=lease_id)
     if config.hold:
-        time.sleep(config.hold)
+        # Not time.sleep: under libfaketime with FAKETIME_DONT_FAKE_MONOTONIC (the clock
+        # jump scenario) its clock_nanosleep fails with EINVAL; a timed wait does not.
+        threading.Event().wait(config.hold)
     value = f"{name}:{round_}"
     op = history.invoke("write", key, fence=lease.fence, lease=lease_id, value=value)
     accepted, last = resource.write(key, lease.fence, value)
