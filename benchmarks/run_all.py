@@ -29,6 +29,7 @@ SCRIPTS = {
     "etcd": ["bench_etcd.py"],
     "server": ["bench_server.py"],
     "stores": ["bench_stores.py"],
+    "peers": ["bench_peers.py"],
 }
 
 
