@@ -170,9 +170,21 @@ def _key_template(template: object, function: Callable[..., Any]) -> inspect.Sig
             f"key must be a str template such as 'order:{{user_id}}', not {template!r}"
         )
     signature = inspect.signature(function)
-    for _, field, _, _ in string.Formatter().parse(template):
+    try:
+        fields = list(string.Formatter().parse(template))
+    except ValueError as exc:  # "Single '{' encountered in format string", …
+        raise ValueError(
+            f"key template {template!r} is malformed: {exc} (write {{{{ and }}}} for literal"
+            " braces)"
+        ) from None
+    for _, field, _, conversion in fields:
         if field is None:
             continue
+        if conversion not in (None, "r", "s", "a"):
+            raise ValueError(
+                f"key template {template!r} is malformed: unknown conversion !{conversion}"
+                " (use !s, !r or !a)"
+            )
         name = field.split(".", 1)[0].split("[", 1)[0]
         if name not in signature.parameters:
             raise ValueError(
@@ -534,10 +546,17 @@ class Locks:
         self.close()
 
     def close(self) -> None:
-        """Stop renewing and close the store connection. Held leases are not released."""
+        """Stop renewing and close the store connection. Held leases are not released.
+
+        Every method called afterwards raises ``RuntimeError``, before the store.
+        """
         self._closed = True
         self._renewer.close()
         self._store.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Locks is closed")
 
     def lock(
         self,
@@ -572,6 +591,7 @@ class Locks:
     def renew(self, key: str, token: str, ttl: float | None = None) -> Lease:
         """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         request = self._config.renew_args(key, token, ttl)
+        self._check_open()
         sent_at = _clock.monotonic()
         outcome = _outcome_or_lost(key, self._store.renew(request.key, request.token, request.ttl))
         return Lease(
@@ -587,15 +607,20 @@ class Locks:
     def release(self, key: str, token: str) -> None:
         """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         key, token = check_key(key), check_token(token)
+        self._check_open()
         _outcome_or_lost(key, self._store.release(key, token))
 
     def holder(self, key: str) -> Holder | None:
         """The current holder of ``key``, or ``None`` when it is free."""
-        return self._store.holder(check_key(key))
+        key = check_key(key)
+        self._check_open()
+        return self._store.holder(key)
 
     def holders(self, prefix: str = "") -> list[Holder]:
         """Every current lease whose key starts with ``prefix``, sorted by key."""
-        return self._store.holders(check_prefix(prefix))
+        prefix = check_prefix(prefix)
+        self._check_open()
+        return self._store.holders(prefix)
 
     def locked(
         self,
@@ -628,8 +653,7 @@ class Locks:
     # -- the I/O of acquiring, renewing and releasing ------------------------------
 
     def _acquire(self, request: _Request) -> Lease:
-        if self._closed:
-            raise RuntimeError("this Locks is closed")
+        self._check_open()
         token = _new_token() if request.token is None else request.token
         if request.steal or request.timeout == 0:
             return self._attempt_once(request, token)
@@ -709,6 +733,7 @@ class Locks:
     def _renew_lease(self, lease: Lease, ttl: float | None) -> None:
         ttl = lease._ttl if ttl is None else check_ttl(ttl)
         lease._check_process()
+        self._check_open()
         with lease._renewing:
             if lease._released or lease._lost:
                 raise LockLost(lease.key, lease._new_holder)
@@ -728,6 +753,7 @@ class Locks:
 
     def _release_lease(self, lease: Lease) -> None:
         lease._check_process()
+        self._check_open()
         self._renewer.discard(lease)
         if lease._released:
             holder = self._holder_if_known(lease.key)
@@ -937,12 +963,19 @@ class AsyncLocks:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop renewing and close the store connection. Held leases are not released."""
+        """Stop renewing and close the store connection. Held leases are not released.
+
+        Every method called afterwards raises ``RuntimeError``, before the store.
+        """
         self._closed = True
         await self._renewer.aclose()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self._store.aclose()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this AsyncLocks is closed")
 
     def lock(
         self,
@@ -978,6 +1011,7 @@ class AsyncLocks:
     async def renew(self, key: str, token: str, ttl: float | None = None) -> AsyncLease:
         """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         request = self._config.renew_args(key, token, ttl)
+        self._check_open()
         sent_at = _clock.monotonic()
         outcome = _outcome_or_lost(
             key, await self._store.renew(request.key, request.token, request.ttl)
@@ -995,15 +1029,20 @@ class AsyncLocks:
     async def release(self, key: str, token: str) -> None:
         """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         key, token = check_key(key), check_token(token)
+        self._check_open()
         _outcome_or_lost(key, await self._store.release(key, token))
 
     async def holder(self, key: str) -> Holder | None:
         """The current holder of ``key``, or ``None`` when it is free."""
-        return await self._store.holder(check_key(key))
+        key = check_key(key)
+        self._check_open()
+        return await self._store.holder(key)
 
     async def holders(self, prefix: str = "") -> list[Holder]:
         """Every current lease whose key starts with ``prefix``, sorted by key."""
-        return await self._store.holders(check_prefix(prefix))
+        prefix = check_prefix(prefix)
+        self._check_open()
+        return await self._store.holders(prefix)
 
     def locked(
         self,
@@ -1019,6 +1058,11 @@ class AsyncLocks:
         self._config.request("template", ttl, timeout, renew, info, steal, on_lost)
 
         def decorate(function: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+            if not callable(function):
+                raise TypeError(
+                    f"AsyncLocks.locked decorates async functions; {function!r} is not a"
+                    " callable object"
+                )
             if not inspect.iscoroutinefunction(function):
                 raise TypeError("AsyncLocks.locked decorates async functions; use Locks.locked")
             signature = _key_template(key, function)
@@ -1036,8 +1080,7 @@ class AsyncLocks:
     # -- the I/O of acquiring, renewing and releasing ------------------------------
 
     async def _acquire(self, request: _Request) -> AsyncLease:
-        if self._closed:
-            raise RuntimeError("this AsyncLocks is closed")
+        self._check_open()
         token = _new_token() if request.token is None else request.token
         if request.steal or request.timeout == 0:
             return await self._attempt_once(request, token)
@@ -1156,6 +1199,7 @@ class AsyncLocks:
     async def _renew_lease(self, lease: AsyncLease, ttl: float | None) -> None:
         ttl = lease._ttl if ttl is None else check_ttl(ttl)
         lease._check_process()
+        self._check_open()
         async with lease._renewing:
             if lease._released or lease._lost:
                 raise LockLost(lease.key, lease._new_holder)
@@ -1173,6 +1217,7 @@ class AsyncLocks:
 
     async def _release_lease(self, lease: AsyncLease) -> None:
         lease._check_process()
+        self._check_open()
         self._renewer.discard(lease)
         if lease._released:
             holder = await self._holder_if_known(lease.key)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import cast
 
 from keymutex._store import StoreDriver
@@ -29,8 +29,13 @@ _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.\-]*):")
 
 
 @functools.cache
-def _registry() -> dict[str, str]:
-    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+def _registry() -> dict[str, EntryPoint]:
+    """Scheme -> entry point, read once per process: scanning every installed
+    distribution's metadata costs milliseconds, and each ``Locks()`` needs it."""
+    registry: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        registry.setdefault(ep.name, ep)  # the first, as entry_points(name=…) gave
+    return registry
 
 
 def known_schemes() -> list[str]:
@@ -53,9 +58,10 @@ def scheme_of(url: object) -> str:
 def driver_for(url: object) -> StoreDriver:
     """The driver of the URL's scheme; ``ValueError`` for an unknown scheme."""
     scheme = scheme_of(url)
-    for ep in entry_points(group=ENTRY_POINT_GROUP, name=scheme):
+    ep = _registry().get(scheme)
+    if ep is not None:
         try:
-            return cast(StoreDriver, ep.load())
+            return cast(StoreDriver, ep.load())  # imported once: then a dict lookup
         except ModuleNotFoundError as exc:  # the store's client library is an extra
             extra = _EXTRAS.get(scheme, scheme)
             raise ImportError(

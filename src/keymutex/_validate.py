@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any, TypeVar
 
 __all__ = [
     "MAX_INFO_BYTES",
     "MAX_KEY_BYTES",
+    "MAX_TTL",
+    "MIN_TTL",
     "check_bool",
     "check_callback",
     "check_info",
@@ -22,12 +25,18 @@ __all__ = [
     "check_timeout",
     "check_token",
     "check_ttl",
+    "seconds_of",
+    "shown_number",
 ]
 
 MAX_KEY_BYTES = 1024
 MAX_INFO_BYTES = 4096
 MAX_TOKEN_CHARS = 256
 MAX_TTL = 10.0 * 365 * 24 * 3600  # ten years: beyond that a lease is a configuration error
+# A millisecond: the finest unit every store counts in (Redis PEXPIRE, SQL intervals),
+# and far above the clocks' resolution. Below it, ``now + ttl`` may equal ``now``: the
+# lease would be granted already expired (and some stores refuse such a grant midway).
+MIN_TTL = 0.001
 _TOKEN_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 T = TypeVar("T")
@@ -66,20 +75,48 @@ def check_prefix(prefix: object) -> str:
     return check_text(prefix, "prefix", allow_empty=True, max_bytes=MAX_KEY_BYTES)
 
 
-def _number(value: object, name: str) -> float:
+def shown_number(value: object) -> str:
+    """``repr(value)``, or a short description of an int too large for a float."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+        digits = int(value.bit_length() * math.log10(2)) + 1
+        article = "a negative" if value < 0 else "an"
+        return f"{article} integer of about {digits} digits"  # its repr: 1000s of digits
+    return repr(value)
+
+
+def seconds_of(value: object, name: str) -> float:
+    """``value`` as a float number of seconds: ``TypeError`` unless an int or float.
+
+    An int too large for a float is ``±inf``: the caller's range check refuses it with a
+    message that names ``name``. ``ValueError`` for NaN.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number of seconds (int or float), not {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond 1.8e308
+        number = math.inf if value > 0 else -math.inf
     if math.isnan(number):
         raise ValueError(f"{name} must be a number of seconds, not NaN")
     return number
 
 
-def check_ttl(ttl: object, name: str = "ttl") -> float:
-    """A lease lifetime: finite seconds, greater than 0, at most ten years."""
-    seconds = _number(ttl, name)
-    if not 0 < seconds <= MAX_TTL:
-        raise ValueError(f"{name} must be greater than 0 and at most {MAX_TTL:.0f} s, not {ttl!r}")
+def check_ttl(ttl: object, name: str = "ttl", *, at_most: float = MAX_TTL) -> float:
+    """A lease lifetime: seconds, at least ``MIN_TTL`` (1 ms), at most ``at_most``.
+
+    ``at_most`` is ten years for the library; the lock server passes its own limit, so
+    that the message states the range that applies.
+    """
+    seconds = seconds_of(ttl, name)
+    if not 0 < seconds <= at_most:
+        raise ValueError(
+            f"{name} must be greater than 0 and at most {at_most:.0f} s, not {shown_number(ttl)}"
+        )
+    if seconds < MIN_TTL:
+        raise ValueError(
+            f"{name} must be at least {MIN_TTL} s (1 ms), not {ttl!r}: a shorter lease"
+            " would expire before it could be granted"
+        )
     return seconds
 
 
@@ -87,23 +124,28 @@ def check_timeout(timeout: object, name: str = "timeout") -> float | None:
     """``None`` (wait as long as it takes), ``0`` (try once) or finite seconds > 0."""
     if timeout is None:
         return None
-    seconds = _number(timeout, name)
+    seconds = seconds_of(timeout, name)
     if not 0 <= seconds < math.inf:
         raise ValueError(
             f"{name} must be None (wait forever), 0 (try once) or finite seconds > 0,"
-            f" not {timeout!r}"
+            f" not {shown_number(timeout)}"
         )
     return seconds
 
 
 def check_info(info: object) -> dict[str, Any] | None:
-    """``None`` or a JSON-serialisable dict of at most 4 KiB as JSON (no NaN or infinity)."""
+    """``None`` or a JSON-serialisable dict of at most 4 KiB as JSON (no NaN or infinity).
+
+    The size is that of compact JSON in UTF-8, as the lock server receives it: ``"é"``
+    counts two bytes. Strings must be valid Unicode (no lone surrogates): no store could
+    keep them as text, nor any program print them.
+    """
     if info is None:
         return None
     if not isinstance(info, dict):
         raise TypeError(f"info must be a dict or None, not {type(info).__name__}")
     try:
-        encoded = json.dumps(info, allow_nan=False, separators=(",", ":"))
+        encoded = json.dumps(info, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"info must be JSON-serialisable (no NaN or infinity): {exc}") from None
     except RecursionError:

@@ -32,6 +32,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -141,7 +142,22 @@ class _Checked(_TextParam):
         try:
             return self._check(value, self.name)
         except (TypeError, ValueError) as exc:
-            self.fail(str(exc), param, ctx)
+            self.fail(str(exc) + _not_utf8_hint(value), param, ctx)
+
+
+def _not_utf8_hint(value: object) -> str:
+    """Why an argument holds lone surrogates: its bytes were not UTF-8 (PEP 383)."""
+    if not isinstance(value, str) or value.isascii():
+        return ""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            return ""
+        return " (the argument's bytes are not UTF-8 text)"
+    return ""
 
 
 class _Seconds(_SecondsParam):
@@ -258,15 +274,46 @@ def _clock_time(timestamp: float) -> str:
     return datetime.datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
 
 
+# What must not reach a terminal as it is: C0 controls (newline, ESC, …), DEL, C1
+# controls, line and paragraph separators, bidi overrides, and lone surrogates (which
+# stdout cannot encode). A key, owner or info holding them could forge lines of the
+# output or drive the terminal: they are shown as escapes.
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _shown(text: str) -> str:
+    """``text`` fit for a terminal: unsafe characters as ``\\x1b`` / ``\\u2028`` escapes.
+
+    Backslashes are left as they are: the escapes keep the output to one line per
+    holder and the terminal in its state; they do not make every key unambiguous.
+    """
+    return _UNSAFE.sub(_escape, text)
+
+
+_NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    character = match.group()
+    if character in _NAMED_ESCAPES:
+        return _NAMED_ESCAPES[character]
+    code = ord(character)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def _info_text(info: dict[str, Any] | None) -> str:
-    return "" if info is None else json.dumps(info, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON, still valid JSON after escaping (``\\u`` escapes only)."""
+    if info is None:
+        return ""
+    text = json.dumps(info, ensure_ascii=False, separators=(",", ":"))
+    return _UNSAFE.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
 
 
 def _describe(holder: Holder) -> str:
     """One line: who holds the key, since when, until when, with which fence."""
     now = time.time()
     text = (
-        f"{holder.owner} since {_clock_time(holder.acquired_at)}"
+        f"{_shown(holder.owner)} since {_clock_time(holder.acquired_at)}"
         f" ({_duration(now - holder.acquired_at)} ago), fence {holder.fence},"
         f" expires in {_duration(holder.expires_at - now)}"
     )
@@ -284,8 +331,8 @@ def _table(holders: Sequence[Holder]) -> list[str]:
     header = ("KEY", "OWNER", "FENCE", "HELD FOR", "EXPIRES IN", "INFO")
     rows = [
         (
-            holder.key,
-            holder.owner,
+            _shown(holder.key),
+            _shown(holder.owner),
             str(holder.fence),
             _duration(now - holder.acquired_at),
             _duration(holder.expires_at - now),
@@ -373,12 +420,12 @@ def show_command(
         click.echo(json.dumps(_as_json(holder), indent=2))
         return
     if holder is None:
-        click.echo(f"{key} is free")
+        click.echo(f"{_shown(key)} is free")
         return
     now = time.time()
     fields = [
-        ("key", holder.key),
-        ("owner", holder.owner),
+        ("key", _shown(holder.key)),
+        ("owner", _shown(holder.owner)),
         ("fence", str(holder.fence)),
         (
             "acquired",
@@ -421,11 +468,11 @@ def release_command(
     with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
         holder = locks.holder(key)
         if holder is None:
-            click.echo(f"{key} is free; nothing to release")
+            click.echo(f"{_shown(key)} is free; nothing to release")
             return
         lease = locks.acquire(key, ttl=RELEASE_TTL, timeout=0, steal=True, info=info)
         lease.release()
-    click.echo(f"released {key}: displaced {_describe(holder)}")
+    click.echo(f"released {_shown(key)}: displaced {_describe(holder)}")
     click.echo(f"{key} is free; its next holder gets a fence above {lease.fence}")
 
 

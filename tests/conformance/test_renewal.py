@@ -14,8 +14,11 @@ import keymutex
 
 from ._support import PATIENCE, assert_is_holder_of
 
-SHORT_TTL = 0.3
-HOLD_FOR = 1.2  # four TTLs
+# A renewal reply that comes after the lease's local deadline no longer saves it (the
+# holder was told at the deadline): a TTL that leaves a busy host (or a lock server on
+# one) room for each renewal's round trip.
+SHORT_TTL = 0.6
+HOLD_FOR = 2.0  # more than three TTLs
 # Twenty leases renewed together: a batch per tick that a busy host (or a lock server
 # on one) may take a while to answer, so a TTL that leaves it room.
 MANY_TTL = 1.0

@@ -1,7 +1,9 @@
 """What the PostgreSQL store promises beyond the conformance suite: one statement per
-step, fences that never go back (expiry, steal, server restart and crash), leases that
-outlive their connections, prompt wake-ups by NOTIFY on one shared listener, no rows
-left behind, a table created once, and strict option checks.
+step on its common path, fences that never go back (expiry, steal, server restart and
+crash), leases that outlive their connections, connections of a forked child its own,
+a release that hands the key over to the first queued waiter and wakes it alone, no
+rows left behind, a table created once (and upgraded from version 1), every step
+ended in bounded time by a silent server, and strict option checks.
 
 Against a real PostgreSQL (the session's ``postgresql_server``); tests that restart or
 crash a server start their own. Each test uses a namespace, and where it counts rows or
@@ -11,10 +13,14 @@ statements a table, of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import secrets
+import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -24,6 +30,7 @@ import keymutex
 from _pg_fixtures import require_postgresql
 from _pg_server import PostgresServer, running_server
 from keymutex._store import RenewRequest
+from keymutex.stores.postgresql import SCHEMA_VERSION
 
 
 @pytest.fixture
@@ -73,10 +80,11 @@ def test_each_step_is_one_statement(
 ) -> None:
     admin.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
     # One connection, so that after the warm-up every statement is prepared on it: no
-    # step pays for psycopg's one-off Parse round trip in what is measured.
+    # step pays for the one-off Parse round trip in what is measured.
     with keymutex.Locks(
         postgresql_url, namespace=namespace, table=table, min_size=1, max_size=1
     ) as locks:
+        store = locks._store
         for _ in range(8):
             warm = locks.acquire("warm-up", timeout=0)
             warm.renew()
@@ -85,39 +93,116 @@ def test_each_step_is_one_statement(
             warm.release()
         steps = {}
         before = _statement_calls(admin, table)
+
+        def count(step: str) -> None:
+            nonlocal before
+            steps[step] = -before + (before := _statement_calls(admin, table))
+
+        lease = locks.acquire("free", timeout=0)
+        count("acquire")
+        lease.renew()
+        count("renew")
+        locks.holder("free")
+        count("holder")
+        locks.holders("")
+        count("holders")
+        lease.release()
+        count("release")
+
         lease = locks.acquire("k", timeout=0)
-        steps["acquire"] = -before + (before := _statement_calls(admin, table))
         with pytest.raises(keymutex.Locked) as refused:
             locks.acquire("k", timeout=0)
         assert refused.value.holder is not None
         assert refused.value.holder.fence == lease.fence
-        steps["refused acquire, with the holder"] = -before + (
-            before := _statement_calls(admin, table)
-        )
-        lease.renew()
-        steps["renew"] = -before + (before := _statement_calls(admin, table))
-        locks.holder("k")
-        steps["holder"] = -before + (before := _statement_calls(admin, table))
-        locks.holders("")
-        steps["holders"] = -before + (before := _statement_calls(admin, table))
+        count("acquire, then a refused try (with the holder)")
+        for step in ("first", "second"):
+            waiter = store.waiter("k")
+            try:
+                outcome = store.try_acquire(
+                    "k", token="t" * 24, ttl=30.0, owner="o", info=None, steal=False, waiter=waiter
+                )
+                assert not outcome.ok
+                count(f"{step} waiter's first try")
+                outcome = store.try_acquire(
+                    "k", token="t" * 24, ttl=30.0, owner="o", info=None, steal=False, waiter=waiter
+                )
+                assert not outcome.ok
+                count(f"{step} waiter's next try")
+            finally:
+                waiter.close()
+            count(f"{step} waiter leaving the queue")
         lease.release()
-        steps["release"] = -before + (before := _statement_calls(admin, table))
+        count("release of a key contended lately")
         many = [locks.acquire(f"many-{n}", timeout=0) for n in range(40)]
         before = _statement_calls(admin, table)
-        outcomes = locks._store.renew_many([RenewRequest(x.key, x.token, 30.0) for x in many])
-        steps["renew_many of 40"] = _statement_calls(admin, table) - before
+        outcomes = store.renew_many([RenewRequest(x.key, x.token, 30.0) for x in many])
+        count("renew_many of 40")
         assert all(outcome.ok for outcome in outcomes)
         for lease in many:
             lease.release()
     assert steps == {
         "acquire": 1,
-        "refused acquire, with the holder": 1,
         "renew": 1,
         "holder": 1,
         "holders": 1,
         "release": 1,
+        # A free key has no row: a first try runs a plain insert; on a key that has a
+        # row, it then runs the upsert that refuses (or grants). From then on the key
+        # counts as contended for a while, and tries go to the upsert at once.
+        "acquire, then a refused try (with the holder)": 1 + 2,
+        # Queued, then LISTEN, then a look again (a hand-over before the LISTEN).
+        "first waiter's first try": 2,
+        "first waiter's next try": 1,
+        "first waiter leaving the queue": 1,
+        # The store listens already: no second look.
+        "second waiter's first try": 1,
+        "second waiter's next try": 1,
+        "second waiter leaving the queue": 1,
+        "release of a key contended lately": 1,
         "renew_many of 40": 1,
     }
+
+
+def test_a_contended_release_hands_over_in_a_second_statement(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str, table: str
+) -> None:
+    admin.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+    with (
+        keymutex.Locks(postgresql_url, namespace=namespace, table=table) as locks,
+        keymutex.Locks(postgresql_url, namespace=namespace, table=table) as other,
+    ):
+        lease = locks.acquire("k")
+        waiter = other._store.waiter("k")
+        try:
+            outcome = other._store.try_acquire(
+                "k", token="w" * 24, ttl=30.0, owner="o", info=None, steal=False, waiter=waiter
+            )
+            assert not outcome.ok
+            before = _statement_calls(admin, table)
+            lease.release()
+            # The uncontended release (a delete) finds the key queued, the hand-over takes it.
+            assert _statement_calls(admin, table) - before == 2
+            assert waiter.wait(5.0)
+        finally:
+            waiter.close()
+
+
+def test_a_batch_renewal_sends_any_key_intact(postgresql_url: str, namespace: str) -> None:
+    # The batch goes out as text[] literals, quoted and escaped by hand.
+    keys = ['a"b', "c\\d", "{x,y}", " spaced ", "NULL", "", "é", "🙂", "k'\\\""]
+    keys.remove("")  # (keys are never empty)
+    with keymutex.Locks(postgresql_url, namespace=namespace) as locks:
+        leases = [locks.acquire(key, timeout=0) for key in keys]
+        outcomes = locks._store.renew_many(
+            [RenewRequest(lease.key, lease.token, 20.0 + n) for n, lease in enumerate(leases)]
+        )
+        assert [outcome.ok for outcome in outcomes] == [True] * len(keys)
+        assert [outcome.holder.key for outcome in outcomes if outcome.holder] == keys
+        for n, lease in enumerate(leases):
+            holder = locks.holder(lease.key)
+            assert holder is not None
+            assert holder.expires_at - time.time() > 19 + n
+            lease.release()
 
 
 def test_a_sweeping_acquire_is_still_one_statement(
@@ -247,6 +332,51 @@ def test_a_lease_survives_its_connection_being_killed(
         assert other.holder("k") is None
 
 
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_a_forked_child_uses_connections_of_its_own(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str
+) -> None:
+    with keymutex.Locks(postgresql_url, namespace=namespace) as locks:
+        lease = locks.acquire("parent's", timeout=0)
+        store = locks._store
+        # Another thread of the parent holds the connections' lock at the moment of the
+        # fork: the child must not wait for it (that thread does not exist there).
+        holding = threading.Event()
+        done = threading.Event()
+
+        def hold_the_lock() -> None:
+            with store._sessions._mutex:
+                holding.set()
+                done.wait(10)
+
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        holding.wait(10)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, and leave without running pytest's teardown
+            signal.alarm(10)  # rather than hang
+            try:
+                child = locks.acquire("child's", timeout=0)
+                child.release()
+                os.write(write_end, b"ok")
+            except BaseException as exc:
+                os.write(write_end, repr(exc).encode())
+            finally:
+                os._exit(0)
+        done.set()
+        holder.join(10)
+        os.close(write_end)
+        os.waitpid(pid, 0)
+        assert os.read(read_end, 1000) == b"ok"
+        os.close(read_end)
+        # The parent's connections went on working for the parent alone.
+        holder_now = locks.holder("parent's")
+        assert holder_now is not None
+        assert holder_now.fence == lease.fence
+        lease.release()
+
+
 # -- waiting -----------------------------------------------------------------------------
 
 
@@ -277,22 +407,31 @@ def test_notify_wakes_a_waiter_promptly(
             lags.append(got[0] - released_at)
         assert max(lags) < 0.5, lags
 
-    # The wake-up is a NOTIFY on the namespace's channel, carrying the key, and only
-    # for a lease someone waits for.
+    # The wake-up is a NOTIFY on the namespace's channel, carrying the id of the one
+    # waiter the key is handed over to (never a token: anyone may LISTEN), and only
+    # when someone waits.
     channel = _channel("keymutex_leases", namespace)
-    with psycopg.connect(postgresql_url, autocommit=True) as listener:
+    with (
+        psycopg.connect(postgresql_url, autocommit=True) as listener,
+        keymutex.Locks(postgresql_url, namespace=namespace) as locks,
+        keymutex.Locks(postgresql_url, namespace=namespace) as other,
+    ):
         listener.execute(f"LISTEN {channel}")
-        with keymutex.Locks(postgresql_url, namespace=namespace) as locks:
-            locks.acquire("quiet").release()
-            lease = locks.acquire("busy")
-            with (
-                keymutex.Locks(postgresql_url, namespace=namespace) as other,
-                pytest.raises(keymutex.Locked),
-            ):
-                other.acquire("busy", timeout=0.3)
+        locks.acquire("quiet").release()
+        lease = locks.acquire("busy")
+        waiter = other._store.waiter("busy")
+        token = "b" * 24
+        try:
+            outcome = other._store.try_acquire(
+                "busy", token=token, ttl=30.0, owner="o", info=None, steal=False, waiter=waiter
+            )
+            assert not outcome.ok
             lease.release()
-        heard = [n.payload for n in listener.notifies(timeout=1.0)]
-    assert heard == ["busy"]
+            heard = [n.payload for n in listener.notifies(timeout=1.0)]
+        finally:
+            waiter.close()
+    assert heard == [waiter.id]
+    assert token not in heard[0]
 
 
 def _acquire_and_release(locks: keymutex.Locks, key: str) -> float:
@@ -399,6 +538,250 @@ def test_a_waiter_is_woken_after_its_listener_connection_was_killed(
         got[0].release()
 
 
+# -- hand-over: one waiter woken, in queue order -----------------------------------------
+
+
+def _token() -> str:
+    return secrets.token_urlsafe(18)
+
+
+def _queue(store: Any, key: str, waiters: int) -> list[Any]:
+    """``waiters`` waiters of ``store`` queued for ``key`` (refused, listening), in order."""
+    queued = []
+    for _ in range(waiters):
+        waiter = store.waiter(key)
+        queued.append(waiter)
+        outcome = store.try_acquire(
+            key, token=_token(), ttl=30.0, owner="waiter", info=None, steal=False, waiter=waiter
+        )
+        assert not outcome.ok
+    return queued
+
+
+def _rung(waiters: list[Any], expected: set[int]) -> list[int]:
+    """Which waiters were rung (and forget it): those ``expected`` are waited for (a few
+    seconds at most), then the others are looked at a moment later, without waiting."""
+    rung = [n for n in sorted(expected) if waiters[n].wait(5.0)]
+    time.sleep(0.05)  # a wrong ring would come with the right one
+    return sorted(
+        rung + [n for n in range(len(waiters)) if n not in expected and waiters[n].wait(0)]
+    )
+
+
+def test_a_release_wakes_the_first_queued_waiter_only(postgresql_url: str, namespace: str) -> None:
+    with (
+        keymutex.Locks(postgresql_url, namespace=namespace) as holder_side,
+        keymutex.Locks(postgresql_url, namespace=namespace) as waiter_side,
+    ):
+        store = waiter_side._store
+        lease = holder_side.acquire("k")
+        waiters = _queue(store, "k", 3)
+        try:
+            assert _rung(waiters, set()) == []
+            lease.release()
+            # The key is kept for the first waiter: not the releaser, nor anyone else.
+            with pytest.raises(keymutex.Locked) as refused:
+                holder_side.acquire("k", timeout=0)
+            assert refused.value.holder is None  # handed over: nobody holds it yet
+            assert _rung(waiters, {0}) == [0]
+            for turn, waiter in enumerate(waiters):
+                token = _token()
+                outcome = store.try_acquire(
+                    "k", token=token, ttl=30.0, owner="w", info=None, steal=False, waiter=waiter
+                )
+                assert outcome.ok, f"waiter {turn} was not given the key"
+                assert store.release("k", token).ok
+                after = {turn + 1} if turn + 1 < len(waiters) else set()
+                assert _rung(waiters, after) == sorted(after)
+        finally:
+            for waiter in waiters:
+                waiter.close()
+        # The last release found nobody queued: the row is gone, the key free for all.
+        holder_side.acquire("k", timeout=0).release()
+
+
+def test_a_waiter_that_gives_up_passes_the_key_on(postgresql_url: str, namespace: str) -> None:
+    with (
+        keymutex.Locks(postgresql_url, namespace=namespace) as holder_side,
+        keymutex.Locks(postgresql_url, namespace=namespace) as waiter_side,
+    ):
+        store = waiter_side._store
+        lease = holder_side.acquire("k")
+        first, second = waiters = _queue(store, "k", 2)
+        try:
+            lease.release()
+            first.close()  # leaves the queue with the key just handed to it
+            assert _rung(waiters, {0, 1}) == [0, 1]
+            token = _token()
+            outcome = store.try_acquire(
+                "k", token=token, ttl=30.0, owner="w", info=None, steal=False, waiter=second
+            )
+            assert outcome.ok
+            assert store.release("k", token).ok
+        finally:
+            for waiter in waiters:
+                waiter.close()
+
+
+def test_a_retried_acquire_of_ones_own_lease_does_not_queue_its_waiter(
+    postgresql_url: str, namespace: str, admin: psycopg.Connection[Any], table: str
+) -> None:
+    """A caller retrying with the token it already holds the key with (the lock server
+    passes callers' tokens) is granted again, and leaves no place in the queue that
+    would reserve the key, after the release, for a waiter that will never come."""
+    with (
+        keymutex.Locks(postgresql_url, namespace=namespace, table=table) as holder_side,
+        keymutex.Locks(postgresql_url, namespace=namespace, table=table) as other,
+    ):
+        store = holder_side._store
+        token = _token()
+        for _ in range(2):
+            waiter = store.waiter("k")
+            outcome = store.try_acquire(
+                "k", token=token, ttl=30.0, owner="me", info=None, steal=False, waiter=waiter
+            )
+            assert outcome.ok
+            # Granted: the client drops its waiter without leaving any queue (on_close
+            # is cleared), so the row must not keep the waiter's place.
+            (queued,) = admin.execute(f"SELECT waiters FROM {table}").fetchone()
+            assert queued in (None, [])
+            waiter.close()
+        assert store.release("k", token).ok
+        other.acquire("k", timeout=0).release()  # not reserved for anyone
+
+
+def test_closing_twice_touches_no_file_of_someone_else(postgresql_url: str) -> None:
+    locks = keymutex.Locks(postgresql_url)
+    locks.acquire("k", timeout=0).release()
+    locks.close()
+    read_end, write_end = os.pipe()  # may get the numbers the store's pipe had
+    try:
+        locks.close()
+        os.write(write_end, b"mine")
+        assert os.read(read_end, 16) == b"mine"
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_nul_in_a_text_parameter_is_refused_not_cut_short(
+    postgresql_url: str, namespace: str
+) -> None:
+    with keymutex.Locks(postgresql_url, namespace=namespace) as locks:
+        # Below the public API, which refuses NUL in keys and owners itself.
+        with pytest.raises(ValueError, match="NUL"):
+            locks._store.try_acquire(
+                "a\x00b", token=_token(), ttl=5.0, owner="o", info=None, steal=False, waiter=None
+            )
+        assert locks.holder("a") is None
+
+
+def test_a_vanished_waiter_holds_the_others_up_for_a_hand_over_and_a_recheck(
+    postgresql_url: str, namespace: str
+) -> None:
+    from keymutex.stores.postgresql import HANDOVER_MS
+
+    with (
+        keymutex.Locks(postgresql_url, namespace=namespace) as holder_side,
+        keymutex.Locks(postgresql_url, namespace=namespace) as waiter_side,
+    ):
+        lease = holder_side.acquire("k")
+        (vanished,) = _queue(waiter_side._store, "k", 1)  # never tries again, never leaves
+        try:
+            got: list[float] = []
+            waiting = threading.Thread(
+                target=lambda: got.append(_acquire_and_release(waiter_side, "k"))
+            )
+            waiting.start()
+            time.sleep(0.3)  # queued behind the vanished waiter
+            released_at = time.monotonic()
+            lease.release()
+            waiting.join(10)
+            assert got, "the waiter did not get the key"
+            # Nobody tells the next waiter that the hand-over lapsed: it finds out at
+            # its one-second recheck.
+            assert HANDOVER_MS / 1000 - 0.05 < got[0] - released_at < HANDOVER_MS / 1000 + 1.5
+        finally:
+            vanished.close()
+
+
+def test_waiters_get_the_key_in_arrival_order(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str, table: str
+) -> None:
+    clients = [
+        keymutex.Locks(postgresql_url, namespace=namespace, table=table, owner=f"w{n}")
+        for n in range(4)
+    ]
+    order: list[str] = []
+
+    def take(locks: keymutex.Locks) -> None:
+        lease = locks.acquire("k", timeout=20)
+        order.append(lease.owner)
+        time.sleep(0.02)
+        lease.release()
+
+    def queued() -> int:
+        row = admin.execute(
+            f"SELECT cardinality(waiters) FROM {table} WHERE namespace = %s", (namespace,)
+        ).fetchone()
+        return 0 if row is None else int(row[0])
+
+    try:
+        lease = clients[0].acquire("k")
+        threads = []
+        for n, locks in enumerate(clients[1:], start=1):
+            thread = threading.Thread(target=take, args=(locks,))
+            thread.start()
+            threads.append(thread)
+            deadline = time.monotonic() + 10
+            while queued() < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+        released_at = time.monotonic()
+        lease.release()
+        # The releaser cannot take the key back ahead of the queue.
+        with pytest.raises(keymutex.Locked):
+            clients[0].acquire("k", timeout=0)
+        for thread in threads:
+            thread.join(20)
+        assert order == ["w1", "w2", "w3"]
+        # Each hand-over wakes its waiter at once (three holds of 20 ms each).
+        assert time.monotonic() - released_at < 1.0
+    finally:
+        for locks in clients:
+            locks.close()
+
+
+@pytest.mark.asyncio
+async def test_async_waiters_get_the_key_in_arrival_order(
+    postgresql_url: str, namespace: str
+) -> None:
+    clients = [
+        keymutex.AsyncLocks(postgresql_url, namespace=namespace, owner=f"w{n}") for n in range(4)
+    ]
+    order: list[str] = []
+
+    async def take(locks: keymutex.AsyncLocks) -> None:
+        lease = await locks.acquire("k", timeout=20)
+        order.append(lease.owner)
+        await asyncio.sleep(0.02)
+        await lease.release()
+
+    try:
+        lease = await clients[0].acquire("k")
+        tasks = []
+        for locks in clients[1:]:
+            tasks.append(asyncio.create_task(take(locks)))
+            await asyncio.sleep(0.3)  # refused, queued, listening
+        released_at = time.monotonic()
+        await lease.release()
+        await asyncio.gather(*tasks)
+        assert order == ["w1", "w2", "w3"]
+        assert time.monotonic() - released_at < 1.0
+    finally:
+        for locks in clients:
+            await locks.aclose()
+
+
 # -- nothing left behind -----------------------------------------------------------------
 
 
@@ -430,15 +813,27 @@ def test_expired_rows_are_swept_so_the_table_does_not_grow(
     from keymutex.stores.postgresql import SWEEP_BATCH, SWEEP_EVERY
 
     with keymutex.Locks(postgresql_url, namespace=namespace, table=table) as locks:
-        abandoned = 3 * SWEEP_BATCH  # never released: their holders "crashed"
+        abandoned = 3 * SWEEP_BATCH
         for n in range(abandoned):
-            locks.acquire(f"abandoned:{n}", ttl=0.2)
+            locks.acquire(f"abandoned:{n}", ttl=30)
         assert _rows(admin, table) == abandoned
-        time.sleep(0.3)
+        # Their holders "crashed" and the leases ran out (by hand: no sweep sees them
+        # expire while they are being made). Some rows also carry a hand-over to a
+        # waiter that vanished and a lapsed queue. One row's queue is live: it stays.
+        admin.execute(f"UPDATE {table} SET expires_at = now() - interval '1 s'")
+        admin.execute(
+            f"UPDATE {table} SET reserved_for = 'gone', reserved_until = now() - interval '1 s',"
+            " waiters = '{x}', queue_until = now() - interval '1 s'"
+            " WHERE key LIKE 'abandoned:1%'"
+        )
+        admin.execute(
+            f"UPDATE {table} SET waiters = '{{x}}', queue_until = now() + interval '1 minute'"
+            " WHERE key = 'abandoned:7'"
+        )
         # Every SWEEP_EVERY acquires look at SWEEP_BATCH rows: a few rounds clear them.
         for _ in range(4 * SWEEP_EVERY):
             locks.acquire("busy", timeout=0).release()
-        assert _rows(admin, table) == 0
+        assert admin.execute(f"SELECT key FROM {table}").fetchall() == [("abandoned:7",)]
 
 
 def test_the_table_is_created_once_under_concurrent_first_use(
@@ -476,7 +871,46 @@ def test_the_table_is_created_once_under_concurrent_first_use(
         f"{table}_meta_pkey",
         f"{table}_pkey",
     ]
-    assert admin.execute(f"SELECT name, value FROM {table}_meta").fetchall() == [("schema", "1")]
+    assert admin.execute(f"SELECT name, value FROM {table}_meta").fetchall() == [
+        ("schema", str(SCHEMA_VERSION))
+    ]
+
+
+def test_a_table_of_schema_version_1_is_upgraded_in_place(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str, table: str
+) -> None:
+    # What version 1 created (it had no queue), with a lease of one of its clients.
+    admin.execute(f"CREATE TABLE {table}_meta (name text PRIMARY KEY, value text NOT NULL)")
+    admin.execute(f"INSERT INTO {table}_meta VALUES ('schema', '1')")
+    admin.execute(f"CREATE SEQUENCE {table}_fence AS bigint START 7")
+    admin.execute(
+        f'CREATE TABLE {table} (namespace text COLLATE "C" NOT NULL,'
+        ' key text COLLATE "C" NOT NULL, token text NOT NULL, owner text NOT NULL,'
+        " info json, fence bigint NOT NULL, acquired_at timestamptz NOT NULL,"
+        " expires_at timestamptz NOT NULL, contended boolean NOT NULL DEFAULT false,"
+        " PRIMARY KEY (namespace, key)) WITH (fillfactor = 80)"
+    )
+    admin.execute(
+        f"INSERT INTO {table} VALUES (%s, 'k', 'old-token', 'old client', NULL, 6, now(),"
+        " now() + interval '1 minute', false)",
+        (namespace,),
+    )
+    with keymutex.Locks(postgresql_url, namespace=namespace, table=table) as locks:
+        holder = locks.holder("k")
+        assert holder is not None
+        assert (holder.owner, holder.fence) == ("old client", 6)
+        with pytest.raises(keymutex.Locked):
+            locks.acquire("k", timeout=0)
+        got: list[keymutex.Lease] = []
+        waiting = threading.Thread(target=lambda: got.append(locks.acquire("k", timeout=10)))
+        waiting.start()
+        time.sleep(0.3)
+        locks.release("k", "old-token")  # the old client's lease, released statelessly
+        waiting.join(10)
+        assert got
+        assert got[0].fence > 6
+        got[0].release()
+    assert admin.execute(f"SELECT value FROM {table}_meta").fetchall() == [(str(SCHEMA_VERSION),)]
 
 
 def test_a_table_of_another_schema_version_is_refused(
@@ -491,6 +925,208 @@ def test_a_table_of_another_schema_version_is_refused(
     ):
         locks.holder("k")
     assert isinstance(failed.value.__cause__, psycopg.Error)
+
+
+# -- a silent server: every step ends in bounded time ------------------------------------
+
+# A step waits this long for the server's reply in these tests (the default is 5 s).
+TIMEOUT = 0.5
+# Room for a busy machine between the timeout and the step's end.
+SLACK = 1.5
+
+
+@contextlib.contextmanager
+def _paused(pid: int) -> Iterator[None]:
+    """SIGSTOP a server process for the block: its socket stays open, nothing answers."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _step_backend(admin: psycopg.Connection[Any], application: str) -> int:
+    """The pid of the client's one step connection (it has no listener: nobody waited)."""
+    (pid,) = [pid for pid, _ in _backends(admin, application)]
+    return pid
+
+
+def _gone(admin: psycopg.Connection[Any], pid: int) -> bool:
+    row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+    return row is not None and row[0] == 0
+
+
+def _wait_for(predicate: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {predicate}"
+        time.sleep(0.02)
+
+
+STEPS: dict[str, Callable[[keymutex.Locks, keymutex.Lease], object]] = {
+    "acquire": lambda locks, lease: locks.acquire("other", timeout=0, ttl=1.0),
+    "renew": lambda locks, lease: lease.renew(),
+    "release": lambda locks, lease: lease.release(),
+    "holder": lambda locks, lease: locks.holder("k"),
+    "holders": lambda locks, lease: locks.holders(""),
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_a_silent_server_fails_a_step_within_the_timeout(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str, step: str
+) -> None:
+    application = f"km-{uuid.uuid4().hex[:12]}"
+    url = _with_app(postgresql_url, application)
+    with keymutex.Locks(url, namespace=namespace, timeout=TIMEOUT, max_size=1) as locks:
+        lease = locks.acquire("k", ttl=30)
+        pid = _step_backend(admin, application)
+        with _paused(pid):
+            started = time.monotonic()
+            with pytest.raises(keymutex.StoreError) as failed:
+                STEPS[step](locks, lease)
+            took = time.monotonic() - started
+        assert TIMEOUT <= took < TIMEOUT + SLACK
+        assert f"no reply from the server within {TIMEOUT:g} s" in str(failed.value)
+        assert isinstance(failed.value.__cause__, TimeoutError)
+        # The connection with a statement in flight was closed, never used again: the
+        # resumed server process sees it gone and exits; the next step connects anew.
+        _wait_for(lambda: _gone(admin, pid))
+        locks.holders("")
+        assert _step_backend(admin, application) != pid
+        # (The resumed server process may have run the statement it was sent.)
+        if locks.holder("k") is not None:
+            lease.release()
+
+
+@pytest.mark.asyncio
+async def test_a_silent_server_fails_an_async_step_within_the_timeout(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str
+) -> None:
+    application = f"km-{uuid.uuid4().hex[:12]}"
+    url = _with_app(postgresql_url, application)
+    async with keymutex.AsyncLocks(url, namespace=namespace, timeout=TIMEOUT, max_size=1) as locks:
+        lease = await locks.acquire("k", ttl=30)
+        pid = _step_backend(admin, application)
+        with _paused(pid):
+            started = time.monotonic()
+            with pytest.raises(keymutex.StoreError, match="no reply from the server") as failed:
+                await lease.renew()
+            took = time.monotonic() - started
+        assert TIMEOUT <= took < TIMEOUT + SLACK
+        assert isinstance(failed.value.__cause__, TimeoutError)
+        await asyncio.to_thread(_wait_for, lambda: _gone(admin, pid))
+        await lease.renew()  # on a new connection
+        assert _step_backend(admin, application) != pid
+        await lease.release()
+
+
+def test_a_grant_whose_reply_was_lost_expires_by_its_ttl(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str
+) -> None:
+    application = f"km-{uuid.uuid4().hex[:12]}"
+    url = _with_app(postgresql_url, application)
+    ttl = 1.5
+    with (
+        keymutex.Locks(url, namespace=namespace, timeout=TIMEOUT, owner="lost") as locks,
+        keymutex.Locks(postgresql_url, namespace=namespace) as other,
+    ):
+        locks.acquire("warm-up", timeout=0).release()  # connected, statements prepared
+        with _paused(_step_backend(admin, application)), pytest.raises(keymutex.StoreError):
+            locks.acquire("k", timeout=0, ttl=ttl)
+        resumed = time.monotonic()
+        # Resumed, the server process reads the statement it was sent and grants the key,
+        # though nobody hears of it. Nobody holds it for longer than its TTL.
+        _wait_for(lambda: other.holder("k") is not None)
+        ghost = other.holder("k")
+        assert ghost is not None
+        assert ghost.owner == "lost"
+        while True:
+            try:
+                other.acquire("k", timeout=0).release()
+                break
+            except keymutex.Locked:
+                time.sleep(0.01)
+        assert time.monotonic() - resumed <= ttl + 0.5
+
+
+def test_a_statement_the_client_gave_up_on_is_given_up_by_the_server_too(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str
+) -> None:
+    from keymutex.stores.postgresql import LOCK_SPACE
+
+    application = f"km-{uuid.uuid4().hex[:12]}"
+    url = _with_app(postgresql_url, application)
+
+    def waiting_for_the_gate() -> int:
+        row = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE application_name = %s AND wait_event = 'advisory'",
+            (application,),
+        ).fetchone()
+        return 0 if row is None else int(row[0])
+
+    with (
+        keymutex.Locks(url, namespace=namespace, timeout=TIMEOUT) as locks,
+        keymutex.Locks(postgresql_url, namespace=namespace) as other,
+    ):
+        locks.holder("k")
+        # The key's gate is taken by someone else's transaction: the acquire waits in the
+        # server, which answers nothing meanwhile.
+        with admin.transaction():
+            admin.execute(
+                "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_SPACE, f"{namespace}/k")
+            )
+            started = time.monotonic()
+            with pytest.raises(keymutex.StoreError, match="statement timeout"):
+                locks.acquire("k", timeout=0)
+            assert time.monotonic() - started < TIMEOUT + SLACK
+            # The server cancels the statement (statement_timeout, a little shorter than
+            # the client's): it does not grant the key once the gate opens, long after
+            # its client gave up; and its error reaches the client in time.
+            _wait_for(lambda: waiting_for_the_gate() == 0)
+        time.sleep(0.2)
+        assert other.holder("k") is None
+
+
+def test_no_connection_free_within_connect_timeout_is_a_store_error(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str
+) -> None:
+    application = f"km-{uuid.uuid4().hex[:12]}"
+    url = _with_app(postgresql_url, application)
+    with keymutex.Locks(
+        url, namespace=namespace, timeout=5, max_size=1, connect_timeout=0.5
+    ) as locks:
+        locks.holder("k")
+
+        def hold_the_connection() -> None:
+            with contextlib.suppress(keymutex.StoreError):
+                locks.holder("k")
+
+        busy = threading.Thread(target=hold_the_connection)
+        with _paused(_step_backend(admin, application)):
+            busy.start()  # takes the one connection, and waits on it
+            time.sleep(0.2)
+            started = time.monotonic()
+            with pytest.raises(keymutex.StoreError, match=r"no connection free within 0\.5 s"):
+                locks.holder("k")
+            assert time.monotonic() - started < 0.5 + SLACK
+        busy.join(10)
+
+
+def test_connections_have_keepalives_and_a_tcp_user_timeout() -> None:
+    from keymutex.stores.postgresql import _parse
+
+    target = _parse("postgresql://h/db", {"timeout": 2.5})
+    assert target.timeout == 2.5
+    assert target.connect_kwargs["keepalives"] == 1
+    assert target.connect_kwargs["tcp_user_timeout"] == 2500
+    assert target.setup() == b"SET statement_timeout = 2250"
+    # What the URL says wins.
+    target = _parse("postgresql://h/db?keepalives=0&tcp_user_timeout=100&timeout=1", {})
+    assert target.timeout == 1
+    assert "keepalives" not in target.connect_kwargs
+    assert "tcp_user_timeout" not in target.connect_kwargs
 
 
 # -- errors and options ------------------------------------------------------------------
@@ -514,7 +1150,11 @@ def test_an_unreachable_server_is_a_store_error(namespace: str) -> None:
 @pytest.mark.parametrize(
     ("options", "error", "words"),
     [
-        ({"tabel": "x"}, TypeError, "accepted: table, min_size, max_size, connect_timeout"),
+        (
+            {"tabel": "x"},
+            TypeError,
+            "accepted: table, min_size, max_size, connect_timeout, timeout",
+        ),
         ({"password": "x"}, TypeError, "go in the URL"),
         ({"table": "Leases"}, ValueError, "table must be NAME or SCHEMA.NAME"),
         ({"table": "a;drop table x"}, ValueError, "table must be"),
@@ -528,6 +1168,10 @@ def test_an_unreachable_server_is_a_store_error(namespace: str) -> None:
         ({"connect_timeout": 0}, ValueError, "connect_timeout"),
         ({"connect_timeout": float("nan")}, ValueError, "connect_timeout"),
         ({"connect_timeout": True}, TypeError, "connect_timeout"),
+        ({"timeout": 0}, ValueError, "timeout must be seconds > 0"),
+        ({"timeout": float("inf")}, ValueError, "timeout must be seconds > 0"),
+        ({"timeout": 30 * 86400}, ValueError, "at most 2147483"),
+        ({"timeout": "soon"}, ValueError, "timeout must be a number"),
     ],
 )
 def test_bad_options_are_refused_before_connecting(
@@ -546,6 +1190,13 @@ def test_bad_urls_are_refused() -> None:
         keymutex.Locks("postgresql://127.0.0.1/db?table=a", table="b")
     with pytest.raises(ValueError, match="min_size must be a number"):
         keymutex.Locks("postgres://127.0.0.1/db?min_size=many")
+    for port in ("abc", "99999", "0"):
+        with pytest.raises(
+            ValueError, match=f"port must be a number from 1 to 65535, not '{port}'"
+        ):
+            keymutex.Locks(f"postgresql://127.0.0.1:{port}/db")
+    keymutex.Locks("postgresql://h1:5432,h2:5433/db").close()  # one port per host
+    keymutex.Locks("postgresql://h1,h2/db").close()  # the default port
 
 
 def test_options_may_come_in_the_url(

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 import keymutex
+from _processes import free_port
 from keymutex._store import RenewRequest
 from keymutex.stores.redis import RedisStore
 
@@ -257,6 +258,37 @@ def test_malformed_urls_are_refused_before_connecting(url: str, message: str) ->
 def test_unknown_options_are_refused_with_the_accepted_ones() -> None:
     with pytest.raises(TypeError, match="socket_timeout"):
         keymutex.Locks("redis://127.0.0.1:1/0", sockettimeout=3)
+
+
+def test_an_unreachable_cluster_fails_its_first_step_not_the_constructor() -> None:
+    """redis-py's sync RedisCluster connects when made: the store makes it at first use."""
+    url = f"redis+cluster://127.0.0.1:{free_port()}"  # nothing listens there
+    with keymutex.Locks(url, socket_connect_timeout=1.0) as locks:
+        for step in (
+            lambda: locks.acquire("k", timeout=0),
+            lambda: locks.holder("k"),
+            lambda: locks.holders(""),
+            lambda: locks.release("k", "t" * 24),
+        ):
+            with pytest.raises(keymutex.StoreError, match="Redis Cluster cannot be connected"):
+                step()
+
+
+def test_an_unreachable_cluster_is_a_store_error_for_async_clients_too() -> None:
+    async def main() -> None:
+        url = f"redis+cluster://127.0.0.1:{free_port()}"
+        async with keymutex.AsyncLocks(url, socket_connect_timeout=1.0) as alocks:
+            with pytest.raises(keymutex.StoreError, match="Redis Cluster cannot be connected"):
+                await alocks.acquire("k", timeout=0)
+            with pytest.raises(keymutex.StoreError):
+                await alocks.holder("k")
+
+    asyncio.run(main())
+
+
+def test_url_query_options_that_redis_py_parses_are_accepted() -> None:
+    url = "redis://127.0.0.1:1/2?socket_timeout=0.5&health_check_interval=10&client_name=me"
+    keymutex.Locks(url).close()  # no connection is made until the first step
 
 
 def test_without_redis_py_the_error_names_the_extra_to_install() -> None:

@@ -45,7 +45,7 @@ from keymutex._errors import Locked, LockLost, StoreError
 from keymutex._lease import AsyncLease, Holder
 from keymutex._store import Capabilities, RenewRequest
 from keymutex._urls import scheme_of
-from keymutex._validate import check_ttl
+from keymutex._validate import MIN_TTL, check_ttl
 from keymutex._wait import EXPIRY_MARGIN, RECHECK_INTERVAL
 from keymutex.server import _input as field
 from keymutex.server._auth import Auth, Identity, load_token_file
@@ -217,9 +217,10 @@ def _ttl_from(received: float, ttl: float) -> float:
     The time the server spends before the store's step (opening a namespace, say) is
     not added to the lease: a client counting ``ttl`` from when it sent the request
     sees the lease expire at most one network trip before the store does. Never below
-    a tenth of ``ttl`` (a lease that would be born expired is still granted, briefly).
+    a tenth of ``ttl`` (a lease that would be born expired is still granted, briefly),
+    nor below the library's least TTL.
     """
-    return max(ttl - (_clock.monotonic() - received), ttl / 10)
+    return max(ttl - (_clock.monotonic() - received), ttl / 10, MIN_TTL)
 
 
 def _sse(name: str, data: dict[str, Any]) -> str:
@@ -279,7 +280,7 @@ class _Server:
 
     @staticmethod
     def query(request: Request, allowed: Iterable[str]) -> Fields:
-        return query_fields(request.query_params.multi_items(), allowed)
+        return query_fields(request.scope["query_string"], allowed)
 
     @staticmethod
     def peer(request: Request) -> str:

@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn, TypeVar
+from urllib.parse import parse_qsl
 
 from keymutex._client import MAX_NAMESPACE_BYTES, MAX_OWNER_BYTES
 from keymutex._lease import Holder
@@ -23,6 +24,7 @@ from keymutex._validate import (
     check_text,
     check_token,
     check_ttl,
+    shown_number,
 )
 
 __all__ = [
@@ -151,8 +153,19 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def query_fields(params: Iterable[tuple[str, str]], allowed: Iterable[str]) -> Fields:
-    """The query parameters as ``Fields``: each at most once, none unknown."""
+def query_fields(raw: bytes, allowed: Iterable[str]) -> Fields:
+    """The raw query string's parameters as ``Fields``: UTF-8, each at most once, none unknown.
+
+    Parsed here rather than by Starlette, which decodes a percent-escape that is not
+    UTF-8 (``%FF``) as U+FFFD: the key asked about would not be the one sent.
+    """
+    try:
+        params = parse_qsl(raw.decode("utf-8"), keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError:
+        raise invalid(
+            "the query string is not UTF-8 text: percent-escapes such as %FF must encode"
+            " UTF-8 bytes"
+        ) from None
     seen: dict[str, Any] = {}
     for name, value in params:
         if name in seen:
@@ -207,21 +220,22 @@ def prefix(value: object, name: str) -> str:
 
 
 def ttl(value: object, name: str) -> float:
-    seconds = check_ttl(value, name)
-    if seconds > MAX_TTL:
-        raise ValueError(
-            f"{name} must be greater than 0 and at most {MAX_TTL:.0f} s, not {value!r}"
-        )
-    return seconds
+    """As the library's ``ttl``, within the server's range: at most a day."""
+    return check_ttl(value, name, at_most=MAX_TTL)
 
 
 def timeout(value: object, name: str) -> float:
     """Seconds to wait: finite, 0 or more (``null`` is not accepted: the server caps it)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name} must be a number of seconds, 0 or more, not {value!r}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # a JSON integer of hundreds of digits
+        seconds = math.inf if value > 0 else -math.inf
     if not 0 <= seconds < math.inf:
-        raise ValueError(f"{name} must be a finite number of seconds, 0 or more, not {value!r}")
+        raise ValueError(
+            f"{name} must be a finite number of seconds, 0 or more, not {shown_number(value)}"
+        )
     return seconds
 
 

@@ -11,7 +11,7 @@ import functools
 from typing import Any
 
 from keymutex._client import MAX_NAMESPACE_BYTES, MAX_OWNER_BYTES
-from keymutex._validate import MAX_KEY_BYTES, MAX_TOKEN_CHARS
+from keymutex._validate import MAX_KEY_BYTES, MAX_TOKEN_CHARS, MIN_TTL
 from keymutex._version import __version__
 from keymutex.server._input import (
     DEFAULT_TTL,
@@ -60,11 +60,10 @@ SCHEMAS: dict[str, Any] = {
     },
     "Ttl": {
         "type": "number",
-        "exclusiveMinimum": True,
-        "minimum": 0,
+        "minimum": MIN_TTL,
         "maximum": MAX_TTL,
         "default": DEFAULT_TTL,
-        "description": "Seconds the lease lives unless renewed.",
+        "description": f"Seconds the lease lives unless renewed: {MIN_TTL} (1 ms) to {MAX_TTL:.0f}.",
     },
     "Timeout": {
         "type": "number",

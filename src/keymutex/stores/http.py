@@ -575,7 +575,10 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, 
     parts = urlsplit(url)
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise ValueError(f"lock server URLs are http://host:port[/base] or https://…, not {url!r}")
-    parts.port  # noqa: B018 - raises ValueError for a port that does not parse
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that does not parse
+    except ValueError as exc:
+        raise ValueError(f"{exc} (lock server URL {url!r})") from None
     if parts.username is not None or parts.password is not None:
         raise ValueError(
             f"lock server URL {parts.hostname!r} must not carry credentials: pass"
@@ -584,6 +587,12 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, 
     if parts.query or parts.fragment:
         raise ValueError(f"lock server URL must have no query or fragment, not {url!r}")
     base = urlunsplit((parts.scheme.lower(), parts.netloc, parts.path.rstrip("/"), "", ""))
+    try:
+        httpx.URL(base)  # what the client will do with it: IDNA for the host, …
+    except httpx.InvalidURL as exc:
+        # httpx quotes the host as it is: a lone surrogate would reach the message.
+        reason = str(exc).encode("utf-8", "backslashreplace").decode("utf-8")
+        raise ValueError(f"{url!r} is not a usable lock server URL: {reason}") from None
     merged = dict(options)
     api_token = merged.pop("api_token", None)
     if api_token is None:

@@ -75,6 +75,7 @@ import pymongo.asynchronous.collection
 import pymongo.collection
 from pymongo import AsyncMongoClient, MongoClient, ReturnDocument
 from pymongo.errors import ConfigurationError, DuplicateKeyError, OperationFailure, PyMongoError
+from pymongo.uri_parser import split_options
 
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
@@ -310,6 +311,12 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
     parts = urlsplit(url)
     if parts.scheme.lower() not in ("mongodb", "mongodb+srv"):
         raise ValueError(f"{url!r} is not a mongodb:// or mongodb+srv:// URL")
+    if parts.query:
+        try:
+            # pymongo only warns about an unknown option, and then ignores it.
+            split_options(parts.query, validate=True, warn=False)
+        except (ConfigurationError, ValueError) as exc:
+            raise ValueError(f"{url!r} is not a usable MongoDB URL: {exc}") from None
     given = {name.lower() for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
     client_options: dict[str, Any] = {
         name: value for name, value in DEFAULT_TIMEOUTS_MS.items() if name.lower() not in given
@@ -765,7 +772,7 @@ class MongoDriver:
         target = parse(url, options)
         try:
             client: MongoClient[Any] = MongoClient(target.url, **target.client_options)
-        except ConfigurationError as exc:  # InvalidURI among them
+        except (ConfigurationError, ValueError) as exc:  # InvalidURI, bad ports among them
             raise ValueError(f"{url!r} is not a usable MongoDB URL: {exc}") from None
         try:
             return MongoStore(client, target, namespace)
@@ -779,7 +786,7 @@ class MongoDriver:
         target = parse(url, options)
         try:
             client: AsyncMongoClient[Any] = AsyncMongoClient(target.url, **target.client_options)
-        except ConfigurationError as exc:
+        except (ConfigurationError, ValueError) as exc:
             raise ValueError(f"{url!r} is not a usable MongoDB URL: {exc}") from None
         return AsyncMongoStore(client, target, namespace)
 

@@ -47,7 +47,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 import redis
 import redis.asyncio
@@ -57,7 +57,7 @@ import redis.asyncio.sentinel
 import redis.client
 import redis.cluster
 import redis.sentinel
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
@@ -947,7 +947,41 @@ class _NodeClients:
         return clients
 
 
-_DRIVER_ERRORS = (RedisError, OSError)
+# RedisClusterException (no nodes reachable, slots not covered) is not a RedisError.
+_DRIVER_ERRORS = (RedisError, RedisClusterException, OSError)
+
+
+class _LazyCluster:
+    """A sync ``RedisCluster``, made at its first use rather than in ``Locks()``.
+
+    redis-py's constructor connects to the startup nodes to learn the slots: made
+    eagerly, an unreachable cluster would fail ``Locks()`` with redis-py's own
+    exception. Made here, the failure comes from a store step, as a ``StoreError``
+    (every use of the client is inside ``translate_errors``); the next step tries again.
+    """
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        client = self._client
+        if client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._make()
+                client = self._client
+        return client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._get(), name)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
 
 class RedisStore:
@@ -974,8 +1008,8 @@ class RedisStore:
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
 
     def _run(self, call: _Call) -> Outcome:
-        send = self._client.execute_command if self._conns is None else self._conns.call
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis {call.script.name} of {call.key!r}"):
+            send = self._client.execute_command if self._conns is None else self._conns.call
             try:
                 reply = send("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
             except NoScriptError:  # a restarted or flushed server: load and go again
@@ -1307,8 +1341,39 @@ def _nodes(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
         host, _, port = part.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"{url!r}: expected host:port[,host:port…], got {part!r}")
+        if not 0 < int(port) <= 65535:
+            raise ValueError(f"{url!r}: port {port} of {part!r} is out of range 1-65535")
         nodes.append((host.strip("[]"), int(port)))
     return tuple(nodes)
+
+
+# What a redis:// URL's query may set: the options redis-py parses from URLs, and ours.
+# redis-py passes any other name on to the connection, which refuses it at first use.
+URL_OPTIONS = frozenset(redis.connection.URL_QUERY_ARGUMENT_PARSERS) | CLIENT_OPTIONS
+
+
+def _check_single(url: str, parts: SplitResult) -> None:
+    """What ``redis.connection.parse_url`` lets through: unknown options, a bad database."""
+    try:
+        redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a Redis URL: {exc}") from None
+    names = [name for name, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    unknown = sorted(set(names) - URL_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"{url!r} is not a Redis URL: unknown query option(s) {unknown}; accepted:"
+            f" {sorted(URL_OPTIONS)}"
+        )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{url!r} is not a Redis URL: query option(s) {repeated} given twice")
+    database = unquote(parts.path).strip("/")
+    if parts.scheme.lower() != "unix" and database and not database.isdigit():
+        raise ValueError(
+            f"{url!r} is not a Redis URL: the database must be a number (/0, /1, …),"
+            f" not {database!r}"
+        )
 
 
 def _credentials(netloc: str) -> dict[str, Any]:
@@ -1339,10 +1404,7 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme in ("redis", "rediss", "unix"):
-        try:
-            redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
-        except ValueError as exc:
-            raise ValueError(f"{url!r} is not a Redis URL: {exc}") from None
+        _check_single(url, parts)
         return _Target("single", url, (), "", 0, client_options)
     if parts.query:
         raise ValueError(
@@ -1375,7 +1437,9 @@ class RedisDriver:
                 redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
                 for host, port in target.nodes
             ]
-            cluster: Any = redis.cluster.RedisCluster(startup_nodes=nodes, **target.options)
+            cluster: Any = _LazyCluster(
+                lambda: redis.cluster.RedisCluster(startup_nodes=nodes, **target.options)
+            )
 
             def on_node(channel: str) -> tuple[str, Callable[[], Any]]:
                 # A sharded channel is served by the node that owns its slot.

@@ -52,6 +52,7 @@ from keymutex._store import (
     ThreadedAsyncStore,
     translate_errors,
 )
+from keymutex._validate import shown_number
 
 __all__ = ["SqliteStore", "driver"]
 
@@ -61,7 +62,11 @@ _LOG = logging.getLogger("keymutex")
 SCHEMA_VERSION = 2  # 1: an unreleased layout of November 2026 (waiters by rowid)
 NOTIFIES = sys.platform == "linux"  # abstract-namespace sockets are Linux only
 CAPABILITIES = Capabilities(
-    notifies=NOTIFIES, fair=True, cross_process=True, durable_fences=True, clock="host-boottime"
+    notifies=NOTIFIES,
+    fair=NOTIFIES,  # the hand-over queue needs the wake-up; elsewhere waiters poll
+    cross_process=True,
+    durable_fences=True,
+    clock="host-boottime",
 )
 # A queued waiter refreshes its row at every try (at least once a second); a row not
 # refreshed for this long belongs to a waiter that is gone.
@@ -701,6 +706,38 @@ class SqliteStore:
             self._sockets.close()
 
 
+def _path(url: str, encoded: str) -> str:
+    """The file a URL's percent-encoded path names: UTF-8, no NUL, encodable by the OS."""
+    try:
+        path = unquote(encoded, errors="strict")
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"SQLite URL {url!r}: the path's percent-escapes (such as %FF) must encode UTF-8"
+        ) from None
+    if "\x00" in path:
+        raise ValueError(f"SQLite URL {url!r}: the path must not contain NUL characters")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"SQLite URL {url!r}: the path cannot be encoded for the file system"
+            " (it contains a lone surrogate)"
+        ) from None
+    return path
+
+
+def _busy_timeout(value: object) -> float:
+    if isinstance(value, bool):  # float(True) would be one second
+        raise TypeError(f"busy_timeout must be seconds > 0 (a number), not {value!r}")
+    try:
+        busy = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        busy = -1.0
+    if not 0 < busy < float("inf"):
+        raise ValueError(f"busy_timeout must be seconds > 0, not {shown_number(value)}")
+    return busy
+
+
 def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
     parts = urlsplit(url)
     if parts.netloc:
@@ -708,21 +745,19 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
             f"SQLite URLs have no host: use sqlite:///absolute/path.db or"
             f" sqlite:relative/path.db, not {url!r}"
         )
-    path = unquote(parts.path)
+    path = _path(url, parts.path)
     if not path or path == "/":
         raise ValueError(f"SQLite URL {url!r} names no file: use sqlite:///path/to/locks.db")
-    merged: dict[str, object] = dict(parse_qsl(parts.query, keep_blank_values=True))
+    merged: dict[str, object] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name in merged:
+            raise ValueError(f"SQLite URL {url!r} gives the option {name!r} more than once")
+        merged[name] = value
     merged.update(options)
     synchronous = merged.pop("synchronous", "normal")
     if synchronous not in ("normal", "full"):
         raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
-    busy_timeout = merged.pop("busy_timeout", 10.0)
-    try:
-        busy = float(busy_timeout)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        busy = -1.0
-    if not 0 < busy < float("inf"):
-        raise ValueError(f"busy_timeout must be seconds > 0, not {busy_timeout!r}")
+    busy = _busy_timeout(merged.pop("busy_timeout", 10.0))
     if merged:
         raise TypeError(
             f"unknown SQLite store option(s) {sorted(merged)}; accepted: synchronous, busy_timeout"

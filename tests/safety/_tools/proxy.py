@@ -54,6 +54,7 @@ class Proxy:
         self._server: asyncio.Server | None = None
         self._open: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter | None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     @property
     def address(self) -> tuple[str, int]:
@@ -105,25 +106,37 @@ class Proxy:
 
     async def _shutdown(self) -> None:
         assert self._server is not None
+        self._closing = True
         self._server.close()
         for client, upstream in list(self._open):
             client.transport.abort()
             if upstream is not None:
                 upstream.transport.abort()
+        self._open.clear()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for _ in range(3):  # the aborted transports close their sockets in callbacks
+            await asyncio.sleep(0)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        if self.mode == "reset":
+        if self.mode == "reset" or self._closing:
             _abort_with_rst(writer)
             return
+        connecting = (writer, None)  # closed by a shutdown that comes meanwhile
+        self._open.add(connecting)
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
+            self._open.discard(connecting)
             _abort_with_rst(writer)
             return
+        if connecting not in self._open:  # reset or shut down while connecting
+            _abort_with_rst(writer)
+            _abort_with_rst(up_writer)
+            return
+        self._open.discard(connecting)
         pair = (writer, up_writer)
         self._open.add(pair)
         for task in (

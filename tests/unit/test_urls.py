@@ -1,0 +1,43 @@
+"""Store URL -> driver (``keymutex._urls``): the entry points are read once per process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import keymutex
+from keymutex import _urls
+
+
+def test_entry_points_are_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scanning the installed distributions costs milliseconds: not at every ``Locks()``."""
+    _urls.driver_for("memory://")  # the registry is built (or was already)
+
+    def scanned(**_: object) -> object:
+        raise AssertionError("entry_points() was scanned again")
+
+    monkeypatch.setattr(_urls, "entry_points", scanned)
+    for _ in range(3):
+        keymutex.Locks("memory://").close()
+        assert _urls.driver_for("SQLITE:///x.db") is _urls.driver_for("sqlite:///y.db")
+    with pytest.raises(ValueError, match="unknown store URL scheme 'nosuch'; known schemes: etcd"):
+        _urls.driver_for("nosuch://")
+
+
+def test_a_missing_client_library_still_names_the_extra_after_the_registry_is_read() -> None:
+    code = (
+        "import sys\n"
+        "import keymutex\n"
+        "keymutex.Locks('memory://').close()  # the registry is read first\n"
+        "sys.modules['pymemcache'] = None\n"
+        "try:\n"
+        "    keymutex.Locks('memcached://127.0.0.1:1')\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert "pip install 'keymutex[memcached]'" in result.stdout, result.stdout + result.stderr
