@@ -30,6 +30,7 @@ SCRIPTS = {
     "server": ["bench_server.py"],
     "stores": ["bench_stores.py"],
     "peers": ["bench_peers.py"],
+    "memcached": ["bench_memcached.py"],
 }
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,25 @@ import keymutex
 from _memcached_fixtures import MemcachedServer
 from keymutex.stores import memcached
 from keymutex.stores.memcached import (
+    HANDOVER_SECONDS,
     INDEX_BUCKETS,
+    POLL_FIRST,
+    POLL_LIMIT,
+    QUEUED_TOMBSTONE_SECONDS,
     RACE_ATTEMPTS,
+    REFRESH_SECONDS,
     Layout,
     MemcachedStore,
+    Place,
+    QueuedWaiter,
     Record,
     Tombstone,
     decode,
     exptime,
+    handed_over,
+    kept_for,
     parse,
+    rejoined,
 )
 
 TOKEN_A = "A" * 24
@@ -101,9 +112,17 @@ def interleave(
     return wrapped
 
 
-def acquire(store: MemcachedStore, key: str, token: str, ttl: float = 30.0, **kw: Any) -> Any:
+def acquire(
+    store: MemcachedStore,
+    key: str,
+    token: str,
+    ttl: float = 30.0,
+    *,
+    steal: bool = False,
+    waiter: QueuedWaiter | None = None,
+) -> Any:
     return store.try_acquire(
-        key, token=token, ttl=ttl, owner="o", info=None, steal=kw.get("steal", False), waiter=None
+        key, token=token, ttl=ttl, owner="o", info=None, steal=steal, waiter=waiter
     )
 
 
@@ -206,6 +225,288 @@ def test_a_grant_always_describes_its_lease_even_when_its_ttl_ran_out_in_transit
         renewed = store.renew("blink", TOKEN_B, 1e-6)
         assert renewed.ok
         assert renewed.holder is not None
+    finally:
+        store.close()
+
+
+# -- the queue and the hand-over ------------------------------------------------------
+
+
+def item(raw: Client, store: MemcachedStore, key: str) -> Record | Tombstone:
+    """What the key's item holds now, as memcached has it."""
+    value = raw.get(store._layout.lease(key))
+    assert value is not None
+    return decode(value)
+
+
+def waiters(item: Record | Tombstone) -> list[str]:
+    return [place.waiter for place in item.queue]
+
+
+@pytest.fixture
+def stores(memcached_url: str, namespace: str) -> Iterator[list[MemcachedStore]]:
+    """Four clients of one namespace: a holder and three others."""
+    opened = [open_store(memcached_url, namespace) for _ in range(4)]
+    yield opened
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def long_hand_over(monkeypatch: pytest.MonkeyPatch) -> float:
+    """A hand-over time no pause of a loaded test machine outlasts."""
+    monkeypatch.setattr(memcached, "HANDOVER_SECONDS", 60.0)
+    return 60.0
+
+
+def test_a_release_keeps_the_key_for_the_first_queued_waiter(
+    stores: list[MemcachedStore], raw: Client, long_hand_over: float
+) -> None:
+    holder, first, second, other = stores
+    held = acquire(holder, "doc", TOKEN_A)
+    one, two = first.waiter("doc"), second.waiter("doc")
+    # A refusal with a waiter queues it in the step that read the holder.
+    refused = acquire(first, "doc", "1" * 24, waiter=one)
+    assert refused.ok is False
+    assert refused.holder == held.holder
+    assert acquire(second, "doc", "2" * 24, waiter=two).ok is False
+    assert waiters(item(raw, holder, "doc")) == [one.id, two.id]
+    # The holder's renewal keeps the queue.
+    assert holder.renew("doc", TOKEN_A, 30.0).ok
+    assert waiters(item(raw, holder, "doc")) == [one.id, two.id]
+
+    assert holder.release("doc", TOKEN_A).ok
+    kept = item(raw, holder, "doc")
+    assert isinstance(kept, Tombstone)
+    assert kept.heir == one.id
+    assert kept.kept_until == pytest.approx(time.time() + long_hand_over, abs=5)
+    # Nobody else takes it: not the releaser, not a newcomer, not the second waiter.
+    tries = [(holder, TOKEN_A, None), (other, TOKEN_B, None), (second, "2" * 24, two)]
+    for store, token, waiter in tries:
+        refused = acquire(store, "doc", token, waiter=waiter)
+        assert refused.ok is False
+        assert refused.holder is None  # nobody holds it ...
+        assert 0 < refused.remaining < long_hand_over + 0.01  # ... until the hand-over ends
+    # The first waiter does, and its place goes in the same write.
+    taken = acquire(first, "doc", "1" * 24, waiter=one)
+    assert taken.ok
+    assert taken.holder.fence > held.holder.fence
+    assert one.queued is False
+    assert waiters(item(raw, holder, "doc")) == [two.id]
+    one.close()  # granted: nothing to leave, no round trip
+    assert waiters(item(raw, holder, "doc")) == [two.id]
+
+
+def test_a_waiter_that_stopped_refreshing_its_place_is_skipped(
+    stores: list[MemcachedStore], raw: Client, long_hand_over: float
+) -> None:
+    holder, first, second, _ = stores
+    assert acquire(holder, "doc", TOKEN_A).ok
+    gone, there = first.waiter("doc"), second.waiter("doc")
+    assert acquire(first, "doc", "1" * 24, waiter=gone).ok is False
+    assert acquire(second, "doc", "2" * 24, waiter=there).ok is False
+    # The first waiter's process died long ago: its place was last written 10 s back.
+    name = holder._layout.lease("doc")
+    record = item(raw, holder, "doc")
+    assert isinstance(record, Record)
+    stale = (Place(gone.id, time.time() - 10), *record.queue[1:])
+    raw.set(name, replace(record, queue=stale).encode(), expire=30)
+
+    assert holder.release("doc", TOKEN_A).ok
+    kept = item(raw, holder, "doc")
+    assert isinstance(kept, Tombstone)
+    assert kept.heir == there.id
+    assert waiters(kept) == [there.id]  # and its place is dropped
+    assert acquire(second, "doc", "2" * 24, waiter=there).ok
+
+
+def test_a_waiter_refreshes_its_place_and_so_is_never_taken_for_gone(
+    stores: list[MemcachedStore],
+    raw: Client,
+    memcached_server: MemcachedServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    holder, first, _, _ = stores
+    assert acquire(holder, "doc", TOKEN_A).ok
+    waiter = first.waiter("doc")
+    monkeypatch.setattr(memcached, "REFRESH_SECONDS", 60.0)
+    assert acquire(first, "doc", "1" * 24, waiter=waiter).ok is False
+    joined = item(raw, holder, "doc").queue[0].seen
+    # Looking again while the place is fresh costs one read.
+    before = _counts(memcached_server)
+    assert acquire(first, "doc", "1" * 24, waiter=waiter).ok is False
+    assert _delta(before, _counts(memcached_server)) == {"cmd_get": 1}
+    # Once it is REFRESH_SECONDS old, the look rewrites it: a read and a cas.
+    monkeypatch.setattr(memcached, "REFRESH_SECONDS", 0.05)
+    time.sleep(0.1)
+    before = _counts(memcached_server)
+    assert acquire(first, "doc", "1" * 24, waiter=waiter).ok is False
+    assert _delta(before, _counts(memcached_server)) == {"cmd_get": 1, "cmd_set": 1}
+    record = item(raw, holder, "doc")
+    assert waiters(record) == [waiter.id]
+    assert record.queue[0].seen > joined
+
+
+def test_an_expired_hand_over_frees_the_key_for_anyone(
+    stores: list[MemcachedStore], raw: Client, long_hand_over: float
+) -> None:
+    holder, first, _, other = stores
+    held = acquire(holder, "doc", TOKEN_A)
+    slow = first.waiter("doc")
+    assert acquire(first, "doc", "1" * 24, waiter=slow).ok is False
+    assert holder.release("doc", TOKEN_A).ok
+    assert acquire(other, "doc", TOKEN_B).ok is False  # kept for the waiter ...
+    kept = item(raw, holder, "doc")
+    assert isinstance(kept, Tombstone)
+    expired = replace(kept, kept_until=time.time() - 0.001)  # ... which did not come in time
+    raw.set(holder._layout.lease("doc"), expired.encode(), expire=30)
+    taken = acquire(other, "doc", TOKEN_B)
+    assert taken.ok
+    assert taken.holder.fence > held.holder.fence
+    # The slow waiter keeps its place, first in line for the next release.
+    assert waiters(item(raw, holder, "doc")) == [slow.id]
+    assert acquire(first, "doc", "1" * 24, waiter=slow).ok is False
+    assert other.release("doc", TOKEN_B).ok
+    assert acquire(other, "doc", TOKEN_B).ok is False
+    assert acquire(first, "doc", "1" * 24, waiter=slow).ok
+
+
+def test_a_waiter_that_gives_up_leaves_the_queue(
+    stores: list[MemcachedStore],
+    raw: Client,
+    memcached_server: MemcachedServer,
+    long_hand_over: float,
+) -> None:
+    holder, first, second, other = stores
+    assert acquire(holder, "doc", TOKEN_A).ok
+    one, two = first.waiter("doc"), second.waiter("doc")
+    assert acquire(first, "doc", "1" * 24, waiter=one).ok is False
+    assert acquire(second, "doc", "2" * 24, waiter=two).ok is False
+    before = _counts(memcached_server)
+    two.close()
+    assert _delta(before, _counts(memcached_server)) == {"cmd_get": 1, "cmd_set": 1}
+    assert waiters(item(raw, holder, "doc")) == [one.id]
+    two.close()  # twice: nothing left to do
+    assert waiters(item(raw, holder, "doc")) == [one.id]
+    assert holder.renew("doc", TOKEN_A, 30.0).ok  # the lease itself is untouched
+
+    # The last waiter gives up while the key is kept for it: the key is free again.
+    assert holder.release("doc", TOKEN_A).ok
+    assert acquire(other, "doc", TOKEN_B).ok is False
+    one.close()
+    assert item(raw, holder, "doc") == Tombstone(item(raw, holder, "doc").fence)
+    assert acquire(other, "doc", TOKEN_B).ok
+
+
+def test_a_waiter_that_gives_up_passes_a_key_kept_for_it_on(
+    stores: list[MemcachedStore], raw: Client, long_hand_over: float
+) -> None:
+    holder, first, second, other = stores
+    assert acquire(holder, "doc", TOKEN_A).ok
+    one, two = first.waiter("doc"), second.waiter("doc")
+    assert acquire(first, "doc", "1" * 24, waiter=one).ok is False
+    assert acquire(second, "doc", "2" * 24, waiter=two).ok is False
+    assert holder.release("doc", TOKEN_A).ok
+    first_kept = item(raw, holder, "doc")
+    assert isinstance(first_kept, Tombstone)
+    assert first_kept.heir == one.id
+    time.sleep(0.1)
+    one.close()
+    kept = item(raw, holder, "doc")
+    assert isinstance(kept, Tombstone)
+    assert kept.heir == two.id
+    assert waiters(kept) == [two.id]
+    assert kept.kept_until >= first_kept.kept_until + 0.09  # a whole hand-over time of its own
+    assert acquire(other, "doc", TOKEN_B).ok is False
+    assert acquire(second, "doc", "2" * 24, waiter=two).ok
+
+
+def test_a_waiters_write_never_undoes_a_renewal(stores: list[MemcachedStore], raw: Client) -> None:
+    holder, first, _, _ = stores
+    assert acquire(holder, "doc", TOKEN_A, ttl=5.0).ok
+    waiter = first.waiter("doc")
+    # Between the waiter's read and its cas, the holder renews for an hour.
+    wrapped = interleave(first, "doc", lambda: holder.renew("doc", TOKEN_A, 3600.0))
+    assert acquire(first, "doc", "1" * 24, waiter=waiter).ok is False
+    assert wrapped.gets_calls == 2  # its cas failed, it read the item again
+    record = item(raw, holder, "doc")
+    assert isinstance(record, Record)
+    assert record.token == TOKEN_A
+    assert record.expires_at > time.time() + 3000
+    assert waiters(record) == [waiter.id]
+
+
+def test_the_queue_is_bounded(
+    stores: list[MemcachedStore], raw: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memcached, "QUEUE_LIMIT", 2)
+    holder, *others = stores
+    assert acquire(holder, "doc", TOKEN_A).ok
+    queued = [store.waiter("doc") for store in others]
+    for n, (store, waiter) in enumerate(zip(others, queued, strict=True)):
+        assert acquire(store, "doc", f"{n}" * 24, waiter=waiter).ok is False
+    assert waiters(item(raw, holder, "doc")) == [queued[0].id, queued[1].id]
+    assert queued[2].queued is False  # it polls without a place, and has none to leave
+
+
+def test_steal_ignores_the_hand_over_and_keeps_the_queue(
+    stores: list[MemcachedStore], raw: Client
+) -> None:
+    holder, first, _, other = stores
+    held = acquire(holder, "doc", TOKEN_A)
+    waiter = first.waiter("doc")
+    assert acquire(first, "doc", "1" * 24, waiter=waiter).ok is False
+    assert holder.release("doc", TOKEN_A).ok
+    stolen = acquire(other, "doc", TOKEN_B, steal=True)
+    assert stolen.ok
+    assert stolen.holder.fence > held.holder.fence
+    assert waiters(item(raw, holder, "doc")) == [waiter.id]
+
+
+def test_contenders_take_turns(memcached_url: str, namespace: str) -> None:
+    """Three clients looping on one key: a releaser cannot take the key straight back."""
+    clients = [keymutex.Locks(memcached_url, namespace=namespace) for _ in range(3)]
+    grants: list[int] = []
+    mutex = threading.Lock()
+
+    def loop(n: int) -> None:
+        for _ in range(15):
+            with clients[n].lock("doc", timeout=30, renew=False):
+                with mutex:
+                    grants.append(n)
+                time.sleep(0.002)
+
+    threads = [threading.Thread(target=loop, args=(n,)) for n in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        for locks in clients:
+            locks.close()
+    assert len(grants) == 45
+    same = sum(1 for a, b in itertools.pairwise(grants) if a == b)
+    # Before the queue, a releaser took the key straight back almost every time.
+    assert same < len(grants) / 3, grants
+
+
+def test_a_waiter_polls_soon_after_a_change_and_less_often_further_back(
+    memcached_url: str, namespace: str
+) -> None:
+    store = open_store(memcached_url, namespace)
+    try:
+        waiter = store.waiter("doc")
+        waiter.saw((1, True), 0)
+        steps = [waiter.park(1.0) for _ in range(20)]
+        assert steps[0] == POLL_FIRST
+        assert steps == sorted(steps)
+        assert max(steps) == pytest.approx(POLL_LIMIT)
+        assert waiter.park(0.0001) == 0.0001  # never longer than the client asked
+        waiter.saw((1, True), 3)  # the same state, further back: slower
+        assert max(waiter.park(1.0) for _ in range(30)) == pytest.approx(4 * POLL_LIMIT)
+        waiter.saw((1, False), 0)  # the key changed hands: soon again
+        assert waiter.park(1.0) == POLL_FIRST
     finally:
         store.close()
 
@@ -458,6 +759,14 @@ def test_records_round_trip_and_garbage_is_refused() -> None:
     assert decode(record.encode()) == record
     assert decode(Tombstone(9).encode()) == Tombstone(9)
     assert decode(b'["L","k","t","o",null,3,1,2]') == Record("k", "t", "o", None, 3, 1.0, 2.0)
+    queue = (Place("w1", 10.5), Place("w2", 11.0))
+    queued = Record("k", "t" * 24, "me", None, 7, 1.5, 31.5, queue)
+    assert decode(queued.encode()) == queued
+    kept = Tombstone(9, queue, "w1", 12.25)
+    assert decode(kept.encode()) == kept
+    # Without waiters, records are what they always were.
+    assert Tombstone(9, (), None, 0.0).encode() == b'["T",9]'
+    assert len(json.loads(record.encode())) == 8
     for garbage in (
         b"",
         b"x",
@@ -466,9 +775,37 @@ def test_records_round_trip_and_garbage_is_refused() -> None:
         b'["L",1]',
         b'["T","9"]',
         b'["L","k","t","o",[],3,1,2]',
+        b'["L","k","t","o",null,3,1,2,[["w",true]]]',
+        b'["L","k","t","o",null,3,1,2,[["w"]]]',
+        b'["L","k","t","o",null,3,1,2,[],[]]',
+        b'["T",9,[],7,1]',
+        b'["T",9,[[1,2]],null,1]',
+        b'["T",9,[]]',
     ):
         with pytest.raises(keymutex.StoreError):
             decode(garbage, "name")
+
+
+def test_places_are_kept_refreshed_and_dropped_when_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = 1000.0
+    fresh = Place("a", now - 0.1)
+    old = Place("b", now - 1.0)  # older than REFRESH_SECONDS, not yet gone
+    gone = Place("c", now - 60)
+    assert rejoined((fresh, old), "a", now) is None  # fresh: nothing to write
+    assert rejoined((gone, old, fresh), "b", now) == (Place("b", now), fresh)
+    assert rejoined((fresh,), "new", now) == (fresh, Place("new", now))
+    monkeypatch.setattr(memcached, "QUEUE_LIMIT", 1)
+    assert rejoined((fresh,), "new", now) is None  # full
+    assert handed_over(5, (gone, old, fresh), now) == Tombstone(
+        5, (old, fresh), "b", now + HANDOVER_SECONDS
+    )
+    assert handed_over(5, (gone,), now) == Tombstone(5)
+    kept = handed_over(5, (fresh,), now)
+    assert kept_for(kept, now + HANDOVER_SECONDS - 0.01) == "a"
+    assert kept_for(kept, now + HANDOVER_SECONDS) is None  # then anyone may take it
+    assert kept_for(Tombstone(5), now) is None
+    assert REFRESH_SECONDS < memcached.GONE_SECONDS < QUEUED_TOMBSTONE_SECONDS
+    assert HANDOVER_SECONDS < QUEUED_TOMBSTONE_SECONDS
 
 
 @pytest.mark.parametrize(

@@ -12,25 +12,36 @@ Redis with AOF, PostgreSQL, etcd, ZooKeeper) and check fences at the resource.
 namespace fit memcached's 250-byte limit and ``("a", "b:c")`` never meets ``("a:b", "c")``:
 
 - ``km1:l:<digest of namespace and key>``: the lease, one compact JSON record (key,
-  token, owner, info, fence, acquired-at, expires-at). The record is the truth; the
-  item's own exptime is only garbage collection, set to ``ceil(ttl) + 1`` seconds so
-  that memcached (1-second granularity) never drops a live lease early.
-- a released lease becomes a *tombstone* (``["T", fence]``, exptime 1 s) by ``cas``.
-  Never ``delete``: between our ``gets`` and a ``delete``, our lease could expire and
-  another client take the key, and the delete would remove *its* lock.
+  token, owner, info, fence, acquired-at, expires-at, and the queue of waiters when
+  there is one). The record is the truth; the item's own exptime is only garbage
+  collection, set to ``ceil(ttl) + 1`` seconds so that memcached (1-second
+  granularity) never drops a live lease early.
+- a released lease becomes a *tombstone* by ``cas``: ``["T", fence]``, exptime 1 s;
+  with waiters queued, ``["T", fence, queue, heir, kept-until]``, exptime
+  ``QUEUED_TOMBSTONE_SECONDS`` (see *Waiting*). Never ``delete``: between our ``gets``
+  and a ``delete``, our lease could expire and another client take the key, and the
+  delete would remove *its* lock. Records without waiters are, byte for byte, those
+  of earlier versions; a client of an earlier version takes one with a queue for a
+  foreign item (``StoreError``): mixed versions on a contended key fail, never with
+  two holders.
 - per namespace and server: a fence counter ``km1:f:…`` and index buckets ``km1:i:…``,
   placed on the same server as the leases they serve (see *Several servers*).
 
-**Steps** (round trips in brackets). Acquire [1 when refused, 4 when granted, plus a
-compaction every ``COMPACT_EVERY`` grants]: ``gets``;
-a live lease of someone else refuses at once with its holder; else ``incr`` a fence
-and ``add`` (no item) or ``cas`` over the tombstone or expired lease (or the live one,
-when stealing); then ``append`` the lease to the index. A lost race (``add`` found an
-item, ``cas`` found it changed or gone) starts again from a fresh ``gets``, at most
-``RACE_ATTEMPTS`` times; after that the caller is refused as if the key were held.
-Renew [2]: ``gets``, compare the token, ``cas`` the new expiry and exptime. Release
-[2]: ``gets``, compare the token, ``cas`` to a tombstone. Renew and release retry a
-lost race too (a renewer and a manual renewal of one lease), then raise ``StoreError``.
+**Steps** (round trips in brackets). Acquire [1 when refused, 2 when a refused
+waiter writes its place, 4 when granted, plus a compaction every ``COMPACT_EVERY``
+grants]: ``gets``; a live lease of someone else, or a tombstone that keeps the key
+for another waiter, refuses at once (and a waiter whose place is missing or due for
+a refresh ``cas``-es it into the record it read); else ``incr`` a fence and ``add``
+(no item) or ``cas`` over the tombstone or expired lease (or the live one, when
+stealing), the grantee's place taken out of the queue in that same write; then
+``append`` the lease to the index. A lost race (``add`` found an item, ``cas`` found
+it changed or gone) starts again from a fresh ``gets``, at most ``RACE_ATTEMPTS``
+times; after that the caller is refused as if the key were held. Renew [2]:
+``gets``, compare the token, ``cas`` the new expiry and exptime (the queue kept as
+it is). Release [2]: ``gets``, compare the token, ``cas`` to a tombstone. A waiter
+giving up [2, none once granted]: ``gets``, ``cas`` without its place. Renew and
+release retry a lost race too (a renewer and a manual renewal of one lease, or a
+waiter writing its place), then raise ``StoreError``.
 ``renew_many`` reads all its leases with one ``gets`` per server. A step's first
 command is a read; on a pooled connection that died (memcached restarted, or dropped
 an idle client) the pool is emptied and that read sent once more, never a write.
@@ -68,9 +79,37 @@ fences with it. Unlike pymemcache's ``HashClient``, a dead server is never taken
 of the ring: moving its keys to another server would let a second client take a key
 that is still held on the first. Every client must list the same servers.
 
-**Waiting.** memcached cannot notify: waiters poll with jittered backoff
-(``notifies=False``) and wake at the holder's recorded expiry. Nothing is queued, so
-waiters are not served in order (``fair=False``).
+**Waiting.** memcached cannot notify (``notifies=False``), so waiters poll; but they
+queue, so that a releaser cannot take the key straight back while others wait.
+
+- A refused waiter writes its *place* (a random id, and the wall-clock time it was
+  last refused) at the end of the key's queue, with the ``cas`` of the very record
+  whose ``gets`` refused it, and rewrites it at most every ``REFRESH_SECONDS`` as it
+  polls. A place not rewritten for ``GONE_SECONDS`` is a waiter that is gone (its
+  process died, or stalled): every write of the record drops it. At most
+  ``QUEUE_LIMIT`` places; a waiter beyond them polls without one.
+- A release leaves a tombstone that keeps the key for the first waiter still there,
+  its *heir*, for ``HANDOVER_SECONDS`` (longer than any waiter's poll interval):
+  only the heir, by its id, can take it; the releaser and newcomers are refused with
+  no holder and the hand-over's time left. The grant takes the heir's place out of
+  the queue in its own ``cas``. When the hand-over time runs out (the heir is gone or
+  stalled), the key is free for anyone; the heir keeps its place.
+- A waiter that gives up (``close``) takes its place out; if the key was kept for it,
+  it is kept for the next waiter still there, for a whole hand-over time.
+- Nothing wakes the heir: each waiter polls ``POLL_FIRST`` after it saw the key
+  change hands, then ``POLL_GROWTH`` times longer each time, at most ``POLL_LIMIT``
+  × (1 + the waiters before it), and never longer than the client's backoff step.
+  So the first in line finds a released key within about half of the last hold
+  (``POLL_LIMIT`` at most), for a few ``gets`` per waiter and handoff.
+- What is not promised (``fair=False``): a key freed by expiry, or whose hand-over
+  time ran out, goes to whoever tries first; a client joins the queue only from its
+  second try (the client passes no waiter to the first one of a polling store);
+  and places and hand-overs are timed by the clients' wall clocks, so clocks that
+  disagree by a good part of ``HANDOVER_SECONDS`` degrade the hand-over towards first
+  come, first served. None of this touches safety: a waiter's write is a ``cas`` of
+  the record it read, so it changes only the queue and never undoes a renewal, a
+  release or a grant made in between; the token is checked and fences drawn as
+  before.
 
 **Async.** ``AsyncLocks`` runs these same steps in worker threads
 (``ThreadedAsyncStore``): one implementation for both, several servers, and the
@@ -87,6 +126,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -112,7 +152,7 @@ from keymutex._store import (
     translate_errors,
 )
 
-__all__ = ["MemcachedStore", "Record", "Tombstone", "decode", "driver"]
+__all__ = ["MemcachedStore", "Place", "QueuedWaiter", "Record", "Tombstone", "decode", "driver"]
 
 _LOG = logging.getLogger("keymutex")
 
@@ -125,6 +165,22 @@ DEFAULT_SOCKET_TIMEOUT = 5.0
 RACE_ATTEMPTS = 8
 # A tombstone only has to outlive the race it closes; memcached rounds to the second.
 TOMBSTONE_SECONDS = 1
+# Waiting (see *Waiting* above). A release keeps the key this long for the first queued
+# waiter: longer than any waiter's poll interval (at most ``Backoff``'s 0.25 s).
+HANDOVER_SECONDS = 0.5
+# A queued waiter rewrites its place at most this often as it polls; a place not
+# rewritten for ``GONE_SECONDS`` belongs to a waiter that is gone, and is skipped.
+REFRESH_SECONDS = 0.5
+GONE_SECONDS = 2.0
+QUEUE_LIMIT = 32  # places per key; a waiter beyond them polls without a place
+# A tombstone that carries a queue lives as long as a place in it can.
+QUEUED_TOMBSTONE_SECONDS = math.ceil(GONE_SECONDS) + 1
+# A queued waiter looks again POLL_FIRST after it saw the key change hands, then each
+# time POLL_GROWTH times later, at most POLL_LIMIT × (1 + its place in the queue).
+POLL_FIRST = 0.001
+POLL_GROWTH = 1.5
+POLL_LIMIT = 0.05
+_WAITER_ID_BYTES = 9  # 12 characters: a waiter's id only has to be unique per key
 # memcached reads an exptime above 30 days as an absolute UNIX time (by the server's
 # clock); longer leases get 0 ("no expiry": only eviction or a release removes them).
 MAX_RELATIVE_EXPTIME = 30 * 24 * 3600
@@ -144,8 +200,25 @@ def fence_seed() -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Place:
+    """A waiter's place in a key's queue: its id, and when it last said it still waits.
+
+    ``seen`` is in wall-clock UNIX seconds of the waiter's host.
+    """
+
+    waiter: str
+    seen: float
+
+    def encode(self) -> list[object]:
+        return [self.waiter, round(self.seen, 3)]
+
+
+@dataclass(frozen=True, slots=True)
 class Record:
-    """A lease as stored: ``acquired_at`` and ``expires_at`` are wall-clock UNIX seconds."""
+    """A lease as stored: ``acquired_at`` and ``expires_at`` are wall-clock UNIX seconds.
+
+    ``queue``: the places of the waiters refused while it holds, in arrival order.
+    """
 
     key: str
     token: str
@@ -154,9 +227,10 @@ class Record:
     fence: int
     acquired_at: float
     expires_at: float
+    queue: tuple[Place, ...] = ()
 
     def encode(self) -> bytes:
-        fields = [
+        fields: list[object] = [
             "L",
             self.key,
             self.token,
@@ -166,6 +240,8 @@ class Record:
             self.acquired_at,
             self.expires_at,
         ]
+        if self.queue:  # an uncontended lease is the same 8 fields as ever
+            fields.append([place.encode() for place in self.queue])
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
 
     def holder(self) -> Holder:
@@ -181,21 +257,53 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class Tombstone:
-    """What a released lease leaves for a moment: its fence, and no token."""
+    """What a released lease leaves for a moment: its fence, and no token.
+
+    With waiters queued, it keeps their queue, and the key for ``heir`` (the first of
+    them still there at the release) until ``kept_until`` (wall-clock UNIX seconds).
+    """
 
     fence: int
+    queue: tuple[Place, ...] = ()
+    heir: str | None = None
+    kept_until: float = 0.0
 
     def encode(self) -> bytes:
-        return json.dumps(["T", self.fence], separators=(",", ":")).encode()
+        fields: list[object] = ["T", self.fence]
+        if self.queue or self.heir is not None:
+            queue = [place.encode() for place in self.queue]
+            fields += [queue, self.heir, round(self.kept_until, 3)]
+        return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(value)
+    return float(value)
+
+
+def _places(value: object) -> tuple[Place, ...]:
+    if not isinstance(value, list):
+        raise TypeError(value)
+    places = []
+    for waiter, seen in value:
+        if not isinstance(waiter, str):
+            raise TypeError(waiter)
+        places.append(Place(waiter, _number(seen)))
+    return tuple(places)
 
 
 def decode(raw: bytes, name: str = "") -> Record | Tombstone:
     """The record an item holds; ``StoreError`` when it is not one of ours."""
     try:
         fields = json.loads(raw)
-        if fields[0] == "T" and len(fields) == 2 and type(fields[1]) is int:
-            return Tombstone(fields[1])
-        tag, key, token, owner, info, fence, acquired_at, expires_at = fields
+        if fields[0] == "T" and type(fields[1]) is int:
+            if len(fields) == 2:
+                return Tombstone(fields[1])
+            _, fence, queue, heir, kept_until = fields
+            if heir is None or isinstance(heir, str):
+                return Tombstone(fence, _places(queue), heir, _number(kept_until))
+        tag, key, token, owner, info, fence, acquired_at, expires_at, *rest = fields
         if (
             tag == "L"
             and isinstance(key, str)
@@ -203,9 +311,12 @@ def decode(raw: bytes, name: str = "") -> Record | Tombstone:
             and isinstance(owner, str)
             and (info is None or isinstance(info, dict))
             and type(fence) is int
-            and all(isinstance(t, int | float) for t in (acquired_at, expires_at))
+            and len(rest) <= 1
         ):
-            return Record(key, token, owner, info, fence, float(acquired_at), float(expires_at))
+            queue = _places(rest[0]) if rest else ()
+            return Record(
+                key, token, owner, info, fence, _number(acquired_at), _number(expires_at), queue
+            )
     except (ValueError, TypeError, IndexError, KeyError):
         pass
     raise StoreError(f"memcached item {name!r} does not hold a keymutex lease: {raw[:80]!r}")
@@ -237,6 +348,63 @@ def granted(record: Record, now: float) -> Outcome:
     lasts longer on its side than here, even when a tiny TTL ran out in transit.
     """
     return Outcome(True, record.holder(), record.expires_at - now)
+
+
+# -- the queue: who a freed key is kept for (pure) -------------------------------------
+
+
+def present(queue: tuple[Place, ...], now: float) -> tuple[Place, ...]:
+    """The places of ``queue`` whose waiters are still there (seen within ``GONE_SECONDS``)."""
+    return tuple(place for place in queue if now - place.seen < GONE_SECONDS)
+
+
+def position(queue: tuple[Place, ...], waiter: str, now: float) -> int:
+    """How many waiters still there stand before ``waiter`` (all of them if it has no place)."""
+    places = present(queue, now)
+    for index, place in enumerate(places):
+        if place.waiter == waiter:
+            return index
+    return len(places)
+
+
+def rejoined(queue: tuple[Place, ...], waiter: str, now: float) -> tuple[Place, ...] | None:
+    """The queue to write so that ``waiter`` keeps its place; ``None``: nothing to write.
+
+    Its place is refreshed where it stands, or added at the end, and places of waiters
+    that are gone are dropped. Nothing is written while its place was refreshed less
+    than ``REFRESH_SECONDS`` ago, nor when the queue is full without it.
+    """
+    places = present(queue, now)
+    for index, place in enumerate(places):
+        if place.waiter == waiter:
+            if now - place.seen < REFRESH_SECONDS:
+                return None
+            return (*places[:index], Place(waiter, now), *places[index + 1 :])
+    if len(places) >= QUEUE_LIMIT:
+        return None
+    return (*places, Place(waiter, now))
+
+
+def kept_for(item: Record | Tombstone | None, now: float) -> str | None:
+    """The waiter a released key is kept for at ``now``, if any."""
+    if isinstance(item, Tombstone) and item.heir is not None and now < item.kept_until:
+        return item.heir
+    return None
+
+
+def handed_over(fence: int, queue: tuple[Place, ...], now: float) -> Tombstone:
+    """What a release (or the heir giving up) leaves: the key kept for the first waiter still there."""
+    places = present(queue, now) if queue else ()
+    if not places:
+        return Tombstone(fence)
+    return Tombstone(fence, places, places[0].waiter, now + HANDOVER_SECONDS)
+
+
+def item_exptime(item: Record | Tombstone, now: float) -> int:
+    """The exptime to write ``item`` with: never shorter than its lease or its queue."""
+    if isinstance(item, Record):
+        return exptime(max(0.0, item.expires_at - now))
+    return QUEUED_TOMBSTONE_SECONDS if item.queue else TOMBSTONE_SECONDS
 
 
 def _digest(*parts: str) -> str:
@@ -323,21 +491,54 @@ class Layout:
 # -- the store ---------------------------------------------------------------------
 
 
-class _PollingWaiter:
-    """memcached cannot notify: a waiter just sleeps its backoff step."""
+class QueuedWaiter:
+    """One client waiting for one key: its place in the key's queue, and its polling.
 
-    __slots__ = ()
+    memcached cannot notify, so the waiter polls: ``POLL_FIRST`` after it saw the key
+    change hands (a grant, a release kept for another waiter), then each time
+    ``POLL_GROWTH`` times later, up to ``POLL_LIMIT`` × (1 + its place): the first in
+    line finds the key kept for it within half the time the last holder held it (and
+    at most ``POLL_LIMIT``), those behind it look less often. ``wait`` never parks
+    longer than the client asked. ``close`` leaves the queue (passing on the key if it
+    was kept for this waiter); a waiter that was granted the key has left it already.
+    """
+
+    __slots__ = ("_limit", "_seen", "_step", "_store", "id", "key", "queued")
+
+    def __init__(self, store: MemcachedStore, key: str) -> None:
+        self.id = secrets.token_urlsafe(_WAITER_ID_BYTES)
+        self.key = key
+        self.queued = False  # it may have a place in the key's queue
+        self._store = store
+        self._seen: tuple[int, bool] | None = None  # the last state of the key it saw
+        self._step = POLL_FIRST
+        self._limit = POLL_LIMIT
+
+    def saw(self, state: tuple[int, bool], place: int) -> None:
+        """After a refusal: the key's state (fence, held) and how many stand before us."""
+        if state != self._seen:
+            self._seen = state
+            self._step = POLL_FIRST
+        self._limit = POLL_LIMIT * (1 + place)
+
+    def park(self, timeout: float) -> float:
+        """How long the next wait lasts: the polling step, at most ``timeout``."""
+        step = self._step
+        self._step = min(step * POLL_GROWTH, self._limit)
+        return max(0.0, min(timeout, step))
 
     def wait(self, timeout: float) -> bool:
-        time.sleep(timeout)
+        time.sleep(self.park(timeout))
         return False
 
     async def wait_async(self, timeout: float) -> bool:
-        await asyncio.sleep(timeout)
+        await asyncio.sleep(self.park(timeout))
         return False
 
     def close(self) -> None:
-        """Nothing to leave: nothing is queued."""
+        if self.queued:
+            self.queued = False
+            self._store._leave(self.key, self.id)
 
 
 _STORES: weakref.WeakSet[MemcachedStore] = weakref.WeakSet()
@@ -466,17 +667,47 @@ class MemcachedStore:
         name = self._layout.lease(key)
         shard = self._layout.shard_of(name)
         client = self._client(shard)
+        queued = waiter if isinstance(waiter, QueuedWaiter) and waiter.key == key else None
+        me = None if queued is None else queued.id
         with translate_errors(*_DRIVER_ERRORS, what=f"memcached acquire of {key!r}"):
             for attempt in range(RACE_ATTEMPTS):
                 raw, cas = client.gets(name) if attempt else self._first_read(shard, "gets", name)
                 now = time.time()
                 current = None if raw is None else decode(raw, name)
                 holder = live(current, now)
-                if holder is not None and not steal:
-                    return outcome(holder.token == token, holder, now)
+                heir = kept_for(current, now)
+                if current is not None and not steal:
+                    if holder is not None:
+                        if holder.token == token:
+                            return outcome(True, holder, now)
+                        refused = outcome(False, holder, now)
+                    elif isinstance(current, Tombstone) and heir is not None and heir != me:
+                        refused = Outcome(False, None, current.kept_until - now)
+                    else:
+                        refused = None
+                    if refused is not None:
+                        if queued is None:
+                            return refused
+                        # Refused: take (or keep) our place in the queue, in this same
+                        # gets/cas, so that the next release keeps the key for us.
+                        places = rejoined(current.queue, queued.id, now)
+                        state = (current.fence, holder is not None)
+                        if places is None:
+                            queued.saw(state, position(current.queue, queued.id, now))
+                            return refused
+                        queued.queued = True
+                        waiting = replace(current, queue=places)
+                        expire = item_exptime(waiting, now)
+                        if client.cas(name, waiting.encode(), cas, expire=expire, noreply=False):
+                            queued.saw(state, position(places, queued.id, now))
+                            return refused
+                        continue  # renewed, released or joined meanwhile: look again
                 fence = self._next_fence(shard, 0 if current is None else current.fence)
+                queue = () if current is None else current.queue
                 now = time.time()
-                record = Record(key, token, owner, info, fence, now, now + ttl)
+                # A grant takes its waiter out of the queue, and the gone ones with it.
+                places = tuple(p for p in present(queue, now) if p.waiter != me) if queue else ()
+                record = Record(key, token, owner, info, fence, now, now + ttl, places)
                 if raw is None:
                     stored = client.add(name, record.encode(), expire=exptime(ttl), noreply=False)
                 else:
@@ -484,6 +715,8 @@ class MemcachedStore:
                         name, record.encode(), cas, expire=exptime(ttl), noreply=False
                     )
                 if stored:
+                    if queued is not None:
+                        queued.queued = False
                     self._index(shard, name, fence)
                     return granted(record, now)
             # Every try lost a race: others keep writing this key, so it is not ours.
@@ -538,11 +771,55 @@ class MemcachedStore:
                 current = None if raw is None else decode(raw, name)
                 if not isinstance(current, Record) or current.token != token:
                     return outcome(False, live(current, now), now)
-                tombstone = Tombstone(current.fence).encode()
-                if client.cas(name, tombstone, cas, expire=TOMBSTONE_SECONDS, noreply=False):
+                # The key is kept for the first queued waiter still there, if any.
+                tombstone = handed_over(current.fence, current.queue, now)
+                expire = item_exptime(tombstone, now)
+                if client.cas(name, tombstone.encode(), cas, expire=expire, noreply=False):
                     # A lease past its expiry was no longer ours to release: report it lost.
                     return Outcome(current.expires_at > now)
         raise StoreError(f"memcached release of {key!r} lost {RACE_ATTEMPTS} races")
+
+    def _leave(self, key: str, waiter: str) -> None:
+        """Take ``waiter``'s place out of ``key``'s queue [2]; best effort, never raises.
+
+        If the key was kept for it, it is kept for the next waiter still there (for a
+        full ``HANDOVER_SECONDS``), or freed. A place that cannot be removed (memcached
+        unreachable) lapses ``GONE_SECONDS`` after it was last refreshed.
+        """
+        name = self._layout.lease(key)
+        shard = self._layout.shard_of(name)
+        client = self._client(shard)
+        try:
+            with translate_errors(
+                *_DRIVER_ERRORS, what=f"memcached: leaving the queue of {key!r}"
+            ):
+                for attempt in range(RACE_ATTEMPTS):
+                    raw, cas = (
+                        client.gets(name) if attempt else self._first_read(shard, "gets", name)
+                    )
+                    if raw is None:
+                        return
+                    current = decode(raw, name)
+                    now = time.time()
+                    kept = kept_for(current, now) == waiter
+                    if not kept and all(place.waiter != waiter for place in current.queue):
+                        return
+                    places = tuple(place for place in current.queue if place.waiter != waiter)
+                    rest: Record | Tombstone
+                    if isinstance(current, Record):
+                        rest = replace(current, queue=places)
+                    elif kept:
+                        rest = handed_over(current.fence, places, now)
+                    elif places:
+                        rest = replace(current, queue=places)
+                    else:
+                        rest = Tombstone(current.fence)
+                    expire = item_exptime(rest, now)
+                    if client.cas(name, rest.encode(), cas, expire=expire, noreply=False):
+                        return
+                _LOG.warning("memcached: a waiter could not leave the queue of %r", key)
+        except StoreError as exc:
+            _LOG.warning("%s", exc)
 
     def holder(self, key: str) -> Holder | None:
         name = self._layout.lease(key)
@@ -569,8 +846,8 @@ class MemcachedStore:
                     found[current.key] = current.holder()
         return [found[key] for key in sorted(found)]
 
-    def waiter(self, key: str) -> _PollingWaiter:
-        return _PollingWaiter()
+    def waiter(self, key: str) -> QueuedWaiter:
+        return QueuedWaiter(self, key)
 
     def close(self) -> None:
         for client in self._clients.values():
