@@ -13,12 +13,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 import keymutex
-from keymutex.stores.etcd import _Layout, etcd_ttl
+from keymutex.stores import etcd as etcd_store
+from keymutex.stores.etcd import _Layout, _Refusal, _View, etcd_ttl
 
 pytestmark = pytest.mark.usefixtures("etcd_url")
 
@@ -73,6 +75,24 @@ class Etcd:
         assert isinstance(leases, list)
         return {int(lease["ID"]) for lease in leases}
 
+    def queue(self, key: str) -> list[dict[str, str]]:
+        """The key's queue entries, first come first."""
+        start, end = self.layout.queue(key)
+        reply = self.post(
+            "/v3/kv/range",
+            {"key": base64.b64encode(start).decode(), "range_end": base64.b64encode(end).decode()},
+        )
+        kvs = reply.get("kvs") or []
+        assert isinstance(kvs, list)
+        return sorted(kvs, key=lambda kv: int(kv["create_revision"]))
+
+    def wait_for_queue(self, key: str, length: int) -> list[dict[str, str]]:
+        deadline = time.monotonic() + 10
+        while len(entries := self.queue(key)) != length:
+            assert time.monotonic() < deadline, f"{key!r}: {len(entries)} queued, not {length}"
+            time.sleep(0.01)
+        return entries
+
     def granted_ttl(self, lease: int) -> int:
         return int(str(self.post("/v3/lease/timetolive", {"ID": lease}).get("grantedTTL", 0)))
 
@@ -84,6 +104,13 @@ class Etcd:
         for method, count in pattern.findall(text):
             counts[method] = counts.get(method, 0) + int(count)
         return counts
+
+    def puts(self) -> int:
+        """How many keys etcd has written (a transaction's puts included)."""
+        text = httpx.get(self.base + "/metrics", timeout=5.0).text
+        found = re.search(r"^etcd_mvcc_put_total (\d+)", text, re.M)
+        assert found is not None
+        return int(found.group(1))
 
 
 @pytest.fixture
@@ -313,3 +340,260 @@ class socket_nobody_listens_on:  # a context manager named like the function it 
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+# -- waiting: one queue per key, served in order, one waiter woken per release ---------
+
+
+class Waiting:
+    """An ``acquire`` waiting in a thread of its own."""
+
+    def __init__(self, locks: keymutex.Locks, key: str, **options: Any) -> None:
+        self.lease: keymutex.Lease | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(locks, key, options), daemon=True)
+        self._thread.start()
+
+    def _run(self, locks: keymutex.Locks, key: str, options: dict[str, Any]) -> None:
+        try:
+            self.lease = locks.acquire(key, **{"timeout": 10, **options})
+        except BaseException as exc:  # handed to the test by result()
+            self.error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> keymutex.Lease:
+        self._thread.join(15)
+        assert self.done(), "still waiting"
+        if self.error is not None:
+            raise self.error
+        assert self.lease is not None
+        return self.lease
+
+
+@pytest.fixture
+def clients(etcd_url: str, namespace: str) -> Iterator[list[keymutex.Locks]]:
+    """Four clients of the namespace (``w0`` … ``w3``), connected, as four processes are."""
+    made = [keymutex.Locks(etcd_url, namespace=namespace, owner=f"w{n}") for n in range(4)]
+    try:
+        for client in made:
+            client.acquire("warm-up", timeout=0).release()
+        yield made
+    finally:
+        for client in made:
+            client.close()
+
+
+def test_a_contended_acquire_is_one_grant_two_transactions_and_a_ttl_read(
+    clients: list[keymutex.Locks], etcd: Etcd
+) -> None:
+    alice, bob = clients[:2]
+    held = alice.acquire("doc", timeout=0)
+    before = etcd.requests()
+    waiting = Waiting(bob, "doc")
+    etcd.wait_for_queue("doc", 1)
+    queued = made(before, etcd.requests())
+    queued.pop("Range", None)  # the test's own look at the queue
+    # One grant for the whole acquire; the refused transaction queued bob; the holder's
+    # TTL was read for the refusal's Holder; the watch stream opened.
+    assert queued == {"LeaseGrant": 1, "Txn": 1, "LeaseTimeToLive": 1, "Watch": 1}
+    held.release()
+    lease = waiting.result()
+    requests = made(before, etcd.requests())
+    requests.pop("Range", None)
+    # Then alice's revoke and bob's claiming transaction: nothing else. Bob waited far
+    # less than 2 % of his 30 s TTL: no keep-alive, his lease has almost all of it left.
+    assert requests == {
+        "LeaseGrant": 1,
+        "Txn": 2,
+        "LeaseTimeToLive": 1,
+        "Watch": 1,
+        "LeaseRevoke": 1,
+    }
+    assert lease.fence > held.fence
+    assert 0.97 * 30 < lease.remaining <= 30
+    lease.release()
+    assert etcd.namespace_keys() == []
+
+
+def test_a_release_wakes_only_the_next_waiter_first_come_first_served(
+    clients: list[keymutex.Locks], etcd: Etcd
+) -> None:
+    held = clients[0].acquire("doc", timeout=0)
+    waiting = []
+    for n, client in enumerate(clients[1:], 1):
+        waiting.append(Waiting(client, "doc"))
+        etcd.wait_for_queue("doc", n)  # queued in this order
+    for n, next_one in enumerate(waiting, 1):
+        before, puts = etcd.requests(), etcd.puts()
+        held.release()
+        lease = next_one.result()
+        assert lease.owner == f"w{n}"
+        assert lease.fence > held.fence
+        time.sleep(0.2)  # time for a woken herd to show itself
+        # One revoke, one write: the claim. A waiter woken out of turn would write too
+        # (its refused claim puts its entry again); the waiters behind only read, at
+        # their once-a-second recheck.
+        assert made(before, etcd.requests()).get("LeaseRevoke") == 1
+        assert etcd.puts() - puts == 1
+        held = lease
+    held.release()
+    assert etcd.namespace_keys() == []
+
+
+def test_a_waiter_that_gives_up_revokes_its_lease_and_wakes_nobody_early(
+    clients: list[keymutex.Locks], etcd: Etcd
+) -> None:
+    alice, bob, carol = clients[:3]
+    held = alice.acquire("doc", timeout=0)
+    giving_up = Waiting(bob, "doc", timeout=1.0)
+    etcd.wait_for_queue("doc", 1)
+    patient = Waiting(carol, "doc")
+    bobs, _ = etcd.wait_for_queue("doc", 2)
+    with pytest.raises(keymutex.Locked) as refused:
+        giving_up.result()
+    assert refused.value.holder is not None
+    assert refused.value.holder.fence == held.fence
+    # Bob's lease is revoked, his place in the queue with it.
+    (carols,) = etcd.wait_for_queue("doc", 1)
+    assert carols["key"] != bobs["key"]
+    assert int(bobs["lease"]) not in etcd.lease_ids()
+    time.sleep(0.3)
+    assert not patient.done()  # alice still holds: carol was not handed anything
+    assert alice.holder("doc").fence == held.fence  # type: ignore[union-attr]
+    held.release()
+    assert patient.result().owner == "w2"
+
+
+def test_view_keeps_what_the_stream_says_while_a_try_is_under_way() -> None:
+    holder = b"km/1:n/doc"
+    ahead = holder + b"\0" + b"%016x" % 7
+    behind = holder + b"\0" + b"%016x" % 9
+    view = _View(holder)
+    # A try is under way; the holder is released (revision 11) before its refusal
+    # (seen at revision 10) is settled: the refusal's view must not hide it.
+    view.begin()
+    assert not view.hear(11, holder)
+    assert view.settle(_Refusal(10, frozenset(), held=True))
+    # Deletions the refusal already saw change nothing.
+    view.begin()
+    assert not view.hear(9, holder)
+    assert not view.settle(_Refusal(10, frozenset({ahead}), held=True))
+    # Someone behind leaving, or the one ahead while the key is held: no ring.
+    assert not view.hear(12, behind)
+    assert not view.hear(13, ahead)
+    # The key freed with nobody ahead any more: its turn.
+    assert view.hear(14, holder)
+    # A view that is not known (before any refusal): every deletion rings.
+    assert _View(holder).hear(1, behind)
+
+
+def test_no_wake_up_is_missed_when_the_release_lands_before_the_refusal_is_noted(
+    clients: list[keymutex.Locks], etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alice, bob = clients[:2]
+    # Bob's watch stream is open already (it lingers after a wait on another key).
+    other = alice.acquire("other", timeout=0)
+    with pytest.raises(keymutex.Locked):
+        bob.acquire("other", timeout=0.2)
+    other.release()
+    held = alice.acquire("doc", timeout=0)
+    store = bob._store
+    assert isinstance(store, etcd_store.EtcdStore)
+    run = store._transport.run
+    released_at: list[float] = []
+
+    def refused_then_released(flow: Any, what: str) -> Any:
+        done = run(flow, what)
+        if isinstance(done, etcd_store._Acquired) and done.refusal and not released_at:
+            # The release lands, and bob's stream delivers it, before bob's store has
+            # taken in the refusal: only the deletion it kept can wake bob.
+            held.release()
+            released_at.append(time.monotonic())
+            revision = int(etcd.post("/v3/kv/range", {"key": "AA=="})["header"]["revision"])  # type: ignore[index]
+            while store._hub._state.next <= revision:
+                assert time.monotonic() - released_at[0] < 5, "the stream did not deliver"
+                time.sleep(0.005)
+        return done
+
+    monkeypatch.setattr(store._transport, "run", refused_then_released)
+    lease = bob.acquire("doc", timeout=10)
+    # Woken by the deletion it kept, not by its once-a-second recheck.
+    assert time.monotonic() - released_at[0] < 0.5
+    assert lease.fence > held.fence
+    lease.release()
+
+
+def test_a_try_that_does_not_wait_does_not_jump_the_queue_and_a_dead_waiters_turn_passes(
+    clients: list[keymutex.Locks], etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(etcd_store, "HANDOVER_GRACE", 0.5)
+    alice, bob = clients[:2]
+    held = alice.acquire("doc", timeout=0)
+    # A waiter whose process died: its entry is first in the queue, its lease alive.
+    dead = int(str(etcd.post("/v3/lease/grant", {"TTL": 60})["ID"]))
+    entry = base64.b64encode(etcd.layout.entry("doc", dead)).decode()
+    etcd.post("/v3/kv/put", {"key": entry, "value": "", "lease": dead})
+    held.release()
+    with pytest.raises(keymutex.Locked) as refused:
+        bob.acquire("doc", timeout=0)
+    assert refused.value.holder is None  # free, but someone is queued
+    started = time.monotonic()
+    lease = bob.acquire("doc", timeout=10)
+    # The dead waiter's turn passed after the grace, at bob's next look (a recheck).
+    assert time.monotonic() - started < 3
+    assert lease.fence > held.fence
+    assert all(kv["key"] != entry for kv in etcd.queue("doc"))
+    lease.release()
+    etcd.post("/v3/lease/revoke", {"ID": dead})
+
+
+def test_a_long_wait_keeps_its_place_in_the_queue(clients: list[keymutex.Locks]) -> None:
+    alice, bob, carol = clients[:3]
+    held = alice.acquire("doc", timeout=0)
+    # Bob's etcd lease (1 s asked, etcd's 2 s minimum granted) would lapse three times
+    # over; his rechecks keep it, and his place before carol.
+    first = Waiting(bob, "doc", ttl=1.0)
+    time.sleep(0.3)
+    second = Waiting(carol, "doc")
+    time.sleep(4)
+    assert not first.done()
+    held.release()
+    lease = first.result()
+    assert lease.owner == "w1"
+    assert 0 < lease.remaining <= 1.0
+    lease.release()
+    assert second.result().owner == "w2"
+
+
+def test_holders_leave_the_queue_out(clients: list[keymutex.Locks], etcd: Etcd) -> None:
+    alice, bob = clients[:2]
+    held = alice.acquire("doc", timeout=0)
+    waiting = Waiting(bob, "doc")
+    etcd.wait_for_queue("doc", 1)
+    assert len(etcd.namespace_keys()) == 2  # the key and bob's entry
+    assert [h.fence for h in alice.holders()] == [held.fence]
+    assert [h.fence for h in alice.holders("do")] == [held.fence]
+    held.release()
+    waiting.result().release()
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_async_waiter_leaves_the_queue(
+    etcd_url: str, namespace: str, etcd: Etcd
+) -> None:
+    async with (
+        keymutex.AsyncLocks(etcd_url, namespace=namespace) as alice,
+        keymutex.AsyncLocks(etcd_url, namespace=namespace) as bob,
+    ):
+        held = await alice.acquire("doc", timeout=0)
+        waiting = asyncio.create_task(bob.acquire("doc", timeout=10))
+        (entry,) = await asyncio.to_thread(etcd.wait_for_queue, "doc", 1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert etcd.queue("doc") == []
+        assert int(entry["lease"]) not in etcd.lease_ids()
+        await held.release()
+        assert (await bob.acquire("doc", timeout=0)).fence > held.fence

@@ -15,6 +15,14 @@ The token is not stored: the etcd lease's id is derived from it (64 bits of SHA-
 the namespace, key and token; ``_lease_ids``), so holding the key *is* having the key
 attached to the lease only the token's owner can name.
 
+A key's waiters queue under ``<key name>\\0``: each refused waiter puts one empty *entry*,
+``<key name>\\0<its lease id>``, attached to the same etcd lease as the key it will hold.
+Entries are served by create revision (etcd's order of arrival): first come, first
+served (``fair=True``). An entry lives as long as its lease: a waiter that gives up
+revokes it, a holder that came through the queue keeps it until its release (the same
+revoke deletes both), a crashed waiter's goes when its lease expires — or sooner, see
+``HANDOVER_GRACE`` below. Keys never contain NUL, so entries never look like holders.
+
 **TTLs.** etcd leases live whole seconds, at least etcd's minimum (1.5 election
 timeouts, rounded up: 2 s with the default flags), and are revoked by a sweep that runs
 every 500 ms. A lease is granted ``ceil(ttl)`` seconds (at least 1) and the client
@@ -23,12 +31,25 @@ than etcd's. The price: a key whose holder vanished stays held in etcd up to
 ``ceil(ttl) - ttl`` + the minimum + 0.5 s past the holder's own deadline (its own
 client, which knows the deadline passed, releases it on the next call it makes).
 
-**Steps** (HTTP round trips in brackets):
+**Steps** (HTTP round trips in brackets; every write — grant, transaction with a put
+or a delete, revoke — is a raft entry, fsynced before etcd replies):
 
 - acquire [2]: grant the lease (``ceil(ttl)``), then one transaction: if the key does
-  not exist (``create_revision == 0``), put it with the lease; else read the holder.
-  Refused [+1 to read the holder's lease TTL, +1 to revoke the unused lease, unless a
-  waiter keeps it for its next try, which then only refreshes it with a keep-alive].
+  not exist (``create_revision == 0``) and nobody is queued (every key of the queue's
+  range has ``create_revision`` 0: there is none), put it with the lease; else read the
+  holder and the queue. Refused [+1 to read the holder's lease TTL, +1 to revoke the
+  unused lease]. A waiter's first try is the same transaction, which, refused, also
+  puts its entry; it keeps its lease for its next tries (one grant per acquire, not per
+  try) and revokes it if it gives up.
+- a waiter's turn [1]: woken (below), it claims the key with one transaction: if the
+  key does not exist and its entry is there and first (every entry's
+  ``create_revision`` is at least its own), put the key with its lease. Its lease was
+  granted when it started waiting: if less than ``SHORT_GRANT`` of ``ttl`` is left, it
+  is refreshed by a keep-alive [+1] (not a write), and ``remaining`` says what is left.
+  A contended acquire thus costs etcd four writes in all — grant, queueing transaction,
+  claiming transaction, release — and the handoff's path is two of them: the release
+  and the claim. A waiter that looks again without being woken (its once-a-second
+  recheck) reads the key and the queue first [+1, a read] and claims only on its turn.
 - steal: revoke the holder's lease (etcd deletes its key with it), then create the key
   as an acquire does [+1, +2 more per lost race]. The old token's lease is gone before
   the key is anyone else's, so its renewals and its release fail from then on.
@@ -52,12 +73,23 @@ client, which knows the deadline passed, releases it on the next call it makes).
   (whole seconds: ``expires_at`` is for display, up to a second early).
 
 **Waiting.** Each store opens, on its first refused waiter, one watch stream on its
-namespace's key range (deletions only), shared by all its waiters; a deletion rings the
-waiters of that key. The stream starts at the revision right after the refusal, so a
-release between the refusal and the watch is still seen. It is closed ``LINGER``
-seconds after its last waiter left. Everything released in the namespace reaches every
-store that waits in it: keep busy, unrelated keys in different namespaces. A freed key
-goes to whoever tries first: ``fair=False``.
+namespace's key range (deletions only), shared by all its waiters. The stream starts at
+the revision right after the refusal, so a release between the refusal and the watch is
+still seen; a deletion the stream delivers while the waiter's try is still under way is
+kept and weighed against what that try saw (``_View``), so none is missed either. A
+waiter is rung only when its turn may have come: every entry that was ahead of it at
+its refusal is deleted and the key has no holder. A release wakes the one waiter next
+in line, not the herd, and an acquire that arrives meanwhile queues behind it. The
+stream is closed ``LINGER`` seconds after its last waiter left. Everything deleted in
+the namespace reaches every store that waits in it: keep busy, unrelated keys in
+different namespaces.
+
+A crashed waiter's entry would hold up everyone behind it until its lease expired (up
+to its whole TTL). So a key without a holder whose first entry stays unclaimed for
+``HANDOVER_GRACE`` seconds, as seen by the next contender's clock, has that entry
+deleted (a transaction that checks the key still has no holder and the entry is
+unchanged): a live waiter claims within milliseconds of its ring, or within a second
+of its recheck; one that was only slow finds its entry gone and queues again.
 
 **Failures.** Every request goes to the first endpoint that accepts a connection
 (etcd forwards to the leader); a refused connection moves on to the next endpoint at
@@ -96,7 +128,7 @@ __all__ = ["AsyncEtcdStore", "EtcdDriver", "EtcdStore", "driver"]
 _LOG = logging.getLogger("keymutex")
 
 CAPABILITIES = Capabilities(
-    notifies=True, fair=False, cross_process=True, durable_fences=True, clock="server"
+    notifies=True, fair=True, cross_process=True, durable_fences=True, clock="server"
 )
 DEFAULT_PORT = 2379
 DEFAULT_TIMEOUT = 5.0
@@ -177,6 +209,7 @@ class _Kv:
     value: bytes
     mod_revision: int
     lease: int
+    create_revision: int = 0
 
     @classmethod
     def of(cls, raw: Mapping[str, Any]) -> _Kv:
@@ -185,6 +218,7 @@ class _Kv:
             _unb64(raw.get("value", "")),
             _int(raw.get("mod_revision")),
             _int(raw.get("lease")),
+            _int(raw.get("create_revision")),
         )
 
     def record(self) -> dict[str, Any]:
@@ -199,6 +233,10 @@ class _Kv:
 def _first_kv(range_response: Mapping[str, Any]) -> _Kv | None:
     kvs = range_response.get("kvs") or ()
     return _Kv.of(kvs[0]) if kvs else None
+
+
+def _all_kvs(range_response: Mapping[str, Any]) -> list[_Kv]:
+    return [_Kv.of(raw) for raw in range_response.get("kvs") or ()]
 
 
 def _encode_record(owner: str, info: dict[str, Any] | None, acquired_ms: int) -> bytes:
@@ -219,7 +257,20 @@ class _Layout:
         return self.prefix + key.encode()
 
     def key_of(self, name: bytes) -> str:
-        return name[len(self.prefix) :].decode()
+        """The key of a holder name or of a queue entry name."""
+        return name[len(self.prefix) :].partition(b"\0")[0].decode()
+
+    def is_entry(self, name: bytes) -> bool:
+        return b"\0" in name[len(self.prefix) :]
+
+    def queue(self, key: str) -> tuple[bytes, bytes]:
+        """The range of ``key``'s queue entries: ``<name>\\0…`` (keys never contain NUL)."""
+        name = self.name(key)
+        return name + b"\0", name + b"\1"
+
+    def entry(self, key: str, lease: int) -> bytes:
+        """The queue entry of the waiter whose etcd lease is ``lease``."""
+        return self.name(key) + b"\0%016x" % lease
 
     def lease_ids(self, key: str, token: str) -> tuple[int, int]:
         """The two etcd lease ids of ``token`` on ``key`` (``a``, and ``b`` for a move).
@@ -368,17 +419,154 @@ def _fresh_lease(lease: int, ttl: int) -> Flow[int]:
 
 
 @dataclass
+class _Place:
+    """A waiter's etcd lease and its place in its key's queue, kept from try to try.
+
+    The flow of a try updates it as it goes, so that a try cut short by an error or a
+    cancellation still leaves the lease where the waiter's ``close`` revokes it (which
+    deletes its queue entry with it).
+    """
+
+    lease: int = 0  # the etcd lease this waiter's tries use (0: none yet)
+    granted: int = 0  # its TTL as etcd granted it, in seconds
+    kept_until: float = 0.0  # a monotonic time before which etcd will not expire it
+    created: int = 0  # the create revision of its queue entry (0: not queued)
+    rung: bool = True  # whether the next try follows a wake-up (else it looks first)
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """What a refused waiter saw at ``revision``: the queue entries ahead of it
+    (``None``: unknown, try again at once) and whether the key had a holder."""
+
+    revision: int
+    ahead: frozenset[bytes] | None
+    held: bool
+
+
+@dataclass(frozen=True, slots=True)
 class _Acquired:
     outcome: Outcome
-    revision: int  # the store's revision when the step was applied
-    kept_lease: int  # the lease a refused waiter keeps for its next try (0: none)
-    kept_until: float  # a monotonic time before which etcd will not expire it
+    refusal: _Refusal | None = None  # a refused waiter's view (None for other callers)
+
+
+class _Handovers:
+    """Turns left unclaimed, as this store saw them: by key, the queue entry that was
+    first while the key had no holder, and since when.
+
+    An entry is told apart by its mod revision too: a waiter whose claim was refused
+    puts its entry again (a new revision), so it is never taken for one that did not try.
+    """
+
+    LIMIT = 1000
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, tuple[bytes, int, float]] = {}
+        self._mutex = threading.Lock()
+
+    def stale(self, holder: bytes, entry: _Kv) -> bool:
+        """Whether ``entry`` has been first, unclaimed, for ``HANDOVER_GRACE`` seconds."""
+        now = _clock.monotonic()
+        with self._mutex:
+            seen = self._seen.get(holder)
+            if seen is None or seen[:2] != (entry.key, entry.mod_revision):
+                if len(self._seen) >= self.LIMIT:  # forget the oldest half
+                    kept = sorted(self._seen.items(), key=lambda item: item[1][2])
+                    self._seen = dict(kept[self.LIMIT // 2 :])
+                seen = self._seen[holder] = (entry.key, entry.mod_revision, now)
+        return now - seen[2] >= HANDOVER_GRACE
+
+    def claimed(self, holder: bytes) -> None:
+        """The key has a holder: no turn of it is waiting."""
+        with self._mutex:
+            self._seen.pop(holder, None)
 
 
 STEAL_ATTEMPTS = 5
 # A kept lease with at least this long to live is used as it is and refreshed after
 # the grant (its transaction cannot outlast it).
 REFRESH_AFTER_MIN = 0.5
+# A waiter granted the key keeps what is left of the lease it took for the wait when
+# that is at least this part of ``ttl`` (it waited briefly: the common handoff), and
+# saves a refresh, one round trip, on the handoff's path; after a longer wait it
+# refreshes the lease first. ``remaining`` says what is left either way.
+SHORT_GRANT = 0.98
+# A refused waiter refreshes its lease once less than this part of it is left; it
+# looks again, at the latest, when a third is left (its refusal's ``remaining``), so its
+# lease (and its place in the queue) never runs out while it waits.
+REFRESH_BELOW = 2 / 3
+# A key without a holder whose first waiter has not claimed it after this long (by the
+# clock of the client that sees it) is no longer its turn: the waiter's process is
+# gone or stuck, and its queue entry is deleted (it would otherwise block the key
+# until its lease expires, up to its whole TTL). A live waiter claims within
+# milliseconds (its watch rings), or within a second (its recheck).
+HANDOVER_GRACE = 3.0
+
+
+def _created_is(name: bytes, revision: int) -> dict[str, Any]:
+    return {
+        "target": "CREATE",
+        "key": _b64(name),
+        "result": "EQUAL",
+        "create_revision": str(revision),
+    }
+
+
+def _all_created(span: tuple[bytes, bytes], result: str, revision: int) -> dict[str, Any]:
+    """Every key of ``span`` (none: a key of create revision 0) compares so to ``revision``."""
+    return {
+        "target": "CREATE",
+        "key": _b64(span[0]),
+        "range_end": _b64(span[1]),
+        "result": result,
+        "create_revision": str(revision),
+    }
+
+
+def _op_range_of(span: tuple[bytes, bytes]) -> dict[str, Any]:
+    return {"request_range": {"key": _b64(span[0]), "range_end": _b64(span[1])}}
+
+
+def _hold_lease(place: _Place, lease: int, seconds: int) -> Flow[None]:
+    """Grant ``lease`` (or refresh the one ``place`` keeps); note until when etcd keeps it."""
+    sent = _clock.monotonic()
+    if place.lease:
+        left = (yield from _keep_alive([lease]))[lease]
+        if left > 0:
+            place.kept_until = sent + left
+            return
+        place.created = 0  # expired, and its queue entry with it
+    granted = yield from _fresh_lease(lease, seconds)
+    place.lease, place.granted, place.kept_until = lease, granted, sent + granted
+
+
+def _claim_call(
+    layout: _Layout, key: str, value: bytes, lease: int, place: _Place | None, steal: bool
+) -> _Call:
+    """The transaction that creates ``key``'s holder, attached to ``lease``.
+
+    If: the key has no holder, and (unless ``steal``) nobody is queued — or, for a queued
+    waiter, its entry is still there and first in the queue. Else: a waiter puts its queue
+    entry (again: same create revision), and the holder and the queue are read.
+    """
+    name = layout.name(key)
+    queue = layout.queue(key)
+    compare = [_created_is(name, 0)]
+    if not steal:
+        if place is not None and place.created:
+            entry = layout.entry(key, lease)
+            compare += [
+                _created_is(entry, place.created),
+                _all_created(queue, "GREATER", place.created - 1),
+            ]
+        else:
+            compare.append(_all_created(queue, "EQUAL", 0))  # the queue is empty
+    failure = [_op_range(name)]
+    if place is not None:
+        failure.insert(0, _op_put(layout.entry(key, lease), b"", lease, prev_kv=True))
+    if not steal:
+        failure.append(_op_range_of(queue))
+    return _txn(compare, [_op_put(name, value, lease)], failure)
 
 
 def _acquire(
@@ -389,66 +577,145 @@ def _acquire(
     owner: str,
     info: dict[str, Any] | None,
     steal: bool,
-    keep_lease: bool,
-    kept_until: float | None,
+    place: _Place | None,
+    handovers: _Handovers,
 ) -> Flow[_Acquired]:
-    """Try to grant ``key``; a waiter (``keep_lease``) keeps its etcd lease between tries.
+    """Try to grant ``key``; a waiter (``place``) keeps its etcd lease and its queue entry.
 
-    ``kept_until``: the kept lease lives at least until then (monotonic), as learnt by
-    the try that granted or refreshed it; while that covers ``ttl`` the lease is not
-    refreshed. A refresh is a keep-alive, which etcd's leader answers without a write.
+    A first try grants the token's etcd lease and creates the holder key if the key is
+    free and nobody is queued; a refused waiter puts its queue entry in the same
+    transaction (so the release it waits for comes after it is queued). Its next try,
+    once its watch rings, creates the holder key if its entry is first in the queue; a
+    try that follows no ring (a recheck) reads first, and claims only if it is its turn.
 
     A steal revokes the holder's etcd lease (which deletes the key), then creates the
-    key as an acquire does: the old token's lease is gone before the key is anyone
-    else's, so its renewals and its release fail from then on.
+    key as an acquire does, whoever is queued: the old token's lease is gone before the
+    key is anyone else's, so its renewals and its release fail from then on.
     """
     name = layout.name(key)
     lease, _ = layout.lease_ids(key, token)
     seconds = etcd_ttl(ttl)
     started = _clock.monotonic()
-    # A woken waiter whose kept lease is still good for a while races for the key at
-    # once and refreshes its lease after winning: one round trip to the grant.
-    refresh_after = kept_until is not None and kept_until - started >= REFRESH_AFTER_MIN
-    if kept_until is None or (kept_until - started < ttl and not refresh_after):
-        kept_until = started + (yield from _fresh_lease(lease, seconds))
-        refresh_after = False
+    waiting = place is not None
+    place = _Place() if place is None else place
+    if not place.lease or place.kept_until - started < REFRESH_AFTER_MIN:
+        yield from _hold_lease(place, lease, seconds)
+    if waiting and place.created and not place.rung:
+        # A recheck, not a wake-up: look (a read, not a raft write) before claiming.
+        reply = yield _txn((), [_op_range(name), _op_range_of(layout.queue(key))])
+        holder_kv = _first_kv(_responses(reply)[0]["response_range"])
+        queue = _all_kvs(_responses(reply)[1]["response_range"])
+        own = layout.entry(key, lease)
+        mine = [kv for kv in queue if kv.key == own]
+        if not mine or mine[0].create_revision != place.created:
+            place.created = 0  # the entry is gone: queue again, at the back
+        elif holder_kv is not None or any(kv.create_revision < place.created for kv in queue):
+            revision = _int(reply["header"].get("revision"))
+            return (
+                yield from _refused(
+                    layout, key, place, lease, holder_kv, queue, revision, handovers
+                )
+            )
     acquired_ms = math.floor(time.time() * 1000)
     value = _encode_record(owner, info, acquired_ms)
-    created = {"target": "CREATE", "key": _b64(name), "result": "EQUAL", "create_revision": "0"}
-    call = _txn([created], [_op_put(name, value, lease)], [_op_range(name)])
     for _ in range(STEAL_ATTEMPTS if steal else 1):
         try:
-            reply = yield call
+            reply = yield _claim_call(layout, key, value, lease, place if waiting else None, steal)
         except _ReplyError as exc:
             if exc.code != _NOT_FOUND:
                 raise
-            # The kept lease is gone after all (revoked by hand, or etcd lost it).
+            # The lease is gone after all (revoked by hand, or etcd lost it), and the
+            # queue entry with it.
             started = _clock.monotonic()
-            kept_until = started + (yield from _fresh_lease(lease, seconds))
-            reply = yield call
-        if reply.get("succeeded"):
+            place.lease = place.created = 0
+            yield from _hold_lease(place, lease, seconds)
+            reply = yield _claim_call(layout, key, value, lease, place if waiting else None, steal)
+        if reply.get("succeeded") or not steal:
             break
         current = _first_kv(_responses(reply)[0]["response_range"])
-        if not steal or current is None:
+        if current is None:
             break
         yield from _quietly_revoke(current.lease)  # deletes the key with it
     revision = _int(reply["header"].get("revision"))
     if reply.get("succeeded"):
         granted_to = Holder(key, owner, info, revision, acquired_ms / 1000, time.time() + ttl)
-        remaining = min(ttl, kept_until - started)
-        if refresh_after and remaining < ttl:
+        remaining = min(ttl, place.kept_until - started)
+        if remaining < SHORT_GRANT * ttl:
+            # A lease kept through a long wait: refresh it now that it holds the key.
             # Sent after ``started``: etcd's new expiry is later than started + left.
             left = (yield from _keep_alive([lease]))[lease]
             if left <= 0:  # expired under us, and the key with it: not granted
-                return _Acquired(Outcome(False, None), revision, 0, 0.0)
+                place.lease = place.created = 0
+                return _Acquired(Outcome(False, None), _Refusal(revision, None, False))
             remaining = min(ttl, left)
-        return _Acquired(Outcome(True, granted_to, remaining), revision, 0, 0.0)
-    kv = _first_kv(_responses(reply)[0]["response_range"])
-    holder = yield from _current_holder(key, kv)
-    if keep_lease:
-        return _Acquired(Outcome(False, holder), revision, lease, kept_until)
-    yield from _quietly_revoke(lease)
-    return _Acquired(Outcome(False, holder), revision, 0, 0.0)
+        place.lease = 0  # the lease is the holder's now: the waiter must not revoke it
+        return _Acquired(Outcome(True, granted_to, remaining))
+    responses = _responses(reply)
+    if waiting:
+        put = responses.pop(0)["response_put"]
+        previous = put.get("prev_kv")
+        place.created = _int(previous.get("create_revision")) if previous else revision
+    holder_kv = _first_kv(responses[0]["response_range"])
+    queue = _all_kvs(responses[1]["response_range"]) if not steal else []
+    return (
+        yield from _refused(
+            layout, key, place if waiting else None, lease, holder_kv, queue, revision, handovers
+        )
+    )
+
+
+def _refused(
+    layout: _Layout,
+    key: str,
+    place: _Place | None,
+    lease: int,
+    holder_kv: _Kv | None,
+    queue: list[_Kv],
+    revision: int,
+    handovers: _Handovers,
+) -> Flow[_Acquired]:
+    """The answer to a refused try, given the holder and the queue it saw at ``revision``.
+
+    Reads the holder's lease (for its expiry), frees a turn left unclaimed past
+    ``HANDOVER_GRACE``; a waiter keeps its lease (refreshed if it runs low), another
+    caller revokes it.
+    """
+    holder = yield from _current_holder(key, holder_kv)
+    own = layout.entry(key, lease)
+    if holder_kv is not None:
+        handovers.claimed(holder_kv.key)
+    elif queue:
+        first = min(queue, key=lambda kv: kv.create_revision)
+        if first.key != own and handovers.stale(layout.name(key), first):
+            unchanged = {
+                "target": "MOD",
+                "key": _b64(first.key),
+                "result": "EQUAL",
+                "mod_revision": str(first.mod_revision),
+            }
+            reply = yield _txn(
+                [_created_is(layout.name(key), 0), unchanged], [_op_delete(first.key)]
+            )
+            if reply.get("succeeded"):
+                _LOG.warning(
+                    "etcd: a waiter did not claim %r in %g s; its turn passes", key, HANDOVER_GRACE
+                )
+                queue = [kv for kv in queue if kv.key != first.key]
+    if place is None:
+        yield from _quietly_revoke(lease)
+        return _Acquired(Outcome(False, holder))
+    if place.kept_until - _clock.monotonic() < REFRESH_BELOW * place.granted:
+        yield from _hold_lease(place, lease, place.granted)
+    # ``remaining`` tells the waiter when to look again at the latest: while a third of
+    # its lease is left, so that the look refreshes it (a lease as short as etcd's
+    # minimum outlives no once-a-second recheck). The holder's expiry needs no such
+    # wake-up: etcd deletes its key, and the watch rings.
+    look_again = place.kept_until - _clock.monotonic() - place.granted / 3
+    ahead = frozenset(kv.key for kv in queue if 0 < kv.create_revision < place.created)
+    return _Acquired(
+        Outcome(False, holder, max(0.0, look_again)),
+        _Refusal(revision, ahead, holder_kv is not None),
+    )
 
 
 def _needs_move(granted: int, wanted: int) -> bool:
@@ -539,6 +806,8 @@ def _holders(layout: _Layout, prefix: str) -> Flow[list[Holder]]:
     found = []
     for raw in reply.get("kvs") or ():
         kv = _Kv.of(raw)
+        if layout.is_entry(kv.key):
+            continue  # a waiter's place in a queue
         holder = yield from _current_holder(layout.key_of(kv.key), kv)
         if holder is not None:
             found.append(holder)
@@ -727,6 +996,70 @@ def _watch_request(layout: _Layout, start_revision: int) -> bytes:
     ).encode()
 
 
+class _View:
+    """What a refused waiter waits for, kept up to date by its store's watch stream.
+
+    Refused at revision ``since``, a waiter's turn comes once every queue entry that was
+    ahead of it then (``ahead``) is deleted and the key has no holder (``held`` false):
+    only then is it rung, so a release wakes the one waiter next in line, not the herd.
+    Only deletions are watched: a holder that appears after the refusal (the waiter
+    ahead claiming the key) is not seen, which can ring too early (the try that follows
+    looks again), never too late. While a try is under way (``pending`` is a list),
+    deletions are kept and weighed against the view that try brings back, so none that
+    lands between the try's reply and the view's update is missed.
+
+    Its hub's mutex (sync) or event loop (async) guards it.
+    """
+
+    __slots__ = ("ahead", "held", "holder", "pending", "since")
+
+    def __init__(self, holder: bytes) -> None:
+        self.holder = holder  # the name of the key's holder in etcd
+        self.since = 0
+        self.ahead: set[bytes] | None = None  # None: unknown, any deletion of the key rings
+        self.held = True
+        self.pending: list[tuple[int, bytes]] | None = None
+
+    def begin(self) -> None:
+        """A try is under way: keep what the stream says until it is settled."""
+        self.pending = []
+
+    def end(self) -> None:
+        """The try granted the key or failed: nothing to wait for."""
+        self.pending = None
+        self.ahead = None
+
+    def settle(self, refusal: _Refusal) -> bool:
+        """Take in a refusal's view; whether the waiter's turn has already come."""
+        pending, self.pending = self.pending or [], None
+        if refusal.ahead is None:
+            self.ahead = None
+            return True
+        self.since, self.ahead, self.held = refusal.revision, set(refusal.ahead), refusal.held
+        turn = not self.ahead and not self.held
+        for revision, name in pending:
+            turn = self.hear(revision, name) or turn
+        return turn
+
+    def hear(self, revision: int, name: bytes) -> bool:
+        """Take in the deletion of ``name`` (the holder or a queue entry of the waiter's
+        key) at ``revision``; whether it rings the waiter."""
+        if self.pending is not None:
+            self.pending.append((revision, name))
+            return False
+        if revision <= self.since:
+            return False  # the refusal's view already tells
+        if self.ahead is None:
+            return True
+        if name == self.holder:
+            self.held = False
+        elif name in self.ahead:
+            self.ahead.discard(name)
+        else:
+            return False  # someone behind this waiter left
+        return not self.ahead and not self.held
+
+
 @dataclass
 class _WatchState:
     """What the watch stream of one store has seen (shared by the sync and async hubs).
@@ -781,29 +1114,45 @@ class _WatchState:
         ring: list[Any] = []
         for event in result.get("events") or ():
             kv = event.get("kv") or {}
-            self.next = max(self.next, _int(kv.get("mod_revision")) + 1)
+            revision = _int(kv.get("mod_revision"))
+            self.next = max(self.next, revision + 1)
             if event.get("type") == "DELETE":
                 name = _unb64(kv.get("key", ""))
                 if name.startswith(self.layout.prefix):
-                    ring.extend(self.waiters.get(self.layout.key_of(name), ()))
+                    for waiter in self.waiters.get(self.layout.key_of(name), ()):
+                        if waiter.view.hear(revision, name) and waiter not in ring:
+                            ring.append(waiter)
         return ring, False
 
 
 class _EtcdWaiter(Doorbell):
-    """A waiter of the sync store, rung by its watch thread when the key is deleted."""
+    """A waiter of the sync store, rung by its watch thread when its turn may have come."""
 
-    __slots__ = ("kept_until", "key", "lease", "store")
+    __slots__ = ("key", "place", "store", "view")
 
     def __init__(self, store: EtcdStore, key: str) -> None:
         super().__init__()
         self.store = store
         self.key = key
-        self.lease = 0  # the etcd lease a refused try keeps for the next one
-        self.kept_until = 0.0  # ... and until when etcd keeps it at least (monotonic)
+        self.place = _Place()
+        self.view = _View(store._layout.name(key))
+
+    def forget_rings(self) -> None:
+        """A try is starting: it sees everything a ring until now was about."""
+        self._event.clear()
+
+    def wait(self, timeout: float) -> bool:
+        self.place.rung = super().wait(timeout)
+        return self.place.rung
+
+    async def wait_async(self, timeout: float) -> bool:
+        self.place.rung = await super().wait_async(timeout)
+        return self.place.rung
 
     def close(self) -> None:
+        """Leave the queue: revoke the kept lease (etcd deletes the entry with it)."""
         self.store._hub.leave(self)
-        lease, self.lease = self.lease, 0
+        lease, self.place.lease = self.place.lease, 0
         if lease:
             self.store._drop_lease(lease)
 
@@ -836,21 +1185,33 @@ class _WatchHub:
             timer.daemon = True
             timer.start()
 
-    def watch_from(self, waiter: _EtcdWaiter, revision: int) -> None:
-        """Make sure deletions from ``revision`` on reach ``waiter`` (rings it if unsure)."""
+    def begin(self, waiter: _EtcdWaiter) -> None:
+        with self._mutex:
+            waiter.forget_rings()
+            waiter.view.begin()
+
+    def end(self, waiter: _EtcdWaiter) -> None:
+        with self._mutex:
+            waiter.view.end()
+
+    def settle(self, waiter: _EtcdWaiter, refusal: _Refusal) -> None:
+        """Wait for ``waiter``'s turn after ``refusal``: deletions from the revision after
+        it reach it (it is rung now if its turn came meanwhile, or if unsure)."""
+        revision = refusal.revision + 1
         with self._mutex:
             if self._closed:
                 raise RuntimeError("this store is closed")
+            ring = waiter.view.settle(refusal)
             if self._thread is None:
                 self._state.start = self._state.next = revision
                 self._thread = threading.Thread(
                     target=self._read, name="keymutex-etcd-watch", daemon=True
                 )
                 self._thread.start()
-                return
-            covered = self._state.covers(revision)
-        if not covered:
-            waiter.ring()  # the stream may have missed a deletion: look again now
+            elif not self._state.covers(revision):
+                ring = True  # the stream may have missed a deletion: look again now
+        if ring:
+            waiter.ring()
 
     def _read(self) -> None:
         failures = 0
@@ -930,32 +1291,35 @@ def _shutdown(stream: httpx.Response) -> None:
 
 
 class _AsyncEtcdWaiter:
-    """A waiter of the async store, rung by its watch task when the key is deleted."""
+    """A waiter of the async store, rung by its watch task when its turn may have come."""
 
-    __slots__ = ("_event", "kept_until", "key", "lease", "store")
+    __slots__ = ("_event", "key", "place", "store", "view")
 
     def __init__(self, store: AsyncEtcdStore, key: str) -> None:
         self.store = store
         self.key = key
-        self.lease = 0
-        self.kept_until = 0.0
+        self.place = _Place()
+        self.view = _View(store._layout.name(key))
         self._event = asyncio.Event()
 
     def ring(self) -> None:
         self._event.set()
+
+    def forget_rings(self) -> None:
+        self._event.clear()
 
     async def wait(self, timeout: float) -> bool:
         if not self._event.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._event.wait()
-        rung = self._event.is_set()
+        self.place.rung = self._event.is_set()
         self._event.clear()
-        return rung
+        return self.place.rung
 
     async def aclose(self) -> None:
         self.store._hub.leave(self)
-        lease, self.lease = self.lease, 0
+        lease, self.place.lease = self.place.lease, 0
         if lease:
             await self.store._drop_lease(lease)
 
@@ -983,13 +1347,25 @@ class _AsyncWatchHub:
             self._task = None
             self._state.start = 0
 
-    def watch_from(self, waiter: _AsyncEtcdWaiter, revision: int) -> None:
+    def begin(self, waiter: _AsyncEtcdWaiter) -> None:
+        waiter.forget_rings()
+        waiter.view.begin()
+
+    def end(self, waiter: _AsyncEtcdWaiter) -> None:
+        waiter.view.end()
+
+    def settle(self, waiter: _AsyncEtcdWaiter, refusal: _Refusal) -> None:
+        """As ``_WatchHub.settle``."""
         if self._closed:
             raise RuntimeError("this store is closed")
+        revision = refusal.revision + 1
+        ring = waiter.view.settle(refusal)
         if self._task is None or self._task.done():
             self._state.start = self._state.next = revision
             self._task = asyncio.create_task(self._read(), name="keymutex-etcd-watch")
         elif not self._state.covers(revision):
+            ring = True
+        if ring:
             waiter.ring()
 
     async def _read(self) -> None:
@@ -1049,6 +1425,7 @@ class EtcdStore:
         self._layout = _Layout(namespace)
         self._transport = _Transport(_Endpoints(endpoints), timeout)
         self._hub = _WatchHub(self._transport, self._layout)
+        self._handovers = _Handovers()
 
     def try_acquire(
         self,
@@ -1062,22 +1439,21 @@ class EtcdStore:
         waiter: Any,
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _EtcdWaiter)
-        flow = _acquire(
-            self._layout,
-            key,
-            token,
-            ttl,
-            owner,
-            info,
-            steal,
-            waiter is not None,
-            waiter.kept_until if waiter is not None and waiter.lease else None,
-        )
-        done = self._transport.run(flow, f"etcd acquire of {key!r}")
-        if waiter is not None:
-            waiter.lease, waiter.kept_until = done.kept_lease, done.kept_until
-            if not done.outcome.ok:
-                self._hub.watch_from(waiter, done.revision + 1)
+        place = None if waiter is None else waiter.place
+        flow = _acquire(self._layout, key, token, ttl, owner, info, steal, place, self._handovers)
+        what = f"etcd acquire of {key!r}"
+        if waiter is None:
+            return self._transport.run(flow, what).outcome
+        self._hub.begin(waiter)
+        try:
+            done = self._transport.run(flow, what)
+        except BaseException:
+            self._hub.end(waiter)
+            raise
+        if done.refusal is None:
+            self._hub.end(waiter)
+        else:
+            self._hub.settle(waiter, done.refusal)
         return done.outcome
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
@@ -1126,6 +1502,7 @@ class AsyncEtcdStore:
         self._layout = _Layout(namespace)
         self._transport = _AsyncTransport(_Endpoints(endpoints), timeout)
         self._hub = _AsyncWatchHub(self._transport, self._layout)
+        self._handovers = _Handovers()
 
     async def try_acquire(
         self,
@@ -1139,22 +1516,21 @@ class AsyncEtcdStore:
         waiter: Any,
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _AsyncEtcdWaiter)
-        flow = _acquire(
-            self._layout,
-            key,
-            token,
-            ttl,
-            owner,
-            info,
-            steal,
-            waiter is not None,
-            waiter.kept_until if waiter is not None and waiter.lease else None,
-        )
-        done = await self._transport.run(flow, f"etcd acquire of {key!r}")
-        if waiter is not None:
-            waiter.lease, waiter.kept_until = done.kept_lease, done.kept_until
-            if not done.outcome.ok:
-                self._hub.watch_from(waiter, done.revision + 1)
+        place = None if waiter is None else waiter.place
+        flow = _acquire(self._layout, key, token, ttl, owner, info, steal, place, self._handovers)
+        what = f"etcd acquire of {key!r}"
+        if waiter is None:
+            return (await self._transport.run(flow, what)).outcome
+        self._hub.begin(waiter)
+        try:
+            done = await self._transport.run(flow, what)
+        except BaseException:
+            self._hub.end(waiter)
+            raise
+        if done.refusal is None:
+            self._hub.end(waiter)
+        else:
+            self._hub.settle(waiter, done.refusal)
         return done.outcome
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
