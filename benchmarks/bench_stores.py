@@ -550,8 +550,9 @@ def report(rows: list[Row], args: argparse.Namespace, elapsed: float, load_befor
         " process (the store is one process's table).",
         "- Handoff is driven by each store's wait mechanism: a wake-up (memory, SQLite"
         " datagram, Redis pub/sub, PostgreSQL LISTEN/NOTIFY, etcd watch, ZooKeeper watch,"
-        " the lock server's long poll) or, for memcached, polling with jittered backoff"
-        f" (2 ms doubling to 250 ms), which has grown during the {args.hold_ms:g} ms hold.",
+        " the lock server's long poll) or, for memcached, polling: 1 ms after the key"
+        " changed hands, growing 1.5 x to at most 50 ms per queue position, with the"
+        " released key kept for the first queued waiter.",
     ]
     return "\n".join(lines)
 
