@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import keymutex
 
-__all__ = ["cpu_model", "host_clock", "percentile", "revision"]
+__all__ = ["cpu_model", "enter_peer_venv", "host_clock", "percentile", "revision"]
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def host_clock() -> float:
@@ -50,3 +56,65 @@ def revision() -> str:
     dirty = git("status", "--porcelain", "src")
     where = "" if checkout == Path(__file__).resolve().parents[1] else f" (from {checkout})"
     return head + (" + uncommitted changes in src/" if dirty else "") + where
+
+
+# -- a virtualenv of pinned peer libraries (they never go into the project's own) -------
+
+
+def _requirements(pins: Path) -> list[str]:
+    lines = (line.split("#")[0].strip() for line in pins.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def _pip(python: Path, *args: str, log: Path) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+    )
+    with log.open("a") as f:
+        f.write(f"$ pip install {' '.join(args)}\n{result.stdout}\n{result.stderr}\n")
+    return result
+
+
+def _pip_error(result: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    return (lines[-1] if lines else result.stderr.strip().splitlines()[-1])[:300]
+
+
+def _install_peers(python: Path, venv: Path, pins: Path, extras: str) -> dict[str, str]:
+    """Install every pinned peer and keymutex; the ones that failed, with pip's reason."""
+    log = venv / "install.log"
+    log.write_text("")
+    failures: dict[str, str] = {}
+    requirements = _requirements(pins)
+    print(f"installing {len(requirements)} pinned packages into {venv} ...", flush=True)
+    if _pip(python, "-r", str(pins), log=log).returncode != 0:
+        for requirement in requirements:  # one by one, to know which ones cannot install
+            result = _pip(python, requirement, log=log)
+            if result.returncode != 0:
+                name = requirement.split("==")[0].split("[")[0]
+                failures[name] = f"pip install failed: {_pip_error(result)}"
+    result = _pip(python, "-e", f"{REPO}[{extras}]", log=log)
+    if result.returncode != 0:
+        failures["keymutex"] = f"pip install -e failed: {_pip_error(result)}"
+    return failures
+
+
+def enter_peer_venv(venv: Path, pins: Path, extras: str, script: str) -> None:
+    """Create or update ``venv`` with the ``pins`` and ``keymutex[extras]``, then re-execute
+    ``script`` in it (does not return). What failed to install is in
+    ``venv/install-failures.json``; the install is redone when the pins or pyproject change.
+    """
+    python = venv / "bin" / "python"
+    if not python.exists():
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        print(f"creating {venv} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    stamp = venv / "installed.sha256"
+    wanted = hashlib.sha256(pins.read_bytes() + (REPO / "pyproject.toml").read_bytes()).hexdigest()
+    if not stamp.exists() or stamp.read_text() != wanted:
+        failures = _install_peers(python, venv, pins, extras)
+        (venv / "install-failures.json").write_text(json.dumps(failures, indent=1))
+        stamp.write_text(wanted)
+    os.execv(python, [str(python), str(Path(script).resolve()), *sys.argv[1:]])

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -76,6 +75,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the server helpers
 from _common import cpu_model as _cpu
+from _common import enter_peer_venv
 from _common import host_clock as _clock
 from _common import percentile as _percentile
 from _common import revision as _revision
@@ -85,7 +85,6 @@ REPO = HERE.parent
 PEERS_VENV = HERE / ".peers" / "peers-venv"
 PEERS_FILE = HERE / "peers-requirements.txt"
 FAILURES_FILE = PEERS_VENV / "install-failures.json"
-STAMP_FILE = PEERS_VENV / "installed.sha256"
 KEYMUTEX_EXTRAS = "postgresql,memcached,etcd,zookeeper"
 RESULTS = HERE / "results"
 COMMAND = ".venv/bin/python benchmarks/bench_peers.py"
@@ -100,62 +99,6 @@ MAX_PAIRS = 3000  # per case and uncontended round
 
 
 # -- the peers' virtualenv (the approach of redis_bench.py) ------------------------------
-
-
-def _requirements() -> list[str]:
-    lines = (line.split("#")[0].strip() for line in PEERS_FILE.read_text().splitlines())
-    return [line for line in lines if line]
-
-
-def _pip(python: Path, *args: str, log: Path) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(python), "-m", "pip", "install", "--disable-pip-version-check", *args],
-        capture_output=True,
-        text=True,
-    )
-    with log.open("a") as f:
-        f.write(f"$ pip install {' '.join(args)}\n{result.stdout}\n{result.stderr}\n")
-    return result
-
-
-def _pip_error(result: subprocess.CompletedProcess[str]) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
-    return (lines[-1] if lines else result.stderr.strip().splitlines()[-1])[:300]
-
-
-def _install_peers(python: Path) -> dict[str, str]:
-    """Install every pinned peer and keymutex; the ones that failed, with pip's reason."""
-    log = PEERS_VENV / "install.log"
-    log.write_text("")
-    failures: dict[str, str] = {}
-    requirements = _requirements()
-    print(f"installing {len(requirements)} pinned packages into {PEERS_VENV} ...", flush=True)
-    if _pip(python, "-r", str(PEERS_FILE), log=log).returncode != 0:
-        for requirement in requirements:  # one by one, to know which ones cannot install
-            result = _pip(python, requirement, log=log)
-            if result.returncode != 0:
-                name = requirement.split("==")[0].split("[")[0]
-                failures[name] = f"pip install failed: {_pip_error(result)}"
-    result = _pip(python, "-e", f"{REPO}[{KEYMUTEX_EXTRAS}]", log=log)
-    if result.returncode != 0:
-        failures["keymutex"] = f"pip install -e failed: {_pip_error(result)}"
-    return failures
-
-
-def _enter_peers_venv() -> None:
-    """Create or update the peers' virtualenv, then re-execute this script inside it."""
-    python = PEERS_VENV / "bin" / "python"
-    if not python.exists():
-        PEERS_VENV.parent.mkdir(parents=True, exist_ok=True)
-        print(f"creating {PEERS_VENV} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
-    wanted = hashlib.sha256(
-        PEERS_FILE.read_bytes() + (REPO / "pyproject.toml").read_bytes()
-    ).hexdigest()
-    if not STAMP_FILE.exists() or STAMP_FILE.read_text() != wanted:
-        FAILURES_FILE.write_text(json.dumps(_install_peers(python), indent=1))
-        STAMP_FILE.write_text(wanted)
-    os.execv(python, [str(python), str(Path(__file__).resolve()), *sys.argv[1:]])
 
 
 # -- the libraries: one client each, holding a key as a context manager ------------------
@@ -1112,7 +1055,7 @@ def main() -> int:
         parser.error(f"unknown stores {unknown}; known: {', '.join(STORE_NAMES)}")
 
     if Path(sys.prefix).resolve() != PEERS_VENV.resolve():
-        _enter_peers_venv()  # does not return
+        enter_peer_venv(PEERS_VENV, PEERS_FILE, KEYMUTEX_EXTRAS, __file__)  # does not return
 
     # python-etcd3's generated code needs it with protobuf >= 4 (_etcd3_problems says
     # what happens without); set before anything imports protobuf, and inherited by the
