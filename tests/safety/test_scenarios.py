@@ -45,6 +45,12 @@ CROSS_PROCESS = ["sqlite", "redis", "postgresql", "memcached"]
 # Slack for comparing our monotonic clock with a store's (same host: tiny; the rest is
 # scheduling on a small shared machine).
 CLOCK_SLACK = 0.05
+# on_lost is a callback from a thread (or task) woken at the lease's deadline: on a busy
+# host (CI: four test workers on two cores) its wake-up can come a scheduling slice or two
+# late. What is checked is that it comes at the deadline, not at the store call's end
+# (seconds later, or never, before the fix of finding 2). lease.lost reads the clock:
+# exact, and checked with CLOCK_SLACK.
+WAKE_SLACK = 0.25
 
 
 def stores(*names: str) -> pytest.MarkDecorator:
@@ -434,13 +440,13 @@ def test_renewals_blackholed_on_lost_by_local_deadline(store_url: str, namespace
     lease is reported to its holder no later than its local deadline)."""
     seen = _blackhole_run(store_url, namespace)
     assert seen["on_lost_before_reset"], "on_lost not called within 6 s after the grant"
-    # on_lost is a callback from a thread woken at the deadline: CLOCK_SLACK for it to
-    # run on a busy host (``lease.lost`` itself reads the clock: exact, checked above).
-    assert seen["on_lost"] <= seen["deadline"] + CLOCK_SLACK, (
+    # on_lost: a callback woken at the deadline (WAKE_SLACK); ``lease.lost`` reads the
+    # clock: exact, checked above.
+    assert seen["on_lost"] <= seen["deadline"] + WAKE_SLACK, (
         f"on_lost came {seen['on_lost'] - seen['deadline']:.2f} s after the local deadline,"
         f" {seen['on_lost'] - seen['granted']:.2f} s after another client was granted the key"
     )
-    assert seen["on_lost"] <= seen["granted"] + CLOCK_SLACK
+    assert seen["on_lost"] <= seen["granted"] + WAKE_SLACK
 
 
 @pytest.mark.slow
@@ -454,10 +460,10 @@ def test_renewals_blackholed_async_on_lost_by_local_deadline(
     seen = asyncio.run(_async_blackhole_run(store_url, namespace))
     assert "on_lost" in seen, "on_lost not called within 6 s after the grant"
     assert seen["lost_at_on_lost"] is True
-    assert seen["on_lost"] <= seen["deadline"] + CLOCK_SLACK, (
+    assert seen["on_lost"] <= seen["deadline"] + WAKE_SLACK, (
         f"on_lost came {seen['on_lost'] - seen['deadline']:.2f} s after the local deadline"
     )
-    assert seen["on_lost"] <= seen["granted"] + CLOCK_SLACK, seen
+    assert seen["on_lost"] <= seen["granted"] + WAKE_SLACK, seen
 
 
 async def _async_blackhole_run(store_url: str, namespace: str) -> dict[str, float | bool]:
@@ -528,7 +534,7 @@ def test_renewal_granted_after_the_deadline_is_given_back(store_url: str, namesp
             holder.close()
             other.close()
     assert "on_lost" in seen
-    assert seen["on_lost"] <= deadline + CLOCK_SLACK
+    assert seen["on_lost"] <= deadline + WAKE_SLACK
     assert lease.lost
     # The store did renew the lease (its expiry moved past the first one) …
     assert renewed_until > lease.acquired_at + ttl + 1.5
@@ -743,9 +749,9 @@ def test_holder_partitioned_off_learns_at_its_deadline_and_is_fenced(
     record_property("b_granted_after_partition_s", round(b_grant.complete - partitioned, 3))
     assert len(on_lost) == 1, "on_lost is called once"
     # A's deadline is at most a TTL after its last renewal, which came before the cut.
-    assert on_lost[0] <= partitioned + PARTITION_TTL + CLOCK_SLACK
-    # A callback from a thread woken at the deadline: CLOCK_SLACK for a busy host.
-    assert on_lost[0] <= b_grant.complete + CLOCK_SLACK, "another got the key before A knew"
+    assert on_lost[0] <= partitioned + PARTITION_TTL + WAKE_SLACK
+    # A callback from a thread woken at the deadline: WAKE_SLACK for a busy host.
+    assert on_lost[0] <= b_grant.complete + WAKE_SLACK, "another got the key before A knew"
     assert b_grant.fence > first(ops, "A", "acquire").fence  # type: ignore[operator]
     assert first(ops, "B", "write").result == "ok"
     assert a_write.result == "fail", "A's late write is refused by its fence"
