@@ -14,12 +14,10 @@ started from the main thread gets SIGKILL as its parent-death signal (``setpriv`
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,7 +26,7 @@ from typing import Self
 
 import httpx
 
-from _processes import free_port
+from _processes import Running, free_port
 from _processes import parent_death_guard as _parent_death_guard
 
 __all__ = ["PATIENCE", "EtcdCluster", "EtcdMember", "TopologyError", "cluster", "single"]
@@ -56,16 +54,7 @@ def _poll(condition: Callable[[], bool], what: str, logs: Callable[[], str]) -> 
         time.sleep(_POLL)
 
 
-_running: set[EtcdMember] = set()
-_running_lock = threading.Lock()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    with _running_lock:
-        leftovers = list(_running)
-    for member in leftovers:
-        member.kill()
+_running = Running()  # killed at exit if still running
 
 
 class EtcdMember:
@@ -165,8 +154,7 @@ class EtcdMember:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
-        with _running_lock:
-            _running.add(self)
+        _running.add(self)
 
     def kill(self) -> None:
         """SIGKILL: a crash, no shutdown at all."""
@@ -193,8 +181,7 @@ class EtcdMember:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        with _running_lock:
-            _running.discard(self)
+        _running.discard(self)
 
 
 class EtcdCluster:

@@ -19,7 +19,6 @@ tests that need it are skipped, with the reason.
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import socket
@@ -33,7 +32,7 @@ from typing import Self
 
 import pytest
 
-from _processes import free_port
+from _processes import Running, free_port
 
 __all__ = ["MemcachedServer", "memcached_server", "memcached_url", "require_memcached"]
 
@@ -42,16 +41,7 @@ PATIENCE = 30.0  # seconds a start may take on a small, shared machine
 _POLL = 0.01
 _STOP_GRACE = 5.0
 
-_running: set[MemcachedServer] = set()
-_running_lock = threading.Lock()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    with _running_lock:
-        leftovers = list(_running)
-    for server in leftovers:
-        server.kill()
+_running = Running()  # killed at exit if still running
 
 
 def require_memcached() -> str:
@@ -189,8 +179,7 @@ class MemcachedServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
-        with _running_lock:
-            _running.add(self)
+        _running.add(self)
 
     def _reap(self) -> None:
         process = self.process
@@ -200,8 +189,7 @@ class MemcachedServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        with _running_lock:
-            _running.discard(self)
+        _running.discard(self)
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,6 @@ No process outlives its user:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import glob
 import os
@@ -43,6 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from _processes import Running
 from _processes import free_port as _free_port
 
 __all__ = [
@@ -151,17 +151,8 @@ def _as_account(account: pwd.struct_passwd | None, *, guard: bool) -> list[str]:
     return prefix
 
 
-_running: set[PostgresServer] = set()
-_running_lock = threading.Lock()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    with _running_lock:
-        leftovers = list(_running)
-    for server in leftovers:
-        server.kill()
-        server.remove()
+# Killed at exit if still running, and its directory removed.
+_running = Running(then=lambda server: server.remove())
 
 
 class PostgresServer:
@@ -330,8 +321,7 @@ class PostgresServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        with _running_lock:
-            _running.add(self)
+        _running.add(self)
 
     def _wait_ready(self, patience: float) -> None:
         """Poll until a connection is accepted and answers (not 'starting up')."""
@@ -362,8 +352,7 @@ class PostgresServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        with _running_lock:
-            _running.discard(self)
+        _running.discard(self)
 
 
 @contextlib.contextmanager

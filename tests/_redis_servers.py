@@ -23,13 +23,11 @@ with "Address already in use" on its first start is retried on another port.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +38,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from _processes import Running
 from _processes import free_port as _free_port
 from _processes import parent_death_guard as _parent_death_guard
 
@@ -122,16 +121,7 @@ def _parse_info(text: str) -> dict[str, str]:
     return fields
 
 
-_running: set[RedisServer] = set()
-_running_lock = threading.Lock()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    with _running_lock:
-        leftovers = list(_running)
-    for server in leftovers:
-        server.kill()
+_running = Running()  # killed at exit if still running
 
 
 # ---------------------------------------------------------------------------------------
@@ -333,8 +323,7 @@ class RedisServer:
                 stderr=subprocess.STDOUT,
             )
         self.paused = False
-        with _running_lock:
-            _running.add(self)
+        _running.add(self)
 
     def _signal(self, signum: signal.Signals) -> None:
         if self.alive:
@@ -350,8 +339,7 @@ class RedisServer:
                 process.kill()
                 process.wait()
         self.paused = False
-        with _running_lock:
-            _running.discard(self)
+        _running.discard(self)
 
 
 def caught_up(master: RedisServer, replicas: Sequence[RedisServer]) -> bool:

@@ -28,7 +28,6 @@ and a server started from the main thread gets SIGKILL as its parent-death signa
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import glob
 import os
@@ -36,13 +35,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from _processes import Running
 from _processes import free_port as _free_port
 from _processes import parent_death_guard as _parent_death_guard
 
@@ -113,16 +112,7 @@ def four_letter(port: int, command: str, timeout: float = 2.0) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
-_running: set[ZooKeeperServer] = set()
-_running_lock = threading.Lock()
-
-
-@atexit.register
-def _kill_leftovers() -> None:
-    with _running_lock:
-        leftovers = list(_running)
-    for server in leftovers:
-        server.kill()
+_running = Running()  # killed at exit if still running
 
 
 def _poll(
@@ -256,8 +246,7 @@ class ZooKeeperServer:
                 stderr=subprocess.STDOUT,
             )
         self.paused = False
-        with _running_lock:
-            _running.add(self)
+        _running.add(self)
         return self
 
     def wait_serving(self, patience: float = PATIENCE) -> None:
@@ -310,8 +299,7 @@ class ZooKeeperServer:
                 process.kill()
                 process.wait()
         self.paused = False
-        with _running_lock:
-            _running.discard(self)
+        _running.discard(self)
 
     def __enter__(self) -> Self:
         return self
