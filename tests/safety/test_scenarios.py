@@ -399,6 +399,8 @@ def _blackhole_run(store_url: str, namespace: str) -> dict[str, float | bool]:
                     continue
                 seen["granted"] = time.monotonic()
                 seen["lost_when_granted"] = lease.lost
+                if lease.lost:  # turned lost between the check above and this grant
+                    seen.setdefault("lost", invoked)
                 grant.release()
                 break
             with contextlib.suppress(TimeoutError):
