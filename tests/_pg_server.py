@@ -227,6 +227,19 @@ class PostgresServer:
         self._wait_ready(patience)
         return self
 
+    def restart_after_crash(self, patience: float = PATIENCE) -> Self:
+        """``restart()`` after ``kill()``: the killed postmaster's backends exit once they
+        notice; until then a new postmaster refuses the data directory ("pre-existing
+        shared memory block"), so it is tried again until ``patience`` runs out."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                return self.restart()
+            except ServerError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
     def stop(self) -> None:
         """Fast shutdown (SIGINT: clients are disconnected, a checkpoint is written)."""
         if self.alive:

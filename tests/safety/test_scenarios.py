@@ -856,7 +856,7 @@ def _crashable_store(name: str, directory: Path) -> Iterator[tuple[str, Callable
         from _pg_server import running_server
 
         with running_server() as postgres:
-            yield postgres.url, lambda: (postgres.kill(), postgres.restart())
+            yield postgres.url, lambda: (postgres.kill(), postgres.restart_after_crash())
     elif name == "memcached":
         from _memcached_fixtures import MemcachedServer
 

@@ -28,7 +28,7 @@ import pytest
 
 import keymutex
 from _pg_fixtures import require_postgresql
-from _pg_server import PostgresServer, running_server
+from _pg_server import running_server
 from keymutex._store import RenewRequest
 from keymutex.stores.postgresql import SCHEMA_VERSION
 
@@ -254,25 +254,11 @@ def test_fences_strictly_increase_across_expiry_steal_restart_and_crash(namespac
         held.release()
         fences += _grant_kinds(locks, "k")
         server.kill()  # SIGKILL: crash recovery from the WAL at the next start
-        _restart_after_crash(server)
+        server.restart_after_crash()
         fences += _grant_kinds(locks, "k")
         fences.append(locks.acquire("other-key").fence)  # one counter for all keys
     assert fences == sorted(fences)
     assert len(set(fences)) == len(fences), fences
-
-
-def _restart_after_crash(server: PostgresServer) -> None:
-    # The killed postmaster's backends exit once they notice; until then a new
-    # postmaster refuses the data directory ("pre-existing shared memory block").
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            server.restart()
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 # -- connections come and go, leases stay ------------------------------------------------
