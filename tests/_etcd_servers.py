@@ -14,6 +14,7 @@ started from the main thread gets SIGKILL as its parent-death signal (``setpriv`
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import shutil
 import signal
@@ -28,8 +29,19 @@ import httpx
 
 from _processes import Running, free_port
 from _processes import parent_death_guard as _parent_death_guard
+from _tls import TlsFiles, make_tls
 
-__all__ = ["PATIENCE", "EtcdCluster", "EtcdMember", "TopologyError", "cluster", "single"]
+__all__ = [
+    "PATIENCE",
+    "EtcdCluster",
+    "EtcdMember",
+    "TlsFiles",
+    "TopologyError",
+    "cluster",
+    "enable_auth",
+    "make_tls",
+    "single",
+]
 
 HOST = "127.0.0.1"
 PATIENCE = 30.0
@@ -64,8 +76,19 @@ class EtcdMember:
     ``restart()`` starts it again with the same ports and data.
     """
 
-    def __init__(self, directory: Path, name: str, *, heartbeat_ms: int, election_ms: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        name: str,
+        *,
+        heartbeat_ms: int,
+        election_ms: int,
+        tls: TlsFiles | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.directory = directory
+        self.tls = tls
+        self.extra_args = list(extra_args)
         self.name = name
         self.client_port = free_port()
         self.peer_port = free_port()
@@ -76,7 +99,7 @@ class EtcdMember:
 
     @property
     def client_url(self) -> str:
-        return f"http://{HOST}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{HOST}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -106,7 +129,12 @@ class EtcdMember:
 
     def status(self) -> dict[str, object]:
         """``/v3/maintenance/status`` of this member (its id, the leader's, raft term)."""
-        reply = httpx.post(f"{self.client_url}/v3/maintenance/status", json={}, timeout=2.0)
+        reply = httpx.post(
+            f"{self.client_url}/v3/maintenance/status",
+            json={},
+            timeout=2.0,
+            verify=self.tls.context() if self.tls else True,
+        )
         reply.raise_for_status()
         body = reply.json()
         assert isinstance(body, dict)
@@ -149,7 +177,13 @@ class EtcdMember:
             str(self.election_ms),
             "--log-level",
             "warn",
+            *self.extra_args,
         ]
+        if self.tls is not None:
+            command += ["--cert-file", str(self.tls.server_cert)]
+            command += ["--key-file", str(self.tls.server_key)]
+            if self.tls.client_cert_auth:
+                command += ["--client-cert-auth", "--trusted-ca-file", str(self.tls.ca)]
         with open(self.log_file, "ab") as log:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
@@ -192,7 +226,8 @@ class EtcdCluster:
 
     @property
     def url(self) -> str:
-        return "etcd://" + ",".join(member.endpoint for member in self.members)
+        scheme = "etcds" if self.members[0].tls else "etcd"
+        return f"{scheme}://" + ",".join(member.endpoint for member in self.members)
 
     def logs(self) -> str:
         return "\n".join(member.log_tail() for member in self.members)
@@ -238,7 +273,13 @@ class EtcdCluster:
 
 
 def cluster(
-    tmp_dir: Path, *, members: int = 3, heartbeat_ms: int = 100, election_ms: int = 1000
+    tmp_dir: Path,
+    *,
+    members: int = 3,
+    heartbeat_ms: int = 100,
+    election_ms: int = 1000,
+    tls: TlsFiles | None = None,
+    extra_args: Sequence[str] = (),
 ) -> EtcdCluster:
     """A started cluster of ``members`` members with a leader elected."""
     nodes = [
@@ -247,6 +288,8 @@ def cluster(
             f"m{index}",
             heartbeat_ms=heartbeat_ms,
             election_ms=election_ms,
+            tls=tls,
+            extra_args=extra_args,
         )
         for index in range(members)
     ]
@@ -262,6 +305,43 @@ def cluster(
     return topology
 
 
-def single(tmp_dir: Path) -> EtcdCluster:
+def single(
+    tmp_dir: Path, *, tls: TlsFiles | None = None, extra_args: Sequence[str] = ()
+) -> EtcdCluster:
     """One member. Short heartbeat and election timeout: etcd's minimum lease TTL is 1 s."""
-    return cluster(tmp_dir, members=1, heartbeat_ms=50, election_ms=500)
+    return cluster(
+        tmp_dir, members=1, heartbeat_ms=50, election_ms=500, tls=tls, extra_args=extra_args
+    )
+
+
+def enable_auth(topology: EtcdCluster, users: dict[str, tuple[str, bytes]]) -> None:
+    """Turn etcd's authentication on: ``root`` (password ``root``) and, for each
+    ``name: (password, prefix)``, a user allowed to read and write keys under
+    ``prefix`` only (a role of its own)."""
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    member = topology.members[0]
+    verify = member.tls.context() if member.tls else True
+
+    def call(path: str, body: dict[str, object]) -> None:
+        reply = httpx.post(f"{member.client_url}/v3/auth/{path}", json=body, verify=verify)
+        if reply.status_code != 200 or "error" in reply.json():
+            raise TopologyError(f"etcd /v3/auth/{path} failed: {reply.text}")
+
+    call("user/add", {"name": "root", "password": "root"})
+    call("user/grant", {"user": "root", "role": "root"})
+    for name, (password, prefix) in users.items():
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        call("role/add", {"name": name})
+        call(
+            "role/grant",
+            {
+                "name": name,
+                "perm": {"permType": "READWRITE", "key": b64(prefix), "range_end": b64(end)},
+            },
+        )
+        call("user/add", {"name": name, "password": password})
+        call("user/grant", {"user": name, "role": name})
+    call("enable", {})

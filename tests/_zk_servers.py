@@ -40,10 +40,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+from urllib.parse import quote
 
 from _processes import Running
 from _processes import free_port as _free_port
 from _processes import parent_death_guard as _parent_death_guard
+from _tls import TlsFiles
 
 __all__ = [
     "PATIENCE",
@@ -87,8 +89,11 @@ def classpath() -> str | None:
     # Debian: the jar's manifest names its dependencies under /usr/share/java.
     if Path("/usr/share/java/zookeeper.jar").exists():
         jars = ["/usr/share/java/zookeeper.jar"]
-        if Path("/usr/share/java/slf4j-simple.jar").exists():
-            jars.append("/usr/share/java/slf4j-simple.jar")
+        # slf4j-simple: the server's log; netty-codec: TLS clients (the jar's manifest
+        # names the rest of Netty but not this part, which NettyServerCnxnFactory needs).
+        for extra in ("slf4j-simple.jar", "netty-codec.jar", "netty-resolver.jar"):
+            if Path(f"/usr/share/java/{extra}").exists():
+                jars.append(f"/usr/share/java/{extra}")
         return ":".join(jars)
     return None
 
@@ -138,11 +143,20 @@ class ZooKeeperServer:
     ``start()`` (again) keeps the same ports and data directory.
     """
 
-    def __init__(self, directory: Path, *, myid: int = 0, settings: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        myid: int = 0,
+        settings: Sequence[str] = (),
+        tls: TlsFiles | None = None,
+    ) -> None:
         self.directory = directory
         self.myid = myid
         self.settings = list(settings)
+        self.tls = tls
         self.port = _free_port()
+        self.secure_port = _free_port() if tls else None  # TLS clients (Netty), with ``tls``
         self.quorum_port = _free_port()
         self.election_port = _free_port()
         self.peers: Sequence[ZooKeeperServer] = ()
@@ -156,6 +170,12 @@ class ZooKeeperServer:
     @property
     def url(self) -> str:
         return f"zookeeper://{self.address}"
+
+    @property
+    def secure_url(self) -> str:
+        """``zookeepers://127.0.0.1:PORT?ca_file=…`` (a server started with ``tls``)."""
+        assert self.tls is not None
+        return f"zookeepers://{HOST}:{self.secure_port}?ca_file={quote(str(self.tls.ca))}"
 
     @property
     def alive(self) -> bool:
@@ -212,6 +232,19 @@ class ZooKeeperServer:
             "forceSync=no",
             *self.settings,
         ]
+        if self.tls is not None:
+            # TLS on a second port, through Netty (the plain port stays, for ``srvr``):
+            # the server's key and certificate, and the CA, as PEM files.
+            lines += [
+                "serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory",
+                f"secureClientPort={self.secure_port}",
+                f"secureClientPortAddress={HOST}",
+                f"ssl.keyStore.location={self.tls.server_pem}",
+                "ssl.keyStore.type=PEM",
+                f"ssl.trustStore.location={self.tls.ca}",
+                "ssl.trustStore.type=PEM",
+                f"ssl.clientAuth={'need' if self.tls.client_cert_auth else 'none'}",
+            ]
         if self.peers:
             (data / "myid").write_text(f"{self.myid}\n")
             lines += [
@@ -313,9 +346,12 @@ class ZooKeeperServer:
         self.stop()
 
 
-def standalone(tmp_dir: Path, *, settings: Sequence[str] = ()) -> ZooKeeperServer:
-    """A started standalone server; ``settings`` are extra ``zoo.cfg`` lines."""
-    server = ZooKeeperServer(Path(tmp_dir) / "zookeeper", settings=settings)
+def standalone(
+    tmp_dir: Path, *, settings: Sequence[str] = (), tls: TlsFiles | None = None
+) -> ZooKeeperServer:
+    """A started standalone server; ``settings`` are extra ``zoo.cfg`` lines; with ``tls``
+    it also serves TLS clients on ``secure_port``."""
+    server = ZooKeeperServer(Path(tmp_dir) / "zookeeper", settings=settings, tls=tls)
     try:
         return server.start()
     except BaseException:

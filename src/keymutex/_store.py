@@ -173,7 +173,7 @@ def translate_errors(*driver_errors: type[BaseException], what: str) -> Iterator
     try:
         yield
     except driver_errors as exc:
-        raise StoreError(f"{what}: {exc}") from exc
+        raise StoreError(f"{what}: {str(exc) or type(exc).__name__}") from exc
 
 
 def _settle(step: asyncio.Future[Any]) -> None:

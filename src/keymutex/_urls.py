@@ -24,6 +24,8 @@ _EXTRAS = {
     "https": "http",
     "postgres": "postgresql",
     "mongodb+srv": "mongodb",
+    "etcds": "etcd",
+    "zookeepers": "zookeeper",
 }
 _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.\-]*):")
 

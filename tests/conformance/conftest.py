@@ -129,6 +129,12 @@ STORES: list[StoreCase] = [
     StoreCase(
         "etcd", lambda request, tmp_path: request.getfixturevalue("etcd_url"), cross_process=True
     ),
+    # Another etcd member serving over TLS with authentication on: etcds://user:pw@…?ca_file=…
+    StoreCase(
+        "etcd-tls-auth",
+        lambda request, tmp_path: request.getfixturevalue("etcd_secure_url"),
+        cross_process=True,
+    ),
     # A real MongoDB (4.2+) only where KEYMUTEX_TEST_MONGODB_URL names one: none can be
     # installed on the development machine. Without it the case is left out, and one
     # skip in tests/unit/test_mongodb_store.py says so (rather than 300 skips here).

@@ -766,8 +766,8 @@ def test_refused_by_the_constructor(
 
 # -- URLs --------------------------------------------------------------------------------
 
-KNOWN = "known schemes: etcd, http, https, memcached, memory, mongodb, mongodb+srv, postgres, postgresql, redis, redis+cluster, redis+sentinel, rediss, sqlite, zookeeper"  # fmt: skip
-PARSE = "does not parse as a store URL: expected scheme://…, with a scheme among etcd, http"
+KNOWN = "known schemes: etcd, etcds, http, https, memcached, memory, mongodb, mongodb+srv, postgres, postgresql, redis, redis+cluster, redis+sentinel, rediss, sqlite, zookeeper, zookeepers"  # fmt: skip
+PARSE = "does not parse as a store URL: expected scheme://…, with a scheme among etcd, etcds, http"
 HTTP = "http://127.0.0.1:7420"
 
 # fmt: off
@@ -867,11 +867,11 @@ BAD_URLS: list[tuple[str, object, dict[str, object], type[Exception], str, str |
     ("etcd-no-host", "etcd://", {}, ValueError, "'etcd://': expected host:port[,host:port…], got ''", None),
     ("etcd-port-not-a-number", "etcd://127.0.0.1:abc", {}, ValueError, "expected host:port[,host:port…], got '127.0.0.1:abc'", None),
     ("etcd-port-out-of-range", "etcd://127.0.0.1:99999", {}, ValueError, "expected host:port[,host:port…], got '127.0.0.1:99999'", None),
-    ("etcd-query", "etcd://127.0.0.1:2379?x=1", {}, ValueError, "expected etcd://host:port[,host:port…] with nothing after", None),
+    ("etcd-query", "etcd://127.0.0.1:2379?x=1", {}, ValueError, "'etcd://127.0.0.1:2379?x=1': unknown query parameter 'x'; accepted: ['ca_file', 'cert_file', 'key_file', 'timeout']", None),
     ("zookeeper-no-host", "zookeeper://", {}, ValueError, "expected zookeeper://host:port[,host:port…][/chroot], got ''", None),
     ("zookeeper-port-not-a-number", "zookeeper://127.0.0.1:abc", {}, ValueError, "expected zookeeper://host:port[,host:port…][/chroot], got '127.0.0.1:abc'", None),
     ("zookeeper-port-out-of-range", "zookeeper://127.0.0.1:99999", {}, ValueError, "expected zookeeper://host:port[,host:port…][/chroot], got '127.0.0.1:99999'", None),
-    ("zookeeper-query", "zookeeper://127.0.0.1:2181?x=1", {}, ValueError, "query parameters are not accepted; pass options as keyword arguments", None),
+    ("zookeeper-query", "zookeeper://127.0.0.1:2181?x=1", {}, ValueError, "unknown query parameter 'x'; accepted: ['ca_file', 'cert_file', 'key_file', 'session_timeout', 'timeout']", None),
     ("mongodb-no-host", "mongodb://", {}, ValueError, "'mongodb://' is not a usable MongoDB URL: Must provide at least one hostname or IP", None),
     ("mongodb-port-out-of-range", "mongodb://127.0.0.1:99999", {}, ValueError, "'mongodb://127.0.0.1:99999' is not a usable MongoDB URL: Port must be an integer between 0 and 65535", None),
     ("mongodb-port-not-a-number", "mongodb://127.0.0.1:abc", {}, ValueError, "'mongodb://127.0.0.1:abc' is not a usable MongoDB URL: Port contains non-digit characters", None),

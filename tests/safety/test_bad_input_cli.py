@@ -90,7 +90,7 @@ CHILD = "{child}"
 INVALID_KEY = "Error: Invalid value for 'KEY': "
 LONE = "must be valid Unicode text; it contains a lone surrogate"
 NOT_UTF8 = " (the argument's bytes are not UTF-8 text)"
-UNKNOWN_SCHEME = "Error: Invalid value for '--store': unknown store URL scheme 'nosuch'; known schemes: etcd, http"  # fmt: skip
+UNKNOWN_SCHEME = "Error: Invalid value for '--store': unknown store URL scheme 'nosuch'; known schemes: etcd, etcds, http"  # fmt: skip
 
 # fmt: off
 ROWS = [

@@ -105,6 +105,13 @@ class Etcd:
             counts[method] = counts.get(method, 0) + int(count)
         return counts
 
+    def wait_for_requests(self, before: dict[str, int], method: str) -> None:
+        """Until etcd has started a ``method`` request since ``before`` (10 s at most)."""
+        deadline = time.monotonic() + 10
+        while not made(before, self.requests()).get(method):
+            assert time.monotonic() < deadline, f"no {method} request reached etcd"
+            time.sleep(0.01)
+
     def puts(self) -> int:
         """How many keys etcd has written (a transaction's puts included)."""
         text = httpx.get(self.base + "/metrics", timeout=5.0).text
@@ -298,9 +305,15 @@ def test_a_refused_try_leaves_no_lease_behind(
         "etcd://host:notaport",
         "etcd://host:70000",
         "etcd://h1:2379,:2380",
-        "etcd://user:pw@host:2379",
         "etcd://host:2379/prefix",
-        "etcd://host:2379?timeout=3",
+        "etcd://host:2379#fragment",
+        "etcd://host:2379?nope=3",
+        "etcd://host:2379?ca_file=/ca.pem",  # TLS settings are for etcds://
+        "etcd://host:2379?password=pw",  # credentials go before the host
+        "etcd://host:2379?timeout=soon",
+        "etcd://host:2379?timeout=3&timeout=4",
+        "etcd://user@host:2379",  # a user without a password
+        "ftp://host:2379",
         "etcd://[::1",
     ],
 )
@@ -311,7 +324,7 @@ def test_bad_urls_are_refused_before_connecting(url: str) -> None:
 
 def test_options_are_checked_before_connecting() -> None:
     with pytest.raises(TypeError, match="timeout"):
-        keymutex.Locks("etcd://127.0.0.1:1", password="x")
+        keymutex.Locks("etcd://127.0.0.1:1", passwd="x")
     with pytest.raises(ValueError, match="timeout"):
         keymutex.Locks("etcd://127.0.0.1:1", timeout=0)
     with pytest.raises(TypeError, match="timeout"):
@@ -393,6 +406,7 @@ def test_a_contended_acquire_is_one_grant_two_transactions_and_a_ttl_read(
     before = etcd.requests()
     waiting = Waiting(bob, "doc")
     etcd.wait_for_queue("doc", 1)
+    etcd.wait_for_requests(before, "Watch")  # opened by bob's reader thread, after the refusal
     queued = made(before, etcd.requests())
     queued.pop("Range", None)  # the test's own look at the queue
     # One grant for the whole acquire; the refused transaction queued bob; the holder's

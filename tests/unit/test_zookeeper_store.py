@@ -334,14 +334,18 @@ def test_urls(url: str, hosts: str, chroot: str) -> None:
         "zookeeper://zk1:notaport",
         "zookeeper://zk1:2181/a//b",
         "zookeeper://zk1:2181/a/../b",
-        "zookeeper://zk1:2181?session_timeout=3",
-        "zookeeper://user:pw@zk1:2181",
+        "zookeeper://zk1:2181?nope=3",
+        "zookeeper://zk1:2181?password=pw",
+        "zookeeper://zk1:2181?ca_file=/ca.pem",  # TLS files are for zookeepers://
+        "zookeeper://zk1:2181?timeout=soon",
+        "zookeeper://user@zk1:2181",  # a user without a password
+        "zookeeper://zk1:2181#fragment",
     ],
 )
 def test_bad_urls(url: str) -> None:
     from keymutex.stores import zookeeper
 
-    with pytest.raises(ValueError, match="zookeeper"):
+    with pytest.raises(ValueError, match=r"(?i)zookeeper"):
         zookeeper.parse(url, {})
 
 
@@ -353,7 +357,20 @@ def test_bad_options() -> None:
     with pytest.raises(ValueError, match="session_timeout"):
         zookeeper.parse("zookeeper://zk1", {"session_timeout": 0})
     with pytest.raises(TypeError, match="timeout"):
-        zookeeper.parse("zookeeper://zk1", {"timeout": "3"})
+        zookeeper.parse("zookeeper://zk1", {"timeout": [3]})
+
+
+def test_settings_may_be_in_the_url() -> None:
+    from keymutex.stores import zookeeper
+
+    target = zookeeper.parse(
+        "zookeeper://app:p%40ss%3Aw@zk1:1/a?session_timeout=3&timeout=0.5", {}
+    )
+    assert (target.hosts, target.chroot) == ("zk1:1", "/a")
+    assert (target.session_timeout, target.timeout) == (3.0, 0.5)
+    assert target.credentials == ("app", "p@ss:w")
+    assert target.tls is None
+    assert "p@ss" not in repr(target)
 
 
 def test_unreachable_server_is_a_store_error(namespace: str, tmp_path: Path) -> None:

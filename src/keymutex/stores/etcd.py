@@ -1,4 +1,4 @@
-"""``etcd://host:port[,host:port…]``: leases in etcd v3, spoken through its JSON gateway.
+"""``etcd[s]://[user:password@]host:port[,…]``: leases in etcd v3, through its JSON gateway.
 
 **Client.** etcd serves its v3 API as JSON over HTTP too (the grpc-gateway, ``/v3/…``,
 on the client port, in every etcd since 3.4). keymutex talks to it with httpx: one
@@ -91,6 +91,16 @@ deleted (a transaction that checks the key still has no holder and the entry is
 unchanged): a live waiter claims within milliseconds of its ring, or within a second
 of its recheck; one that was only slow finds its entry gone and queues again.
 
+**Security.** ``etcds://`` speaks TLS to every endpoint (``ca_file``: a private CA,
+else the system's; ``cert_file``/``key_file``: a client certificate for etcd's
+``--client-cert-auth``). With credentials (``etcd[s]://user:password@…``, or the options
+``username``/``password``) the store logs in (``/v3/auth/authenticate``) on its first
+request and sends etcd's token with every request and watch; when etcd says a token
+is no longer valid (its TTL, a member's restart), the store logs in again and sends the
+refused request once more: etcd refused it before carrying it out. The user's role needs
+read-write on ``km/``, or on ``km/<n>:<namespace>/`` for one namespace (leases too:
+etcd lets a user revoke a lease only if it may write every key attached to it).
+
 **Failures.** Every request goes to the first endpoint that accepts a connection
 (etcd forwards to the leader); a refused connection moves on to the next endpoint at
 once, any other failure raises ``StoreError`` (nothing is sent twice). While the
@@ -108,12 +118,12 @@ import logging
 import math
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -122,6 +132,7 @@ from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex.stores._doorbell import Doorbell
+from keymutex.stores._settings import TLS_OPTIONS, seconds, settings_of, tls_files
 
 __all__ = ["AsyncEtcdStore", "EtcdDriver", "EtcdStore", "driver"]
 
@@ -142,9 +153,11 @@ SHORTEN_FACTOR = 2
 T = TypeVar("T")
 
 # gRPC status codes in the gateway's error replies.
+_INVALID_ARGUMENT = 3
 _NOT_FOUND = 5
 _FAILED_PRECONDITION = 9
 _UNAVAILABLE = 14
+_UNAUTHENTICATED = 16
 
 
 class _ReplyError(Exception):
@@ -872,62 +885,197 @@ class _Endpoints:
                 self._current = (self._current + 1) % len(self._urls)
 
 
-def _http_client_options(timeout: float) -> dict[str, Any]:
+class _Auth:
+    """etcd's auth token for one user, shared by a store's requests and watch streams.
+
+    Fetched by the first request (``/v3/auth/authenticate``) and again when etcd says
+    the token is no longer valid (simple tokens die with the member that issued them,
+    and after ``--auth-token-ttl`` unused; JWTs at their expiry). A request that etcd
+    refused for its token was not carried out, so it is sent again once, with the new
+    token. The password and the token are never logged nor put in an error message.
+    """
+
+    def __init__(self, username: str, password: str) -> None:
+        self.username = username
+        self._password = password
+        self._mutex = threading.Lock()
+        self.token: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<etcd credentials of {self.username!r}>"
+
+    def login(self) -> _Call:
+        return _Call("/v3/auth/authenticate", {"name": self.username, "password": self._password})
+
+    def learn(self, reply: Mapping[str, Any]) -> None:
+        token = reply.get("token")
+        if not isinstance(token, str) or not token:
+            raise _ReplyError(_UNAUTHENTICATED, "etcd's authentication reply has no token")
+        with self._mutex:
+            self.token = token
+
+    def forget(self, token: str | None) -> None:
+        """Drop ``token`` (unless another request already replaced it)."""
+        with self._mutex:
+            if self.token == token:
+                self.token = None
+
+    @staticmethod
+    def rejected(exc: _ReplyError) -> bool:
+        """Whether etcd refused a request for its token (so it may be sent again)."""
+        return exc.code == _UNAUTHENTICATED or (
+            exc.code == _INVALID_ARGUMENT and "auth store is old" in exc.message
+        )
+
+
+def _login_failure(auth: _Auth, exc: _ReplyError) -> _ReplyError:
+    return _ReplyError(
+        exc.code, f"authentication as {auth.username!r} refused by etcd: {exc.message}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Post:
+    """An HTTP POST for a driver to send: the one piece of I/O of a delivery."""
+
+    url: str
+    content: bytes
+    headers: Mapping[str, str]
+
+
+def _post(
+    endpoints: _Endpoints, call: _Call, headers: Mapping[str, str]
+) -> Generator[_Post, httpx.Response, tuple[str, httpx.Response]]:
+    """Send ``call`` to the endpoint in use; a refused connection moves on to the next.
+
+    Any other failure is raised (nothing is sent twice: a request that may have
+    reached etcd is not repeated).
+    """
+    content = _content(call)
+    for attempt in range(len(endpoints)):
+        url = endpoints.current()
+        try:
+            response = yield _Post(url + call.path, content, headers)
+        except httpx.ConnectError:
+            endpoints.failed(url)
+            if attempt == len(endpoints) - 1:
+                raise
+            continue
+        except httpx.TransportError:
+            endpoints.failed(url)
+            raise
+        return url, response
+    raise AssertionError("unreachable")
+
+
+def _authorization(
+    endpoints: _Endpoints, auth: _Auth | None
+) -> Generator[_Post, httpx.Response, dict[str, str]]:
+    """The headers that authenticate a request (logging in first if needed)."""
+    if auth is None:
+        return {}
+    token = auth.token
+    if token is None:
+        login = auth.login()
+        _, response = yield from _post(endpoints, login, {})
+        try:
+            auth.learn(_decode(login, response))
+        except _ReplyError as exc:
+            raise _login_failure(auth, exc) from None
+        token = auth.token
+    return {"authorization": token or ""}
+
+
+def _delivery(
+    endpoints: _Endpoints, auth: _Auth | None, call: _Call
+) -> Generator[_Post, httpx.Response, Any]:
+    """Everything it takes to get ``call``'s reply: endpoint failover, authentication.
+
+    Written once for ``_Transport`` and ``_AsyncTransport``, which only send the
+    ``_Post`` requests it yields (and throw their transport errors into it).
+    """
+    for attempt in range(2):
+        headers = yield from _authorization(endpoints, auth)
+        url, response = yield from _post(endpoints, call, headers)
+        try:
+            return _decode(call, response)
+        except _ReplyError as exc:
+            if exc.code == _UNAVAILABLE:
+                endpoints.failed(url)
+            if auth is not None and attempt == 0 and _Auth.rejected(exc):
+                auth.forget(headers.get("authorization"))
+                continue  # refused before it was carried out: once more, logged in anew
+            raise
+    raise AssertionError("unreachable")
+
+
+def _operation(
+    endpoints: _Endpoints, auth: _Auth | None, flow: Flow[T]
+) -> Generator[_Post, httpx.Response, T]:
+    """A whole step: each call of ``flow`` delivered, its reply (or etcd's error) given
+    back to it, until it returns. The transports only send the posts."""
+    try:
+        call = next(flow)
+        while True:
+            try:
+                reply = yield from _delivery(endpoints, auth, call)
+            except _ReplyError as exc:
+                call = flow.throw(exc)
+            else:
+                call = flow.send(reply)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+def _forget_rejected(auth: _Auth | None, exc: _ReplyError, headers: Mapping[str, str]) -> None:
+    """A watch stream refused for its token: the next one logs in anew."""
+    if auth is not None and _Auth.rejected(exc):
+        auth.forget(headers.get("authorization"))
+
+
+def _http_client_options(target: _Target, *, streaming: bool = False) -> dict[str, Any]:
     return {
-        "timeout": httpx.Timeout(timeout),
+        "timeout": None if streaming else httpx.Timeout(target.timeout),
         "trust_env": False,  # etcd is reached directly, never through $HTTP_PROXY
         "headers": {"content-type": "application/json"},
+        "verify": target.tls if target.tls is not None else True,
     }
 
 
 class _Transport:
-    """Sends calls with one ``httpx.Client``; a refused connection tries the next endpoint."""
+    """Sends calls with one ``httpx.Client`` (see ``_delivery``)."""
 
-    def __init__(self, endpoints: _Endpoints, timeout: float) -> None:
-        self.endpoints = endpoints
-        self.timeout = timeout
+    def __init__(self, target: _Target) -> None:
+        self.target = target
+        self.endpoints = _Endpoints(target.endpoints)
+        self.auth = None if target.credentials is None else _Auth(*target.credentials)
         self._pid = os.getpid()
-        self._client = httpx.Client(**_http_client_options(timeout))
+        self._client = httpx.Client(**_http_client_options(target))
 
-    def send(self, call: _Call) -> Any:
+    def drive(self, delivery: Generator[_Post, httpx.Response, T]) -> T:
+        """Send what ``delivery`` asks for until it is done."""
         if self._pid != os.getpid():  # forked: the parent's connections are not ours
             self._pid, self._client = (
                 os.getpid(),
-                httpx.Client(**_http_client_options(self.timeout)),
+                httpx.Client(**_http_client_options(self.target)),
             )
-        for attempt in range(len(self.endpoints)):
-            url = self.endpoints.current()
-            try:
-                response = self._client.post(url + call.path, content=_content(call))
-            except httpx.ConnectError:
-                self.endpoints.failed(url)
-                if attempt == len(self.endpoints) - 1:
-                    raise
-                continue
-            except httpx.TransportError:
-                self.endpoints.failed(url)
-                raise
-            try:
-                return _decode(call, response)
-            except _ReplyError as exc:
-                if exc.code == _UNAVAILABLE:
-                    self.endpoints.failed(url)
-                raise
-        raise AssertionError("unreachable")
+        try:
+            post = next(delivery)
+            while True:
+                try:
+                    response = self._client.post(
+                        post.url, content=post.content, headers=post.headers
+                    )
+                except httpx.TransportError as exc:
+                    post = delivery.throw(exc)
+                else:
+                    post = delivery.send(response)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
 
     def run(self, flow: Flow[T], what: str) -> T:
         with translate_errors(*_DRIVER_ERRORS, what=what):
-            try:
-                call = next(flow)
-                while True:
-                    try:
-                        reply = self.send(call)
-                    except _ReplyError as exc:
-                        call = flow.throw(exc)
-                    else:
-                        call = flow.send(reply)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+            return self.drive(_operation(self.endpoints, self.auth, flow))
 
     def close(self) -> None:
         self._client.close()
@@ -936,45 +1084,30 @@ class _Transport:
 class _AsyncTransport:
     """The same as ``_Transport`` with ``httpx.AsyncClient``."""
 
-    def __init__(self, endpoints: _Endpoints, timeout: float) -> None:
-        self.endpoints = endpoints
-        self.timeout = timeout
-        self._client = httpx.AsyncClient(**_http_client_options(timeout))
+    def __init__(self, target: _Target) -> None:
+        self.target = target
+        self.endpoints = _Endpoints(target.endpoints)
+        self.auth = None if target.credentials is None else _Auth(*target.credentials)
+        self._client = httpx.AsyncClient(**_http_client_options(target))
 
-    async def send(self, call: _Call) -> Any:
-        for attempt in range(len(self.endpoints)):
-            url = self.endpoints.current()
-            try:
-                response = await self._client.post(url + call.path, content=_content(call))
-            except httpx.ConnectError:
-                self.endpoints.failed(url)
-                if attempt == len(self.endpoints) - 1:
-                    raise
-                continue
-            except httpx.TransportError:
-                self.endpoints.failed(url)
-                raise
-            try:
-                return _decode(call, response)
-            except _ReplyError as exc:
-                if exc.code == _UNAVAILABLE:
-                    self.endpoints.failed(url)
-                raise
-        raise AssertionError("unreachable")
+    async def drive(self, delivery: Generator[_Post, httpx.Response, T]) -> T:
+        try:
+            post = next(delivery)
+            while True:
+                try:
+                    response = await self._client.post(
+                        post.url, content=post.content, headers=post.headers
+                    )
+                except httpx.TransportError as exc:
+                    post = delivery.throw(exc)
+                else:
+                    post = delivery.send(response)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
 
     async def run(self, flow: Flow[T], what: str) -> T:
         with translate_errors(*_DRIVER_ERRORS, what=what):
-            try:
-                call = next(flow)
-                while True:
-                    try:
-                        reply = await self.send(call)
-                    except _ReplyError as exc:
-                        call = flow.throw(exc)
-                    else:
-                        call = flow.send(reply)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+            return await self.drive(_operation(self.endpoints, self.auth, flow))
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -1101,10 +1234,7 @@ class _WatchState:
         """Take in one line of the stream: the waiters to ring, and whether it ended."""
         if not line.strip():
             return [], False
-        decoded = json.loads(line)
-        if "error" in decoded:
-            return self.everyone(), True
-        result = decoded.get("result") or {}
+        result = _result(json.loads(line)) or {}  # an error line raises _ReplyError
         if result.get("created") and self.start == 0:  # watching from now on
             self.start = self.next = _int(result.get("header", {}).get("revision")) + 1
         if result.get("canceled") or _int(result.get("compact_revision")):
@@ -1228,7 +1358,7 @@ class _WatchHub:
             try:
                 self._stream_once(url, resume)
                 failures = 0
-            except (httpx.HTTPError, OSError, ValueError) as exc:
+            except (*_DRIVER_ERRORS,) as exc:
                 with self._mutex:
                     stopping = self._closed or self._state.lingered()
                 if stopping:
@@ -1243,10 +1373,15 @@ class _WatchHub:
                 waiter.ring()
 
     def _stream_once(self, url: str, resume: int) -> None:
-        client = httpx.Client(**{**_http_client_options(self._transport.timeout), "timeout": None})
+        transport = self._transport
+        headers = transport.drive(_authorization(transport.endpoints, transport.auth))
+        client = httpx.Client(**_http_client_options(transport.target, streaming=True))
         try:
             with client.stream(
-                "POST", url + "/v3/watch", content=_watch_request(self._state.layout, resume)
+                "POST",
+                url + "/v3/watch",
+                content=_watch_request(self._state.layout, resume),
+                headers=headers,
             ) as response:
                 if response.status_code != 200:
                     raise ValueError(f"watch refused: HTTP {response.status_code}")
@@ -1260,6 +1395,9 @@ class _WatchHub:
                         waiter.ring()
                     if ended or stop:
                         return
+        except _ReplyError as exc:
+            _forget_rejected(transport.auth, exc, headers)
+            raise
         finally:
             with self._mutex:
                 self._stream = None
@@ -1370,20 +1508,24 @@ class _AsyncWatchHub:
 
     async def _read(self) -> None:
         failures = 0
-        client = httpx.AsyncClient(
-            **{**_http_client_options(self._transport.timeout), "timeout": None}
-        )
+        transport = self._transport
+        client = httpx.AsyncClient(**_http_client_options(transport.target, streaming=True))
         try:
             while not self._closed:
                 if self._state.next == 0:
                     self._state.start = 0
                 resume = self._state.next
-                url = self._transport.endpoints.current()
+                url = transport.endpoints.current()
+                headers: dict[str, str] = {}
                 try:
+                    headers = await transport.drive(
+                        _authorization(transport.endpoints, transport.auth)
+                    )
                     async with client.stream(
                         "POST",
                         url + "/v3/watch",
                         content=_watch_request(self._state.layout, resume),
+                        headers=headers,
                     ) as response:
                         if response.status_code != 200:
                             raise ValueError(f"watch refused: HTTP {response.status_code}")
@@ -1394,8 +1536,10 @@ class _AsyncWatchHub:
                             if ended:
                                 break
                     failures = 0
-                except (httpx.HTTPError, OSError, ValueError) as exc:
-                    self._transport.endpoints.failed(url)
+                except (*_DRIVER_ERRORS,) as exc:
+                    if isinstance(exc, _ReplyError):
+                        _forget_rejected(transport.auth, exc, headers)
+                    transport.endpoints.failed(url)
                     failures += 1
                     _LOG.warning("etcd watch stream failed (%s); reconnecting", exc)
                     await asyncio.sleep(min(1.0, 0.05 * 2**failures))
@@ -1421,9 +1565,9 @@ class EtcdStore:
 
     capabilities = CAPABILITIES
 
-    def __init__(self, endpoints: Sequence[str], namespace: str, timeout: float) -> None:
+    def __init__(self, target: _Target, namespace: str) -> None:
         self._layout = _Layout(namespace)
-        self._transport = _Transport(_Endpoints(endpoints), timeout)
+        self._transport = _Transport(target)
         self._hub = _WatchHub(self._transport, self._layout)
         self._handovers = _Handovers()
 
@@ -1498,9 +1642,9 @@ class AsyncEtcdStore:
 
     capabilities = CAPABILITIES
 
-    def __init__(self, endpoints: Sequence[str], namespace: str, timeout: float) -> None:
+    def __init__(self, target: _Target, namespace: str) -> None:
         self._layout = _Layout(namespace)
-        self._transport = _AsyncTransport(_Endpoints(endpoints), timeout)
+        self._transport = _AsyncTransport(target)
         self._hub = _AsyncWatchHub(self._transport, self._layout)
         self._handovers = _Handovers()
 
@@ -1575,64 +1719,61 @@ class AsyncEtcdStore:
 
 # -- URLs ----------------------------------------------------------------------------
 
-OPTIONS = frozenset({"timeout"})
+# Options of ``Locks(url, **options)``; all but the credentials may be in the URL's
+# query string instead (keymutex/stores/_settings.py).
+OPTIONS = ("timeout", *TLS_OPTIONS, "username", "password")
+_FORM = "etcd[s]://[user:password@]host:port[,host:port…][?timeout=…&ca_file=…&cert_file=…]"
 
 
 @dataclass(frozen=True, slots=True)
 class _Target:
+    """Where and how to reach etcd: every setting of a store's connections."""
+
     endpoints: tuple[str, ...]
     timeout: float
+    tls: ssl.SSLContext | None = None  # etcds://: certificates checked by this context
+    credentials: tuple[str, str] | None = field(default=None, repr=False)
 
 
 def _parse(url: str, options: Mapping[str, object]) -> _Target:
-    unknown = set(options) - OPTIONS
-    if unknown:
-        raise TypeError(
-            f"unknown etcd store options {sorted(unknown)}; accepted: {sorted(OPTIONS)}"
-        )
-    timeout = options.get("timeout", DEFAULT_TIMEOUT)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(f"timeout must be a number of seconds, not {timeout!r}")
-    if not (0 < timeout < math.inf):
-        raise ValueError(f"timeout must be positive and finite (seconds), not {timeout!r}")
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:
-        raise ValueError(f"{url!r} is not an etcd URL: {exc}") from None
-    if parts.scheme.lower() != "etcd":
-        raise ValueError(f"{url!r} is not an etcd URL (etcd://host:port[,host:port…])")
-    if parts.query or parts.fragment or parts.path not in ("", "/"):
-        raise ValueError(f"{url!r}: expected etcd://host:port[,host:port…] with nothing after")
-    if "@" in parts.netloc:
-        raise ValueError(f"{url!r}: etcd authentication is not supported; use a trusted network")
+    settings = settings_of(
+        url, options, store="etcd", schemes=("etcd", "etcds"), form=_FORM, accepted=OPTIONS
+    )
+    shown = settings.shown
+    if settings.parts.path not in ("", "/"):
+        raise ValueError(f"{shown!r}: expected {_FORM}, with no path")
+    tls = tls_files("etcd", settings.options)[1] if settings.tls else None
     endpoints = []
-    for part in parts.netloc.split(","):
+    for part in settings.netloc.split(","):
         host, port = part, str(DEFAULT_PORT)
         if part.startswith("["):  # [IPv6]:port
             host, _, rest = part[1:].partition("]")
             if rest:
                 if not rest.startswith(":"):
-                    raise ValueError(f"{url!r}: bad endpoint {part!r}")
+                    raise ValueError(f"{shown!r}: bad endpoint {part!r}")
                 port = rest[1:]
             host = f"[{host}]"
         elif ":" in part:
             host, _, port = part.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{url!r}: expected host:port[,host:port…], got {part!r}")
-        endpoints.append(f"http://{host}:{int(port)}")
-    return _Target(tuple(endpoints), float(timeout))
+            raise ValueError(f"{shown!r}: expected host:port[,host:port…], got {part!r}")
+        endpoints.append(f"{'https' if tls else 'http'}://{host}:{int(port)}")
+    return _Target(
+        tuple(endpoints),
+        seconds("etcd", "timeout", settings.options.get("timeout", DEFAULT_TIMEOUT)),
+        tls=tls,
+        credentials=settings.credentials,
+    )
 
 
 class EtcdDriver:
     def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> EtcdStore:
-        target = _parse(url, options)
-        return EtcdStore(target.endpoints, namespace, target.timeout)
+        return EtcdStore(_parse(url, options), namespace)
 
     def open_async(
         self, url: str, *, namespace: str, options: Mapping[str, object]
     ) -> AsyncEtcdStore:
-        target = _parse(url, options)
-        return AsyncEtcdStore(target.endpoints, namespace, target.timeout)
+        return AsyncEtcdStore(_parse(url, options), namespace)
 
 
 driver = EtcdDriver()

@@ -1,4 +1,4 @@
-"""``zookeeper://host:port[,host:port…][/chroot]``: leases as ephemeral sequential nodes.
+"""``zookeeper[s]://[user:pw@]host:port[,…][/chroot]``: leases as ephemeral sequential nodes.
 
 **Layout.** Under ``[/chroot]/keymutex`` each namespace has a node ``n<namespace>`` and
 each key a node ``k<key>`` below it (both percent-encoded, so any key is one ASCII
@@ -65,6 +65,18 @@ list, claim. ``renew(key, token)`` / ``release(key, token)`` from a client that 
 grant the lease add a listing and a read. Writes go through the leader; reads may be
 served by a follower a little behind, which can only make a key look held longer.
 
+**Security.** With credentials (``zookeeper://user:password@…``, or the options
+``username``/``password``) the session authenticates with the ``digest`` scheme, and
+the namespace's node and everything under it are created with an ACL that gives that
+user every permission and nobody else any: other credentials get ``StoreError``
+(``NoAuthError``) on that namespace, which is why every client of a namespace must use
+the same credentials. The shared nodes above it (the chroot's, ``keymutex``) let anyone
+list them and create in them, and no more (no ``setACL``). Without credentials,
+everything is open (``OPEN_ACL_UNSAFE``), as ZooKeeper's own default. ``zookeepers://``
+connects with TLS (the server's ``secureClientPort``): the server's certificate is
+checked against ``ca_file`` (else the system's CAs) and the host name; ``cert_file``/
+``key_file`` are shown when the server asks (``ssl.clientAuth``).
+
 **Failures.** Every ZooKeeper error and every request that gets no reply within
 ``timeout`` (10 s by default) becomes ``StoreError``. A create whose reply was lost may
 still have made its node: the client remembers the token digest and deletes such
@@ -84,21 +96,26 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote
 
 from kazoo.client import KazooClient, KazooState  # type: ignore[import-untyped]
 from kazoo.exceptions import (  # type: ignore[import-untyped]
     BadVersionError,
     KazooException,
+    NoAuthError,
     NodeExistsError,
     NoNodeError,
 )
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
 from kazoo.protocol.serialization import Create2  # type: ignore[import-untyped]
 from kazoo.retry import KazooRetry  # type: ignore[import-untyped]
-from kazoo.security import OPEN_ACL_UNSAFE  # type: ignore[import-untyped]
+from kazoo.security import (  # type: ignore[import-untyped]
+    OPEN_ACL_UNSAFE,
+    make_acl,
+    make_digest_acl,
+)
 
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
@@ -110,6 +127,7 @@ from keymutex._store import (
     translate_errors,
 )
 from keymutex.stores._doorbell import Doorbell
+from keymutex.stores._settings import TLS_OPTIONS, TlsFiles, seconds, settings_of, tls_files
 
 __all__ = ["ZooKeeperStore", "driver"]
 
@@ -148,6 +166,7 @@ class _CreateContainer(Create2):  # type: ignore[misc]
 
 
 _CONTAINER_FLAG = 4
+_SHARED_ACL = [make_acl("world", "anyone", read=True, create=True)]
 
 
 def _digest(token: str) -> str:
@@ -246,8 +265,10 @@ class ZooKeeperStore:
         chroot: str,
         session_timeout: float,
         timeout: float,
+        acl: Sequence[Any] = OPEN_ACL_UNSAFE,
     ) -> None:
         self._client = client
+        self._acl = list(acl)
         self._root = f"{chroot}/{ROOT}"
         self._base = f"{self._root}/n{quote(namespace, safe='')}"
         self._timeout = timeout
@@ -335,7 +356,11 @@ class ZooKeeperStore:
 
     def _create_container(self, path: str) -> None:
         result = self._client.handler.async_result()
-        request = _CreateContainer(path, b"", OPEN_ACL_UNSAFE, _CONTAINER_FLAG)
+        # The namespace's nodes get the store's ACL; the ones above it (the chroot, the
+        # root) are shared by every namespace: anyone may list them and create in them.
+        mine = path == self._base or path.startswith(self._base + "/")
+        acl = self._acl if mine or self._acl == OPEN_ACL_UNSAFE else _SHARED_ACL
+        request = _CreateContainer(path, b"", acl, _CONTAINER_FLAG)
         self._client._call(request, result)
         with contextlib.suppress(NodeExistsError):
             self._wait(result)
@@ -460,9 +485,15 @@ class ZooKeeperStore:
                     f"ZooKeeper: {what}: not connected to {self._client.hosts!r}"
                     f" after {self._timeout:g} s"
                 )
-            if self._orphans:  # nodes of creates whose reply was lost: first, delete them
-                self._clean_orphans()
-            yield
+            try:
+                if self._orphans:  # nodes of creates whose reply was lost: delete them first
+                    self._clean_orphans()
+                yield
+            except NoAuthError as exc:
+                raise StoreError(
+                    f"ZooKeeper: {what}: NoAuthError: the key's nodes are not ours to"
+                    " touch (their ACL is for other credentials)"
+                ) from exc
 
     # -- the steps --------------------------------------------------------------------
 
@@ -855,7 +886,10 @@ class ZooKeeperStore:
 
 # -- URLs ---------------------------------------------------------------------------
 
-OPTIONS = ("session_timeout", "timeout")
+# Options of ``Locks(url, **options)``; all but the credentials may be in the URL's
+# query string instead (keymutex/stores/_settings.py).
+OPTIONS = ("session_timeout", "timeout", *TLS_OPTIONS, "username", "password")
+_FORM = "zookeeper[s]://[user:password@]host:port[,host:port…][/chroot][?option=…]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -864,36 +898,24 @@ class _Target:
     chroot: str
     session_timeout: float
     timeout: float
-
-
-def _seconds(options: Mapping[str, object], name: str, default: float) -> float:
-    value = options.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be seconds (a number > 0), not {value!r}")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{name} must be seconds > 0, not {value!r}")
-    return float(value)
+    tls: TlsFiles | None = None  # zookeepers://: the files kazoo's TLS context loads
+    credentials: tuple[str, str] | None = field(default=None, repr=False)
 
 
 def parse(url: str, options: Mapping[str, object]) -> _Target:
-    """``zookeeper://host:port[,host:port…][/chroot]`` and the options, checked."""
-    unknown = set(options) - set(OPTIONS)
-    if unknown:
-        raise TypeError(
-            f"unknown ZooKeeper store option(s) {sorted(unknown)}; accepted: {', '.join(OPTIONS)}"
-        )
-    parts = urlsplit(url)
-    if parts.scheme.lower() != "zookeeper":
-        raise ValueError(f"{url!r} is not a zookeeper:// URL")
-    if parts.query or parts.fragment:
-        raise ValueError(
-            f"{url!r}: query parameters are not accepted; pass options as keyword"
-            f" arguments ({', '.join(OPTIONS)})"
-        )
-    if "@" in parts.netloc:
-        raise ValueError(f"{url!r}: credentials in ZooKeeper URLs are not supported")
+    """``zookeeper[s]://[user:password@]host:port[,host:port…][/chroot]`` and the
+    options, checked."""
+    settings = settings_of(
+        url,
+        options,
+        store="ZooKeeper",
+        schemes=("zookeeper", "zookeepers"),
+        form=_FORM,
+        accepted=OPTIONS,
+    )
+    shown, parts = settings.shown, settings.parts
     hosts = []
-    for part in parts.netloc.split(","):
+    for part in settings.netloc.split(","):
         if part.startswith("["):  # an IPv6 address: [::1]:2181
             host, _, rest = part[1:].partition("]")
             port = rest[1:] if rest.startswith(":") else "" if not rest else "x"
@@ -902,7 +924,7 @@ def parse(url: str, options: Mapping[str, object]) -> _Target:
         port = port or str(DEFAULT_PORT)
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(
-                f"{url!r}: expected zookeeper://host:port[,host:port…][/chroot], got {part!r}"
+                f"{shown!r}: expected zookeeper://host:port[,host:port…][/chroot], got {part!r}"
             )
         hosts.append(f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}")
     chroot = unquote(parts.path).rstrip("/")
@@ -910,12 +932,19 @@ def parse(url: str, options: Mapping[str, object]) -> _Target:
     if any(c in ("", ".", "..") for c in components) or any(
         ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in chroot
     ):
-        raise ValueError(f"{url!r}: the chroot {chroot!r} is not a valid ZooKeeper path")
+        raise ValueError(f"{shown!r}: the chroot {chroot!r} is not a valid ZooKeeper path")
+    options = settings.options
     return _Target(
         hosts=",".join(hosts),
         chroot=chroot,
-        session_timeout=_seconds(options, "session_timeout", DEFAULT_SESSION_TIMEOUT),
-        timeout=_seconds(options, "timeout", DEFAULT_TIMEOUT),
+        session_timeout=seconds(
+            "ZooKeeper",
+            "session_timeout",
+            options.get("session_timeout", DEFAULT_SESSION_TIMEOUT),
+        ),
+        timeout=seconds("ZooKeeper", "timeout", options.get("timeout", DEFAULT_TIMEOUT)),
+        tls=tls_files("ZooKeeper", options)[0] if settings.tls else None,
+        credentials=settings.credentials,
     )
 
 
@@ -925,11 +954,29 @@ class ZooKeeperDriver:
         # Reconnect quickly and forever: the session outlives short outages, and every
         # request is bounded by ``timeout`` anyway.
         retry = KazooRetry(max_tries=-1, delay=0.05, backoff=2, max_delay=1.0)
+        security: dict[str, Any] = {}
+        acl = OPEN_ACL_UNSAFE
+        if target.credentials is not None:
+            # Digest authentication; what we create is for this user alone.
+            user, password = target.credentials
+            security["auth_data"] = [("digest", f"{user}:{password}")]
+            acl = [make_digest_acl(user, password, all=True)]
+        if target.tls is not None:
+            security.update(
+                use_ssl=True,
+                verify_certs=True,
+                check_hostname=True,
+                ca=target.tls.ca_file,
+                certfile=target.tls.cert_file,
+                keyfile=target.tls.key_file or target.tls.cert_file,
+            )
         client = KazooClient(
             hosts=target.hosts,
             timeout=target.session_timeout,
             connection_retry=retry,
             command_retry=KazooRetry(max_tries=0),
+            default_acl=acl,
+            **security,
         )
         return ZooKeeperStore(
             client,
@@ -937,6 +984,7 @@ class ZooKeeperDriver:
             chroot=target.chroot,
             session_timeout=target.session_timeout,
             timeout=target.timeout,
+            acl=acl,
         )
 
     def open_async(self, url: str, *, namespace: str, options: Mapping[str, object]) -> AsyncStore:
