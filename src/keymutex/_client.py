@@ -203,7 +203,13 @@ def _format_key(
 
 
 class _RenewalPlan:
-    """When each renewing lease is due, and what a renewal's reply means (no I/O)."""
+    """When each renewing lease is due, and what a renewal's reply means (no I/O).
+
+    A lease enters the heaps only when the renewer looks at the plan (``_take_in``):
+    most leases of ``with lock():`` are released long before their first renewal, and
+    then cost a dict entry, not two heap entries (each holding the lease) that stay
+    until their time has come.
+    """
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, LeaseState]] = []
@@ -212,17 +218,23 @@ class _RenewalPlan:
         self._deadlines: list[tuple[float, int, LeaseState]] = []
         self._order = itertools.count()
         self._active: set[int] = set()
+        # Added since the renewer last looked: id -> (first renewal due, lease).
+        self._fresh: dict[int, tuple[float, LeaseState]] = {}
 
     def add(self, lease: LeaseState, now: float) -> float:
-        """Plan ``lease``'s renewals; returns when the first one is due."""
-        self._active.add(id(lease))
+        """Plan ``lease``'s renewals; returns when the renewer must first look at it.
+
+        That is when its first renewal is due, or its deadline if that comes sooner (a
+        TTL of a few ms, cut short by the store's clock grain).
+        """
         due = now + lease._ttl / 3
-        heapq.heappush(self._heap, (due, next(self._order), lease))
-        heapq.heappush(self._deadlines, (lease._deadline, next(self._order), lease))
-        return due
+        self._active.add(id(lease))
+        self._fresh[id(lease)] = (due, lease)
+        return min(due, lease._deadline)
 
     def discard(self, lease: LeaseState) -> None:
         self._active.discard(id(lease))
+        self._fresh.pop(id(lease), None)
 
     def active(self, lease: LeaseState) -> bool:
         return id(lease) in self._active
@@ -230,7 +242,17 @@ class _RenewalPlan:
     def __bool__(self) -> bool:
         return bool(self._active)
 
+    def _take_in(self) -> None:
+        """Move the leases added since the last look into the heaps."""
+        fresh, self._fresh = self._fresh, {}
+        order = self._order
+        for due, lease in fresh.values():
+            heapq.heappush(self._heap, (due, next(order), lease))
+            heapq.heappush(self._deadlines, (lease._deadline, next(order), lease))
+
     def next_due(self) -> float | None:
+        if self._fresh:
+            self._take_in()
         heap = self._heap
         while heap and id(heap[0][2]) not in self._active:
             heapq.heappop(heap)
@@ -238,6 +260,8 @@ class _RenewalPlan:
 
     def next_deadline(self) -> float | None:
         """When the first lease may reach its deadline (maybe earlier: then it was renewed)."""
+        if self._fresh:
+            self._take_in()
         heap = self._deadlines
         while heap and id(heap[0][2]) not in self._active:
             heapq.heappop(heap)
@@ -249,6 +273,8 @@ class _RenewalPlan:
         However long a renewal call takes, its leases' holders learn of the loss by
         their deadline: the reply of a call still under way comes too late to count.
         """
+        if self._fresh:
+            self._take_in()
         lost = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
@@ -353,18 +379,21 @@ class _Renewer:
         # When the thread looks at the plan next (-inf: it is at work and will look
         # soon). A lease due later needs no wake-up: a thread switch per lock() saved.
         self._until = -math.inf
+        # How long the thread sleeps when it finds nothing to renew (see _idle_until).
+        self._idle: float | None = None
 
     def add(self, lease: Lease) -> None:
         with self._wakeup:
             if self._closed:
                 raise RuntimeError("this Locks is closed")
-            due = self._plan.add(lease, _clock.monotonic())
+            first_look = self._plan.add(lease, _clock.monotonic())
+            self._idle = lease._ttl / 3
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="keymutex-renewer", daemon=True
                 )
                 self._thread.start()
-            if due < self._until:
+            if first_look < self._until:
                 self._wakeup.notify()
 
     def discard(self, lease: LeaseState) -> None:
@@ -381,10 +410,24 @@ class _Renewer:
                 if due or lost:
                     return due, lost
                 when = _earliest(self._plan.next_due(), self._plan.next_deadline())
+                if when is None:
+                    when = self._idle_until(now)
                 self._until = math.inf if when is None else when
                 self._wakeup.wait(None if when is None else when - now)
                 self._until = -math.inf
             return None
+
+    def _idle_until(self, now: float) -> float | None:
+        """When to look again with nothing to renew; ``None``: once notified.
+
+        Leases that come and go (``with lock():`` in a loop) would each find the thread
+        asleep for good and wake it, a thread switch per lease. So while leases keep
+        coming, the thread sleeps as long as the last one would have waited for its
+        first renewal: the next one, with the same TTL, is due no earlier and needs no
+        wake-up. A quiet spell of that length without a new lease ends this.
+        """
+        idle, self._idle = self._idle, None
+        return None if idle is None else now + idle
 
     def _run(self) -> None:
         while (work := self._next_batch()) is not None:
@@ -789,35 +832,44 @@ class _AsyncRenewer:
         self._callbacks: set[asyncio.Task[Any]] = set()
         self._releases: set[asyncio.Task[Any]] = set()  # of leases renewed too late
         self._until = -math.inf  # as in _Renewer
+        self._idle: float | None = None  # as in _Renewer
 
     def add(self, lease: AsyncLease) -> None:
         if self._closed:
             raise RuntimeError("this AsyncLocks is closed")
-        due = self._plan.add(lease, _clock.monotonic())
+        first_look = self._plan.add(lease, _clock.monotonic())
+        self._idle = lease._ttl / 3
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._wakeup = asyncio.Event()
             self._until = -math.inf
             self._task = loop.create_task(self._run(self._wakeup), name="keymutex-renewer")
         assert self._wakeup is not None
-        if due < self._until:
+        if first_look < self._until:
             self._wakeup.set()
 
     def discard(self, lease: LeaseState) -> None:
         self._plan.discard(lease)
 
     async def _run(self, wakeup: asyncio.Event) -> None:
-        while self._plan:
+        # The task ends after a quiet spell without leases (see _Renewer._idle_until),
+        # not as soon as the plan is empty: a task per lock() saved.
+        while True:
             now = _clock.monotonic()
             for lease in self._plan.overdue(now):
                 self.call_on_lost(lease)
             batch = self._plan.take_due(now)
             if not batch:
                 when = _earliest(self._plan.next_due(), self._plan.next_deadline())
+                if when is None:
+                    idle, self._idle = self._idle, None
+                    if idle is None:
+                        return
+                    when = now + idle
                 wakeup.clear()
-                self._until = math.inf if when is None else when
+                self._until = when
                 try:
-                    async with asyncio.timeout(None if when is None else when - now):
+                    async with asyncio.timeout(when - now):
                         await wakeup.wait()
                 except TimeoutError:
                     pass
@@ -890,6 +942,66 @@ class _AsyncRenewer:
                 await task
         if self._releases:  # before the store closes
             await asyncio.wait(self._releases)
+
+
+async def _hand_over(work: Awaitable[R], reply: asyncio.Future[R]) -> R | None:
+    """Await ``work`` and hand its result or exception to ``reply``, if still awaited.
+
+    Returns the result, or ``None`` when ``work`` raised: the exception goes to
+    ``reply`` alone, for the task running this must not end with an exception that
+    nobody retrieves.
+    """
+    try:
+        result = await work
+    except Exception as exc:
+        if not reply.done():
+            reply.set_exception(exc)
+        return None
+    except BaseException:  # this task was cancelled (the loop is closing), or worse
+        reply.cancel()
+        raise
+    if not reply.done():
+        reply.set_result(result)
+    return result
+
+
+def _shielded(work: Awaitable[R]) -> tuple[asyncio.Future[R], asyncio.Task[R | None]]:
+    """``asyncio.shield(work)``, a turn of the event loop cheaper: (reply, task).
+
+    ``work`` runs in a task of its own, which the caller's cancellation does not
+    reach; the caller awaits ``reply``, which the task completes directly, rather than
+    through its done callback and then a second future as ``asyncio.shield`` does
+    (a few µs per shielded step). As with ``asyncio.shield``, the caller keeps the task
+    referenced while it awaits, so the task cannot be collected under it.
+    """
+    loop = asyncio.get_running_loop()
+    reply: asyncio.Future[R] = loop.create_future()
+    handing_over = _hand_over(work, reply)  # (inferred wrongly inside create_task())
+    return reply, loop.create_task(handing_over)
+
+
+class _Waiting:
+    """A store's waiter for one ``AsyncLocks`` acquire, and whether it is closed."""
+
+    __slots__ = ("closed", "error", "waiter")
+
+    def __init__(self, waiter: AsyncWaiter) -> None:
+        self.waiter = waiter
+        self.closed = False
+        self.error: Exception | None = None
+
+    async def close_granted(self) -> None:
+        """Close the waiter after a grant; a failure is raised later, by ``_contend``."""
+        self.closed = True
+        try:
+            await self.waiter.aclose()
+        except Exception as exc:  # raised where closing happened before: after the step
+            self.error = exc
+
+    def raise_close_error(self) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
 
 
 class _AsyncLockContext:
@@ -1103,45 +1215,38 @@ class AsyncLocks:
         notifies = self._store.capabilities.notifies
         at_store = self._store.capabilities.waits_at_store
         backoff = None if notifies else Backoff()
-        waiter = await self._store.waiter(request.key) if notifies else None
+        waiting = _Waiting(await self._store.waiter(request.key)) if notifies else None
         outcome = None
         try:
             while True:
                 sent_at = _clock.monotonic()
-                outcome = await self._try(request, token, waiter)
+                outcome = await self._try(request, token, waiting)
                 if outcome.ok:
                     break
                 if deadline.passed():
                     raise Locked(request.key, outcome.holder)
-                if waiter is None:
-                    waiter = await self._store.waiter(request.key)
-                await waiter.wait(
+                if waiting is None:
+                    waiting = _Waiting(await self._store.waiter(request.key))
+                await waiting.waiter.wait(
                     park_time(deadline, outcome.remaining, backoff, at_store=at_store)
                 )
         finally:
-            if waiter is not None:
+            if waiting is not None:
                 try:
-                    await asyncio.shield(waiter.aclose())
+                    if waiting.closed:  # by the granted step: nothing left to wait for
+                        waiting.raise_close_error()
+                    else:
+                        await asyncio.shield(waiting.waiter.aclose())
                 except asyncio.CancelledError:
                     if outcome is not None and outcome.ok:  # cancelled with the key in hand
                         self._give_back(request.key, token)
                     raise
         return self._granted(request, token, outcome, sent_at)
 
-    async def _try(self, request: _Request, token: str, waiter: AsyncWaiter | None) -> Outcome:
-        step = asyncio.ensure_future(
-            self._store.try_acquire(
-                request.key,
-                token=token,
-                ttl=request.ttl,
-                owner=self._config.owner_now() if request.owner is None else request.owner,
-                info=request.info,
-                steal=request.steal,
-                waiter=waiter,
-            )
-        )
+    async def _try(self, request: _Request, token: str, waiting: _Waiting | None) -> Outcome:
+        reply, step = _shielded(self._step(request, token, waiting))
         try:
-            return await asyncio.shield(step)
+            return await reply
         except asyncio.CancelledError:
             # The step may still grant the key: give it back once it has.
             step.add_done_callback(functools.partial(self._undo_grant, request.key, token))
@@ -1153,8 +1258,30 @@ class AsyncLocks:
                     await asyncio.wait([step])
             raise
 
-    def _undo_grant(self, key: str, token: str, step: asyncio.Future[Outcome]) -> None:
-        if not step.cancelled() and step.exception() is None and step.result().ok:
+    async def _step(self, request: _Request, token: str, waiting: _Waiting | None) -> Outcome:
+        """One try at the store; once granted, the waiter is closed here too.
+
+        Closing it in the step, which ``_try`` runs in a task of its own to shield it
+        from cancellation, spares ``_contend`` a second shielded task for the close.
+        """
+        outcome = await self._store.try_acquire(
+            request.key,
+            token=token,
+            ttl=request.ttl,
+            owner=self._config.owner_now() if request.owner is None else request.owner,
+            info=request.info,
+            steal=request.steal,
+            waiter=None if waiting is None else waiting.waiter,
+        )
+        if outcome.ok and waiting is not None:
+            await waiting.close_granted()
+        return outcome
+
+    def _undo_grant(self, key: str, token: str, step: asyncio.Future[Outcome | None]) -> None:
+        if step.cancelled() or step.exception() is not None:
+            return
+        outcome = step.result()
+        if outcome is not None and outcome.ok:
             self._give_back(key, token)
 
     def _give_back(self, key: str, token: str) -> None:
@@ -1235,7 +1362,12 @@ class AsyncLocks:
         if lease._released:
             return
         try:
-            await asyncio.shield(self._release_lease(lease))
+            # Shielded: a task cancelled on its way out still releases, and aclose()
+            # waits for that release (in _background) before it closes the store.
+            reply, task = _shielded(self._release_lease(lease))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            await reply
         except LockError:
             if not block_failed:
                 raise

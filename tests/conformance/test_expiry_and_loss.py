@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 import keymutex
+from keymutex._lease import Outcome
 
 from ._support import PATIENCE, assert_is_holder_of, await_out, wait_out
 
@@ -360,3 +361,35 @@ async def test_cancelled_holder_releases_async(alocks: keymutex.AsyncLocks) -> N
         await task
     assert await alocks.holder("order") is None
     await (await alocks.acquire("order", timeout=0)).release()
+
+
+@pytest.mark.asyncio
+async def test_release_cancelled_on_its_way_is_completed_before_aclose_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    """A task cancelled while its ``async with`` block is releasing: the release goes
+    on, and ``aclose()`` waits for it, so the key is free afterwards (not held to its
+    TTL by a release the closed store never finished)."""
+    alocks = make_alocks()
+    releasing = asyncio.Event()
+    store_release = alocks._store.release
+
+    async def slow_release(key: str, token: str) -> Outcome:
+        releasing.set()
+        await asyncio.sleep(0.2)  # a slow round trip
+        return await store_release(key, token)
+
+    alocks._store.release = slow_release  # type: ignore[method-assign]
+
+    async def hold() -> None:
+        async with alocks.lock("order"):
+            pass
+
+    task = asyncio.create_task(hold())
+    async with asyncio.timeout(PATIENCE):
+        await releasing.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await alocks.aclose()
+    assert await make_alocks().holder("order") is None

@@ -469,19 +469,35 @@ class _RedisWaiter(Doorbell):
     """A waiter of the sync store: rung by the store's pub/sub reader thread.
 
     Its id is the token of the acquire it waits for (set at the first try): the id
-    queued in Redis, and the message a hand-over publishes.
+    queued in Redis, and the message a hand-over publishes. Its doorbell (a lock and
+    an event, a few µs) is made when it joins its channel (``arm``): only then can it
+    be rung, and only a refused waiter, which has joined, is waited on. Most acquires
+    are granted at the first try and never need it.
     """
 
-    __slots__ = ("channel", "hub", "id", "on_close", "subscribed")
+    __slots__ = ("armed", "channel", "hub", "id", "on_close", "subscribed")
 
     def __init__(self, hub: _Subscriptions, channel: str) -> None:
-        super().__init__()
+        self.armed = False
         self.hub = hub
         self.channel = channel
         self.id = ""
         self.subscribed = False
         # Set while the waiter is queued in Redis: leaves the queue (one round trip).
         self.on_close: Callable[[], None] | None = None
+
+    def arm(self) -> None:
+        if not self.armed:
+            self.armed = True
+            super().__init__()
+
+    def wait(self, timeout: float) -> bool:
+        self.arm()  # joined, hence armed, already: this only keeps it safe to call
+        return super().wait(timeout)
+
+    async def wait_async(self, timeout: float) -> bool:
+        self.arm()
+        return await super().wait_async(timeout)
 
     def close(self) -> None:
         on_close, self.on_close = self.on_close, None
@@ -559,6 +575,7 @@ class _Subscriptions:
             confirmed = self._confirmed.get(waiter.channel)
             if self._pid != os.getpid() or confirmed is None or not confirmed.is_set():
                 return False
+            waiter.arm()
             self._channels.add(waiter.channel, waiter)
         waiter.subscribed = True
         return True
@@ -571,6 +588,7 @@ class _Subscriptions:
                 self._pid, self._pubsub, self._thread = os.getpid(), None, None
                 self._channels = _Channels()
                 self._confirmed.clear()
+            waiter.arm()
             self._channels.add(waiter.channel, waiter)
             confirmed = self._confirmed.get(waiter.channel)
             if confirmed is None:
@@ -883,6 +901,27 @@ class _Connections:
                 self._pool.release(conn)
 
 
+async def _send(conn: Any, args: tuple[Any, ...]) -> None:
+    """Send one command on a ``redis.asyncio`` connection.
+
+    redis-py guards each write with ``asyncio.wait_for(drain, socket_timeout)``: on
+    Python 3.11 a task and two turns of the event loop per command, for a write that
+    cannot block when nothing is buffered (the usual case: one small command in flight
+    per connection). That write is done here; the timed, redis-py way stays for a
+    write that did not go out at once, and for whatever this does not know how to
+    handle (no stream yet, health checks).
+    """
+    writer = getattr(conn, "_writer", None)
+    if writer is None or conn.health_check_interval:
+        await conn.send_command(*args)
+        return
+    writer.writelines(conn.pack_command(*args))
+    if writer.transport.get_write_buffer_size():  # the socket is full: wait, timed
+        await asyncio.wait_for(writer.drain(), conn.socket_timeout)
+    else:
+        await writer.drain()  # does not wait; raises if the connection was lost
+
+
 class _AsyncConnections:
     """``_Connections`` for an async store (connections of ``redis.asyncio``)."""
 
@@ -896,7 +935,7 @@ class _AsyncConnections:
         except IndexError:
             conn, used = await self._pool.get_connection(), False
         try:
-            await conn.send_command(*args)
+            await _send(conn, args)
             reply = await conn.read_response()
         except redis.exceptions.ResponseError:
             self._free.append(conn)
@@ -984,6 +1023,10 @@ class _LazyCluster:
             client.close()
 
 
+def _step_name(call: _Call) -> str:
+    return f"Redis {call.script.name} of {call.key!r}"
+
+
 class RedisStore:
     """The Redis store for one namespace (sync, on redis-py)."""
 
@@ -1008,13 +1051,19 @@ class RedisStore:
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
 
     def _run(self, call: _Call) -> Outcome:
-        with translate_errors(*_DRIVER_ERRORS, what=f"Redis {call.script.name} of {call.key!r}"):
+        try:
+            # (A cluster client is made here, at its first use: see _LazyCluster.)
             send = self._client.execute_command if self._conns is None else self._conns.call
             try:
                 reply = send("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
             except NoScriptError:  # a restarted or flushed server: load and go again
                 self._client.script_load(call.script.source)
                 reply = send("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+        except _DRIVER_ERRORS:
+            # Translated by the one translator, entered only on failure: on every step
+            # it cost about as much as the rest of this method.
+            with translate_errors(*_DRIVER_ERRORS, what=_step_name(call)):
+                raise
         return call.read(call.key, reply)
 
     def try_acquire(
@@ -1122,8 +1171,12 @@ class RedisStore:
 
     def waiter(self, key: str) -> _RedisWaiter:
         channel = self._layout.lease(key)
-        with translate_errors(*_DRIVER_ERRORS, what=f"Redis node of {key!r}"):
-            return _RedisWaiter(self._hubs.for_channel(channel), channel)
+        try:
+            hub = self._hubs.for_channel(channel)
+        except _DRIVER_ERRORS:  # as in _run
+            with translate_errors(*_DRIVER_ERRORS, what=f"Redis node of {key!r}"):
+                raise
+        return _RedisWaiter(hub, channel)
 
     def close(self) -> None:
         self._hubs.close()
@@ -1158,8 +1211,8 @@ class AsyncRedisStore:
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
 
     async def _run(self, call: _Call) -> Outcome:
-        send = self._client.execute_command if self._conns is None else self._conns.call
-        with translate_errors(*_DRIVER_ERRORS, what=f"Redis {call.script.name} of {call.key!r}"):
+        try:
+            send = self._client.execute_command if self._conns is None else self._conns.call
             try:
                 reply = await send(
                     "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
@@ -1169,6 +1222,9 @@ class AsyncRedisStore:
                 reply = await send(
                     "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
                 )
+        except _DRIVER_ERRORS:
+            with translate_errors(*_DRIVER_ERRORS, what=_step_name(call)):  # as in RedisStore
+                raise
         return call.read(call.key, reply)
 
     async def try_acquire(
@@ -1287,8 +1343,12 @@ class AsyncRedisStore:
 
     async def waiter(self, key: str) -> _AsyncRedisWaiter:
         channel = self._layout.lease(key)
-        with translate_errors(*_DRIVER_ERRORS, what=f"Redis node of {key!r}"):
-            return _AsyncRedisWaiter(await self._hubs.for_channel(channel), channel)
+        try:
+            hub = await self._hubs.for_channel(channel)
+        except _DRIVER_ERRORS:  # as in _run
+            with translate_errors(*_DRIVER_ERRORS, what=f"Redis node of {key!r}"):
+                raise
+        return _AsyncRedisWaiter(hub, channel)
 
     async def aclose(self) -> None:
         await self._hubs.aclose()
