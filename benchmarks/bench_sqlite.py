@@ -1,21 +1,31 @@
 """SQLite store against file locks: contention on one key, and the uncontended cost.
 
 Run: .venv/bin/python benchmarks/bench_sqlite.py [--seconds 3] [--rounds 3]
+    [--baseline OTHER_sqlite.py] [--output PATH]
 
 Contention: 4 processes loop on one key for a fixed time; the critical section is a
 read-modify-write of a counter file. For each lock we report acquires/s, lost updates
 (counter vs acquisitions), handoff latency (a release -> the next holder's acquire,
 on the host's shared monotonic clock), same-holder % (consecutive acquisitions by the
-process that just released) and the worst wait of any single acquire.
+process that just released), the busiest process's share of all acquisitions, the
+worst wait of any single acquire, and the CPU time the 4 processes spent per acquire
+(on a shared machine, a lock that burns less CPU leaves more for the holder).
 Uncontended: µs per acquire+release pair in one process, next to ``fcntl.flock``.
-Rounds interleave the contenders; the table shows medians. Results go to
-benchmarks/results/sqlite.md.
+Rounds interleave the contenders, in an order rotated from round to round; the table
+shows medians, and the ratio to filelock is the median of per-round ratios. Results go
+to benchmarks/results/sqlite.md (``--output`` to write elsewhere).
+
+``--baseline`` names another version of ``src/keymutex/stores/sqlite.py`` (e.g. a copy
+taken before a change): it is loaded as a module of its own and put under a ``Locks``
+in place of this checkout's store, everything else being this checkout's, as the row
+"keymutex-sqlite (before)". Both versions run in the same rounds: compare them there.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import importlib.util
 import itertools
 import multiprocessing as mp
 import os
@@ -26,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import filelock
 
@@ -33,15 +44,37 @@ import keymutex
 
 PROCESSES = 4
 RESULTS = Path(__file__).parent / "results"
+BEFORE = "keymutex-sqlite (before)"
 
 
 def _clock() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)  # shared by all processes on the host
 
 
-def _lock_factory(kind: str, workdir: str) -> Callable[[], AbstractContextManager[object]]:
-    if kind == "keymutex-sqlite":
-        locks = keymutex.Locks(f"sqlite:///{workdir}/locks.db", ttl=10.0)
+def _baseline_module(path: str) -> ModuleType:
+    """The store module at ``path``, loaded once per process under a name of its own."""
+    name = "keymutex_baseline_sqlite"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None, path
+        assert spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while it loads
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _lock_factory(
+    kind: str, workdir: str, baseline: str | None
+) -> Callable[[], AbstractContextManager[object]]:
+    if kind in ("keymutex-sqlite", BEFORE):
+        url = f"sqlite:///{workdir}/locks.db"
+        locks = keymutex.Locks(url, ttl=10.0)
+        if kind == BEFORE:
+            assert baseline is not None
+            locks._store.close()
+            # Only renew=False is measured: the renewer, made for the other store, is idle.
+            locks._store = _baseline_module(baseline).driver.open(url, namespace="", options={})
         return lambda: locks.lock("counter", renew=False)
     if kind == "filelock":
         lock = filelock.FileLock(f"{workdir}/counter.lock")
@@ -63,12 +96,20 @@ def _lock_factory(kind: str, workdir: str) -> Callable[[], AbstractContextManage
     raise ValueError(kind)
 
 
-def _worker(kind: str, workdir: str, start_at: float, stop_at: float, out: mp.Queue) -> None:  # type: ignore[type-arg]
-    make_lock = _lock_factory(kind, workdir)
+def _worker(
+    kind: str,
+    workdir: str,
+    baseline: str | None,
+    start_at: float,
+    stop_at: float,
+    out: mp.Queue,  # type: ignore[type-arg]
+) -> None:
+    make_lock = _lock_factory(kind, workdir, baseline)
     counter = Path(workdir) / "counter"
     spans: list[tuple[float, float, float]] = []  # (asked, acquired, released)
     while _clock() < start_at:
         time.sleep(0.001)
+    cpu = time.process_time()
     while True:
         asked = _clock()
         if asked >= stop_at:
@@ -79,18 +120,20 @@ def _worker(kind: str, workdir: str, start_at: float, stop_at: float, out: mp.Qu
             counter.write_text(str(value + 1))
             released = _clock()
         spans.append((asked, acquired, released))
-    out.put((os.getpid(), spans))
+    out.put((os.getpid(), spans, time.process_time() - cpu))
 
 
-def contention(kind: str, seconds: float) -> dict[str, float]:
+def contention(kind: str, seconds: float, baseline: str | None) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as workdir:
         Path(workdir, "counter").write_text("0")
-        _lock_factory(kind, workdir)  # create the database before the clock starts
+        _lock_factory(kind, workdir, baseline)  # create the database before the clock starts
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         start_at = _clock() + 1.5  # let the spawned interpreters start
         procs = [
-            ctx.Process(target=_worker, args=(kind, workdir, start_at, start_at + seconds, out))
+            ctx.Process(
+                target=_worker, args=(kind, workdir, baseline, start_at, start_at + seconds, out)
+            )
             for _ in range(PROCESSES)
         ]
         for proc in procs:
@@ -101,7 +144,7 @@ def contention(kind: str, seconds: float) -> dict[str, float]:
         counter = int(Path(workdir, "counter").read_text())
     events = sorted(
         (acquired, released, asked, pid)
-        for pid, spans in results
+        for pid, spans, _ in results
         for asked, acquired, released in spans
     )
     total = len(events)
@@ -115,13 +158,15 @@ def contention(kind: str, seconds: float) -> dict[str, float]:
         "handoff p50 ms": statistics.median(handoffs) * 1e3,
         "handoff p90 ms": quantiles[8] * 1e3,
         "same holder %": 100.0 * same / max(1, total - 1),
+        "busiest process %": 100.0 * max(len(spans) for _, spans, _ in results) / total,
         "worst wait ms": max(waits) * 1e3,
+        "CPU µs/acquire": sum(cpu for _, _, cpu in results) / total * 1e6,
     }
 
 
-def uncontended(kind: str, pairs: int) -> float:
+def uncontended(kind: str, pairs: int, baseline: str | None) -> float:
     with tempfile.TemporaryDirectory() as workdir:
-        make_lock = _lock_factory(kind, workdir)
+        make_lock = _lock_factory(kind, workdir, baseline)
         for _ in range(200):
             with make_lock():
                 pass
@@ -137,14 +182,19 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=5000)
+    parser.add_argument("--baseline", help="another sqlite.py to compare, in the same run")
+    parser.add_argument("--output", default=str(RESULTS / "sqlite.md"))
     args = parser.parse_args()
+    baseline = None if args.baseline is None else str(Path(args.baseline).resolve())
     kinds = ["keymutex-sqlite", "filelock", "fcntl.flock"]
+    if baseline is not None:
+        kinds.insert(1, BEFORE)
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     unc: dict[str, list[float]] = {kind: [] for kind in kinds}
     for round_ in range(args.rounds):
-        for kind in kinds:
-            runs[kind].append(contention(kind, args.seconds))
-            unc[kind].append(uncontended(kind, args.pairs))
+        for kind in kinds[round_ % len(kinds) :] + kinds[: round_ % len(kinds)]:
+            runs[kind].append(contention(kind, args.seconds, baseline))
+            unc[kind].append(uncontended(kind, args.pairs, baseline))
             print(
                 f"round {round_ + 1} {kind}: {runs[kind][-1]} uncontended {unc[kind][-1]:.1f} µs",
                 file=sys.stderr,
@@ -163,14 +213,19 @@ def main() -> None:
             + " | ".join(f"{v:,.2f}" if isinstance(v, float) else str(v) for v in cells)
             + f" | {statistics.median(unc[kind]):,.1f} |"
         )
-    ratio = statistics.median(
-        r["acquires/s"] for r in runs["keymutex-sqlite"]
-    ) / statistics.median(r["acquires/s"] for r in runs["filelock"])
-    lines += ["", f"keymutex-sqlite / filelock acquires/s: **{ratio:.2f} ×** (goal ≥ 1.0)", ""]
+    lines.append("")
+    for kind in kinds[: kinds.index("filelock")]:
+        ratio = statistics.median(
+            mine["acquires/s"] / theirs["acquires/s"]
+            for mine, theirs in zip(runs[kind], runs["filelock"], strict=True)
+        )
+        lines.append(f"{kind} / filelock acquires/s: **{ratio:.2f} ×** (goal ≥ 1.0)  ")
+    lines += ["", f"Command: `.venv/bin/python {' '.join(sys.argv)}`", ""]
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sqlite.md").write_text(text)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
 
 
 if __name__ == "__main__":

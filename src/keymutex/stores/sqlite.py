@@ -136,8 +136,12 @@ _HAND_OFF = (
     " RETURNING token, owner, info, fence, acquired_at, expires, wake"
 )
 # Release: only the token's own lease (an expired one is deleted too, and reported lost).
+# ? = namespace, key, token, now. Returns its expiry, and whether a waiter that can be
+# handed the key is queued (what _HAND_OFF would find): if none, there is nothing to do.
 _RELEASE = (
-    "DELETE FROM keymutex_leases WHERE namespace = ? AND key = ? AND token = ? RETURNING expires"
+    "DELETE FROM keymutex_leases WHERE namespace = ?1 AND key = ?2 AND token = ?3"
+    " RETURNING expires, EXISTS (SELECT 1 FROM keymutex_waiters WHERE namespace = ?1"
+    " AND key = ?2 AND expires > ?4 AND address IS NOT NULL)"
 )
 # Renew: only the token's own live lease; returns the renewed lease.
 _RENEW = (
@@ -661,12 +665,13 @@ class SqliteStore:
         namespace = self._namespace
 
         def step(conn: sqlite3.Connection, now: float) -> tuple[Outcome, _Handoff | None]:
-            deleted = conn.execute(_RELEASE, (namespace, key, token)).fetchone()
+            deleted = conn.execute(_RELEASE, (namespace, key, token, now)).fetchone()
             if deleted is None:
                 row = conn.execute(_SELECT_LEASE, (namespace, key)).fetchone()
                 return _outcome(False, key, row, now), None
+            expires, queued = deleted
             # A lease past its expiry was no longer ours: report it lost.
-            return Outcome(deleted[0] > now), self._hand_off(conn, key, now)
+            return Outcome(expires > now), self._hand_off(conn, key, now) if queued else None
 
         with self._mutex:
             outcome, handoff = self._write_locked(step)
