@@ -11,6 +11,7 @@ see each other's locks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -92,6 +93,26 @@ class Live:
     app: Starlette
 
 
+def _run(server: uvicorn.Server, sock: socket.socket) -> None:
+    """``server.run()``, then the connections uvicorn leaves open closed in their loop.
+
+    At its graceful-shutdown timeout uvicorn cancels the requests still running (a long
+    poll, an event stream) but not their connections: left to the garbage collector,
+    their sockets would warn (``ResourceWarning``) in whatever test runs then.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(server.serve(sockets=[sock]))
+        for connection in list(server.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.abort()
+        loop.run_until_complete(asyncio.sleep(0.01))  # the aborts close in callbacks
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
 def _serve(app: Starlette) -> Iterator[Live]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -100,7 +121,7 @@ def _serve(app: Starlette) -> Iterator[Live]:
     server = uvicorn.Server(
         uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
     )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread = threading.Thread(target=_run, args=(server, sock), daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
