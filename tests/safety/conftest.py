@@ -3,7 +3,9 @@
 A scenario says which stores it runs on with
 ``@pytest.mark.parametrize("store_url", ["sqlite", "redis"], indirect=True)``; the
 servers are the session's (``tests/_redis_fixtures.py``, ``tests/_pg_fixtures.py``,
-``tests/_memcached_fixtures.py``), and each test works in a namespace of its own. A
+``tests/_memcached_fixtures.py``, ``tests/_etcd_fixtures.py``, ``tests/_zk_fixtures.py``;
+``http`` is a ``keymutex serve`` on SQLite, the conformance suite's
+``conformance/_http_server.py``), and each test works in a namespace of its own. A
 scenario that breaks a server starts its own (``faults.redis_standalone``).
 """
 
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from conformance._http_server import http_sqlite_url  # noqa: F401 - the "http" store's server
+
 from ._tools.resource import ResourceServer, child_env
 from ._tools.worker import WorkerConfig, command
 
@@ -27,6 +31,7 @@ STORE_FIXTURES = {
     "memcached": "memcached_url",
     "etcd": "etcd_url",
     "zookeeper": "zookeeper_url",
+    "http": "http_sqlite_url",  # ``keymutex serve`` on SQLite (one per test session)
 }
 
 

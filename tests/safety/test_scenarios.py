@@ -41,7 +41,9 @@ from ._tools.resource import ResourceServer
 from ._tools.worker import WorkerConfig, run
 from .conftest import worker_output
 
-CROSS_PROCESS = ["sqlite", "redis", "postgresql", "memcached"]
+CROSS_PROCESS = ["sqlite", "redis", "postgresql", "memcached", "etcd", "zookeeper", "http"]
+# The stores reached over TCP: the ones a proxy can put a network fault in front of.
+NETWORKED = ["redis", "postgresql", "memcached", "etcd", "zookeeper", "http"]
 # Slack for comparing our monotonic clock with a store's (same host: tiny; the rest is
 # scheduling on a small shared machine).
 CLOCK_SLACK = 0.05
@@ -53,8 +55,20 @@ CLOCK_SLACK = 0.05
 WAKE_SLACK = 0.25
 
 
+# How long after a lease's end a store may still show it held, beyond a poll: etcd
+# revokes expired leases in a sweep every 500 ms (src/keymutex/stores/etcd.py, "TTLs").
+# The other stores judge expiry at each request (Redis PX, the expiry column or record
+# compared on read, ZooKeeper's deadline by the leader's clock, the lock server's store).
+EXPIRY_LATENESS: dict[str, float] = {"etcd": 0.5}
+
+
 def stores(*names: str) -> pytest.MarkDecorator:
     return pytest.mark.parametrize("store_url", list(names), indirect=True)
+
+
+def store_name(url: str) -> str:
+    """The store a URL of the fixtures names: its scheme (``http``: the lock server)."""
+    return urlsplit(url).scheme
 
 
 def history_of(tmp_path: Path, name: str) -> str:
@@ -160,7 +174,7 @@ PAUSE_TTL = 1.0
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fencing", [True, False], ids=["fencing", "no-fencing"])
-@stores("sqlite", "redis", "postgresql")
+@stores(*CROSS_PROCESS)
 def test_holder_paused_past_ttl(
     store_url: str,
     namespace: str,
@@ -230,12 +244,16 @@ def test_holder_paused_past_ttl(
 # -- 3. holder killed ------------------------------------------------------------------
 
 KILL_TTL = 1.5
+# etcd leases are whole seconds (``ceil(ttl)``): with 1.5 s etcd would keep a dead
+# holder's key 0.5 s past the lease's end on top of its expiry sweep; a whole-second TTL
+# leaves only the sweep (EXPIRY_LATENESS).
+KILL_TTLS: dict[str, float] = {"etcd": 2.0}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("renew", [False, True], ids=["plain", "renewing"])
-@stores("sqlite", "redis", "postgresql", "memcached")
+@stores(*CROSS_PROCESS)
 def test_holder_killed(
     store_url: str,
     namespace: str,
@@ -246,7 +264,12 @@ def test_holder_killed(
     record_property,
 ) -> None:  # type: ignore[no-untyped-def]
     """A holder is SIGKILLed in its critical section: the key stays held until the lease
-    runs out (not before), and is free soon after (not never)."""
+    runs out (not before), and is free soon after (not never).
+
+    ZooKeeper: the dead holder's session lives on (its timeout, 40 s by default); the
+    lease ends at its own deadline all the same, by the leader's clock."""
+    store = store_name(store_url)
+    ttl = KILL_TTLS.get(store, KILL_TTL)
     resource: ResourceServer = make_resource()
     a = spawn_worker(
         WorkerConfig(
@@ -256,14 +279,14 @@ def test_holder_killed(
             name="A",
             namespace=namespace,
             rounds=1,
-            ttl=KILL_TTL,
+            ttl=ttl,
             hold=60.0,
             renew=renew,
         )
     )
     wait_until(lambda: has_op(tmp_path, "A", "cs"), 30, what="A in its critical section")
     if renew:
-        time.sleep(KILL_TTL * 1.2)  # past the first TTL: only renewals keep it now
+        time.sleep(ttl * 1.2)  # past the first TTL: only renewals keep it now
     killed_at = kill(a)
     grant = first(ops_of(tmp_path, "A"), "A", "acquire")
 
@@ -275,7 +298,7 @@ def test_holder_killed(
                 lease = locks.acquire("k", timeout=0)
             except keymutex.Locked:
                 attempts.append((invoked, time.monotonic()))
-                assert invoked - killed_at < KILL_TTL + 5, "the dead holder's key never freed"
+                assert invoked - killed_at < ttl + 5, "the dead holder's key never freed"
                 time.sleep(0.02)
                 continue
             freed = (invoked, time.monotonic())
@@ -284,11 +307,13 @@ def test_holder_killed(
     record_property("kill_to_free_s", round(freed[1] - killed_at, 3))
     record_property("grant_to_free_s", round(freed[1] - grant.invoke, 3))
     assert attempts, "the key was held right after the kill"
-    # Not before: the last grant or renewal was sent before the kill; it lasts KILL_TTL.
-    earliest = grant.invoke + KILL_TTL if not renew else killed_at
+    # Not before: the last grant or renewal was sent before the kill; it lasts ``ttl``.
+    earliest = grant.invoke + ttl if not renew else killed_at
     assert freed[1] >= earliest - CLOCK_SLACK, (freed, earliest)
-    # Not never: free within KILL_TTL of the kill (plus one poll and a slow machine).
-    latest = (grant.complete if not renew else killed_at) + KILL_TTL + 1.0
+    # Not never: free within ``ttl`` of the kill (plus the store's expiry lateness, one
+    # poll and a slow machine).
+    late = EXPIRY_LATENESS.get(store, 0.0)
+    latest = (grant.complete if not renew else killed_at) + ttl + late + 1.0
     assert freed[0] <= latest, f"free {freed[0] - killed_at:.2f} s after the kill"
     assert lease.fence > grant.fence  # type: ignore[operator]
 
@@ -312,7 +337,7 @@ def _in_child(lease: keymutex.Lease, action: str) -> str:
 
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
 @pytest.mark.parametrize("action", ["release", "renew", "with-exit"])
-@stores("sqlite", "redis", "postgresql")
+@stores(*CROSS_PROCESS)
 def test_fork_child_cannot_release_or_renew_the_parents_lease(
     store_url: str, namespace: str, action: str
 ) -> None:
@@ -349,7 +374,11 @@ BLACKHOLE_TTL = 1.5
 
 
 def _proxied(url: str, proxy: Proxy) -> str:
+    """``url`` with its one ``host:port`` replaced by the proxy's, credentials, path and
+    query kept: ``redis://h:p/0``, ``postgresql://user@h:p/db``, ``memcached://h:p``,
+    ``etcd://h:p``, ``zookeeper://h:p``, ``http://h:p`` (the fixtures' forms)."""
     parts = urlsplit(url)
+    assert "," not in parts.netloc, f"one server only: {url}"
     netloc = parts.netloc.rpartition("@")
     auth = netloc[0] + netloc[1]
     return parts._replace(netloc=f"{auth}127.0.0.1:{proxy.port}").geturl()
@@ -369,10 +398,10 @@ _BLACKHOLE_RUNS: dict[str, dict[str, float | bool]] = {}
 
 def _blackhole_run(store_url: str, namespace: str) -> dict[str, float | bool]:
     """Hold a renewing lease through the proxy, blackhole the link, and time: the local
-    deadline, when ``lease.lost`` turned true, when another client (direct to the store)
-    was granted the key, and when ``on_lost`` was called (waited for up to 6 s after the
-    grant, longer than the Redis socket timeout; the link is then reset, so a stuck
-    renewal ends)."""
+    deadline, the last read of ``lease.lost`` that said held and the first that said
+    lost, when another client (direct to the store) was granted the key, and when
+    ``on_lost`` was called (waited for up to 6 s after the grant, longer than the Redis
+    socket timeout; the link is then reset, so a stuck renewal ends)."""
     if store_url in _BLACKHOLE_RUNS:
         return _BLACKHOLE_RUNS[store_url]
     seen: dict[str, float | bool] = {}
@@ -391,6 +420,8 @@ def _blackhole_run(store_url: str, namespace: str) -> dict[str, float | bool]:
                 invoked = time.monotonic()
                 if lease.lost:
                     seen.setdefault("lost", invoked)
+                else:
+                    seen["last_held"] = invoked  # the last read that said held began here
                 try:
                     grant = other.acquire("k", timeout=0)
                 except keymutex.Locked:
@@ -416,7 +447,7 @@ def _blackhole_run(store_url: str, namespace: str) -> dict[str, float | bool]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@stores("redis", "postgresql")
+@stores(*NETWORKED)
 def test_renewals_blackholed_lease_lost_by_local_deadline(
     store_url: str, namespace: str, record_property
 ) -> None:
@@ -425,18 +456,21 @@ def test_renewals_blackholed_lease_lost_by_local_deadline(
     granted the key."""
     seen = _blackhole_run(store_url, namespace)
     start = seen["blackhole"]
-    for name in ("deadline", "lost", "granted", "on_lost"):
+    for name in ("deadline", "last_held", "lost", "granted", "on_lost"):
         if name in seen:
             record_property(f"{name}_after_blackhole_s", round(seen[name] - start, 3))
     record_property("on_lost_before_reset", seen["on_lost_before_reset"])
     assert seen["lost_when_granted"] is True, "another got the key while the lease looked held"
-    assert seen["lost"] <= seen["deadline"] + 0.02, seen
+    # No read that began after the deadline said held. (When the first "lost" is read
+    # depends on this loop's pace, one refused acquire per turn: on etcd four requests,
+    # three of them raft writes, which put the first read 13-14 ms past the deadline.)
+    assert seen["last_held"] <= seen["deadline"] + CLOCK_SLACK, seen
     assert seen["lost"] <= seen["granted"], seen
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@stores("redis", "postgresql")
+@stores(*NETWORKED)
 def test_renewals_blackholed_on_lost_by_local_deadline(store_url: str, namespace: str) -> None:
     """Same run: ``on_lost`` must be called by the local deadline too (issue 7: every lost
     lease is reported to its holder no later than its local deadline)."""
@@ -453,7 +487,7 @@ def test_renewals_blackholed_on_lost_by_local_deadline(store_url: str, namespace
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@stores("redis", "postgresql")
+@stores(*NETWORKED)
 def test_renewals_blackholed_async_on_lost_by_local_deadline(
     store_url: str, namespace: str
 ) -> None:
@@ -550,13 +584,17 @@ def test_renewal_granted_after_the_deadline_is_given_back(store_url: str, namesp
 SILENT_OPTIONS: dict[str, dict[str, object]] = {
     "redis": {"socket_timeout": 2.0},
     "postgresql": {"timeout": 2.0},
+    "memcached": {"socket_timeout": 2.0},
+    "etcd": {"timeout": 2.0},
+    "zookeeper": {"timeout": 2.0},
+    "http": {"timeout": 2.0},
 }
 SILENT_BOUND = 6.0
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@stores("redis", "postgresql")
+@stores(*NETWORKED)
 def test_silent_store_acquire_returns_in_bounded_time(
     store_url: str, namespace: str, record_property
 ) -> None:
@@ -767,36 +805,73 @@ def test_holder_partitioned_off_learns_at_its_deadline_and_is_fenced(
 # -- 6. acquire reply dropped ----------------------------------------------------------
 
 REPLY_TTL = 2.0
+# Each store's client waits this long for a reply (short: the reply never comes). Redis
+# retries a timed-out call once (so 1.0 s in all); ZooKeeper gets 1 s: its connection
+# is (re)made within this timeout too, through a JVM on a busy host.
+REPLY_OPTIONS: dict[str, dict[str, object]] = {
+    "redis": {"socket_timeout": 0.5},
+    "postgresql": {"timeout": 0.5},
+    "memcached": {"socket_timeout": 0.5},
+    "etcd": {"timeout": 0.5},
+    "zookeeper": {"timeout": 1.0},
+    "http": {"timeout": 0.5},
+}
+# Where the dropping starts, for a store whose acquire takes several round trips: at
+# the reply to the grant's write (the replies before it pass). Elsewhere the acquire's
+# first request is the grant: a Redis script, one PostgreSQL statement, one POST
+# /v1/acquire to the lock server.
+DROP_FROM: dict[str, dict[str, bytes]] = {
+    # gets (a free key), incr (a fence), then add: the grant
+    "memcached": {"after_request": b"add km1:l:"},
+    # lease grant, then the transaction that puts the key
+    "etcd": {"after_request": b"POST /v3/kv/txn"},
+    # The create of the contender node, already holding, is the grant; on a new key it
+    # first fails (NoNode: the key's node is made, then the create sent again). Only
+    # the reply of the create that made its node names it: <namespace>/kk/<digest>-<n>.
+    "zookeeper": {"from_reply": b"/kk/"},
+}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@stores("redis")
+@stores(*NETWORKED)
 def test_acquire_reply_dropped_leaves_no_ghost_beyond_ttl(
     store_url: str, namespace: str, record_property
 ) -> None:
     """The store grants an acquire but the reply never comes back: the caller gets an
-    error, the grant is a ghost nobody knows of, and it must be gone within its TTL."""
+    error, the grant is a ghost nobody knows of, and it must be gone within its TTL.
+
+    ZooKeeper does better: its client remembers a create whose reply was lost and
+    deletes that node as soon as its connection is back (an "orphan"), so the ghost goes
+    when the link is restored, before its TTL."""
+    store = store_name(store_url)
     with Proxy(_upstream(store_url)) as proxy:
         client = keymutex.Locks(
-            _proxied(store_url, proxy), namespace=namespace, ttl=REPLY_TTL, socket_timeout=0.5
+            _proxied(store_url, proxy), namespace=namespace, ttl=REPLY_TTL, **REPLY_OPTIONS[store]
         )
         direct = keymutex.Locks(store_url, namespace=namespace, ttl=5.0)
         with client, direct:
             client.acquire("warm-up", timeout=0).release()  # connected, scripts loaded
-            proxy.set_mode("drop_replies")
+            proxy.set_mode("drop_replies", **DROP_FROM.get(store, {}))
             sent = time.monotonic()
             with pytest.raises(keymutex.StoreError):
                 client.acquire("k", timeout=0)
             failed = time.monotonic()
-            proxy.set_mode("pass")
             ghost = direct.holder("k")
             assert ghost is not None, "the request reached the store and was granted"
+            # The link that lost a reply is cut, as on a real network: TCP never drops
+            # a reply and carries on (kazoo, meeting the next reply's xid instead, gives
+            # up its connection thread). The client connects anew.
+            proxy.set_mode("reset")
+            proxy.set_mode("pass")
             freed = wait_until(lambda: _try_once(direct, "k"), REPLY_TTL + 5, what="ghost gone")
     record_property("error_after_s", round(failed - sent, 3))
     record_property("ghost_lived_s", round(freed - sent, 3))
     assert proxy.dropped_bytes > 0
-    assert freed - sent <= REPLY_TTL + 0.5, f"ghost lived {freed - sent:.2f} s"
+    late = EXPIRY_LATENESS.get(store, 0.0)
+    assert freed - sent <= REPLY_TTL + late + 0.5, f"ghost lived {freed - sent:.2f} s"
+    if store == "zookeeper":  # measured: ~0.1 s after the link is back
+        assert freed < sent + REPLY_TTL - CLOCK_SLACK, "the orphan was not deleted"
     assert failed - sent < REPLY_TTL + 0.5, "the caller learned of the failure in time"
 
 
@@ -945,7 +1020,7 @@ def _grant(invoked: float, lease: keymutex.Lease) -> Op:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@stores("memory", "sqlite", "redis", "postgresql", "memcached")
+@stores("memory", *CROSS_PROCESS)
 def test_cancellation_at_random_points_leaves_no_stuck_key(store_url: str, namespace: str) -> None:
     """Tasks contend for a key and are cancelled at points Hypothesis picks (while
     waiting, while acquiring, while holding): afterwards nobody holds the key."""

@@ -9,7 +9,12 @@ bytes from then on, on every connection, old and new:
 - ``blackhole``: every byte dropped in both directions, sockets kept open: the client
   sees a peer that is alive and silent (as behind a dropped route), until its timeout;
 - ``drop_replies``: requests forwarded to the store, replies dropped: the store acts,
-  the client never learns of it;
+  the client never learns of it. With ``after_request`` (``from_reply``), replies
+  still pass until a request containing those bytes has been forwarded (a reply
+  containing them comes): from then on, that request's reply (that reply) and every
+  later one are dropped. This aims the fault at one step of a store whose acquire
+  takes several round trips: the reply to the grant's write. Bytes are matched within
+  one read of a socket (small requests and replies on a local link come whole);
 - ``reset``: every connection is closed with a TCP RST, and so is each new one.
 """
 
@@ -38,6 +43,11 @@ def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
+async def _settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
 class Proxy:
     """A TCP proxy to ``upstream`` with switchable faults (a context manager)."""
 
@@ -46,11 +56,14 @@ class Proxy:
         self.host = host  # where it listens
         self.mode: Mode = "pass"
         self.latency = 0.0
+        # drop_replies: replies pass until a request (a reply) contains these bytes
+        self.after_request = b""
+        self.from_reply = b""
         self.port = 0
         self.connections = 0  # accepted so far
         self.dropped_bytes = 0
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._server: asyncio.Server | None = None
         self._open: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter | None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -66,10 +79,24 @@ class Proxy:
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
-    def set_mode(self, mode: Mode, latency: float = 0.0) -> None:
-        """Switch every connection to ``mode`` (``reset`` also resets the open ones)."""
+    def set_mode(
+        self,
+        mode: Mode,
+        latency: float = 0.0,
+        *,
+        after_request: bytes = b"",
+        from_reply: bytes = b"",
+    ) -> None:
+        """Switch every connection to ``mode`` (``reset`` also resets the open ones).
+
+        ``after_request``, ``from_reply`` (``drop_replies`` only, one of them): drop
+        replies only from the reply to the first request containing these bytes, or
+        from the first reply containing them, on any connection.
+        """
         assert mode in MODES, mode
-        self._call(self._switch(mode, latency))
+        assert mode == "drop_replies" or not (after_request or from_reply), mode
+        assert not (after_request and from_reply), "one trigger at a time"
+        self._call(self._switch(mode, latency, after_request, from_reply))
 
     def stop(self) -> None:
         if not self._thread.is_alive():
@@ -77,7 +104,6 @@ class Proxy:
         self._call(self._shutdown())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
-        self._loop.close()
 
     def __enter__(self) -> Self:
         return self.start()
@@ -92,11 +118,23 @@ class Proxy:
 
     # -- in the proxy's loop ----------------------------------------------------------
 
+    def _run(self) -> None:
+        """The proxy's thread: its loop, until stopped, then closed."""
+        self._loop.run_forever()
+        # Callbacks scheduled in the loop's last turn (a transport aborted then closes
+        # its socket a turn later) run before the close: a socket left open is a
+        # ResourceWarning, an error in this suite.
+        self._loop.run_until_complete(_settle())
+        self._loop.close()
+
     def _call(self, coro):  # type: ignore[no-untyped-def]
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
-    async def _switch(self, mode: Mode, latency: float) -> None:
+    async def _switch(
+        self, mode: Mode, latency: float, after_request: bytes, from_reply: bytes
+    ) -> None:
         self.mode, self.latency = mode, latency
+        self.after_request, self.from_reply = after_request, from_reply
         if mode == "reset":
             for client, upstream in list(self._open):
                 _abort_with_rst(client)
@@ -116,10 +154,25 @@ class Proxy:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for _ in range(3):  # the aborted transports close their sockets in callbacks
-            await asyncio.sleep(0)
+        await _settle()  # the aborted transports close their sockets in callbacks
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Tracked like the pumps, so that a shutdown cancels a connect still under way
+        # (which closes its socket) rather than leave it to the loop's end: a socket
+        # left open there is a ResourceWarning, an error in this suite.
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self._connect(reader, writer)
+        except asyncio.CancelledError:
+            # The proxy stops: end quietly (a cancelled connection callback would make
+            # asyncio log an error), the client's connection cut.
+            _abort_with_rst(writer)
+        finally:
+            self._tasks.discard(task)
+
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         if self.mode == "reset" or self._closing:
             _abort_with_rst(writer)
@@ -152,7 +205,14 @@ class Proxy:
         try:
             while data := await reader.read(65536):
                 mode = self.mode
-                if mode == "blackhole" or (mode == "drop_replies" and reply):
+                if mode == "drop_replies":
+                    # Armed before the request leaves, so that its reply is dropped.
+                    if not reply and self.after_request and self.after_request in data:
+                        self.after_request = b""
+                    if reply and self.from_reply and self.from_reply in data:
+                        self.from_reply = b""
+                dropping = reply and not (self.after_request or self.from_reply)
+                if mode == "blackhole" or (mode == "drop_replies" and dropping):
                     self.dropped_bytes += len(data)
                     continue
                 if mode == "latency" and self.latency > 0:
