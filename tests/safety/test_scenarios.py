@@ -640,7 +640,7 @@ JUMP_TTL = 3.0  # renewed every second: a busy host's delays stay far from the d
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@stores("sqlite", "redis", "postgresql")
+@stores("sqlite", "redis", "postgresql", "etcd", "zookeeper", "http")
 def test_holder_wall_clock_jumps_change_nothing(
     store_url: str, namespace: str, make_resource, spawn_worker, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
