@@ -32,6 +32,7 @@ from ._tools.faults import (
     network_namespace,
     network_namespace_problem,
     paused,
+    paused_tree,
     redis_standalone,
     wait_until,
 )
@@ -925,18 +926,29 @@ def test_redis_restart_fences(tmp_path: Path, namespace: str, appendonly: bool) 
 
 
 @contextlib.contextmanager
-def _crashable_store(name: str, directory: Path) -> Iterator[tuple[str, Callable[[], None]]]:
-    """A server of the test's own: its URL, and a crash (SIGKILL) then restart."""
+def _crashable_store(
+    name: str, directory: Path
+) -> Iterator[tuple[str, Callable[[], None], Callable[[], int]]]:
+    """A server of the test's own: its URL, a crash (SIGKILL) then restart, and the pid
+    of its (main) process (PostgreSQL and memcached)."""
     if name == "postgresql":
         from _pg_server import running_server
 
         with running_server() as postgres:
-            yield postgres.url, lambda: (postgres.kill(), postgres.restart_after_crash())
+            yield (
+                postgres.url,
+                lambda: (postgres.kill(), postgres.restart_after_crash()),
+                lambda: _pid_of(postgres.process),
+            )
     elif name == "memcached":
         from _memcached_fixtures import MemcachedServer
 
         with MemcachedServer(directory).start() as memcached:
-            yield memcached.url, lambda: (memcached.kill(), memcached.start())
+            yield (
+                memcached.url,
+                lambda: (memcached.kill(), memcached.start()),
+                lambda: _pid_of(memcached.process),
+            )
     elif name == "etcd":
         from _etcd_servers import single
 
@@ -948,13 +960,22 @@ def _crashable_store(name: str, directory: Path) -> Iterator[tuple[str, Callable
                 member.spawn(new=False)
                 etcd.wait_ready()
 
-            yield etcd.url, crash
+            yield etcd.url, crash, lambda: _pid_of(member.process)
     else:
         assert name == "zookeeper", name
         from _zk_servers import standalone
 
         with standalone(directory) as zookeeper:
-            yield zookeeper.url, lambda: (zookeeper.kill(), zookeeper.start())
+            yield (
+                zookeeper.url,
+                lambda: (zookeeper.kill(), zookeeper.start()),
+                lambda: _pid_of(zookeeper.process),
+            )
+
+
+def _pid_of(process: subprocess.Popen[bytes] | None) -> int:
+    assert process is not None, "the server is not running"
+    return process.pid
 
 
 @pytest.mark.slow
@@ -978,7 +999,7 @@ def test_store_crash_and_restart_fences(
     require()
     grants = []
     with (
-        _crashable_store(store, tmp_path / store) as (url, crash_and_restart),
+        _crashable_store(store, tmp_path / store) as (url, crash_and_restart, _),
         keymutex.Locks(url, namespace=namespace, ttl=2.0) as locks,
     ):
         durable = locks._store.capabilities.durable_fences  # type: ignore[attr-defined]
@@ -1009,6 +1030,67 @@ def test_store_crash_and_restart_fences(
         # back would break that, hence durable_fences=False.
         assert store == "memcached"
         assert survivor is None
+
+
+# -- 7b. the store's server paused past the holder's TTL ------------------------------
+
+SERVER_PAUSE_TTL = 1.5
+# How long a step waits for a reply (each store's option): short, so that the renewal
+# stuck on the frozen server ends soon after the resume; the holder's deadline does not
+# depend on it.
+STEP_TIMEOUTS: dict[str, dict[str, object]] = {
+    "postgresql": {"timeout": 1.0},
+    "memcached": {"socket_timeout": 1.0},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("store", ["postgresql", "memcached"])
+def test_store_paused_past_ttl_holder_learns_at_its_deadline(
+    tmp_path: Path, namespace: str, store: str, record_property
+) -> None:  # type: ignore[no-untyped-def]
+    """The store's server freezes (SIGSTOP: every process of it, sockets open, nothing
+    answered) while a client holds a renewing lease, for twice the TTL. The holder learns
+    of the loss by its local deadline (``lease.lost``, ``on_lost``), though every renewal
+    call hangs; after the resume another client is granted the key with a larger fence,
+    and the old token's release fails."""
+    if store == "postgresql":
+        from _pg_fixtures import require_postgresql as require
+    else:
+        from _memcached_fixtures import require_memcached as require
+    require()
+    seen: dict[str, float] = {}
+    with _crashable_store(store, tmp_path / store) as (url, _crash, server_pid):
+        server = server_pid()
+        options = STEP_TIMEOUTS[store]
+        with (
+            keymutex.Locks(url, namespace=namespace, ttl=SERVER_PAUSE_TTL, **options) as holder,
+            keymutex.Locks(url, namespace=namespace, **options) as other,
+        ):
+            lease = holder.acquire(
+                "k", renew=True, on_lost=lambda _: seen.setdefault("on_lost", time.monotonic())
+            )
+            time.sleep(SERVER_PAUSE_TTL / 3 + 0.2)  # renewed once: connections made
+            assert not lease.lost
+            with paused_tree(server) as paused_at:
+                deadline = time.monotonic() + lease.remaining
+                wait_until(lambda: lease.lost, 2 * SERVER_PAUSE_TTL, what="the holder's loss")
+                seen["lost"] = time.monotonic()
+                time.sleep(max(0.0, paused_at + 2 * SERVER_PAUSE_TTL - time.monotonic()))
+            resumed = time.monotonic()
+            taken = other.acquire("k", timeout=10)
+            seen["granted"] = time.monotonic()
+            with pytest.raises(keymutex.LockLost):
+                holder.release("k", lease.token)
+            assert taken.fence > lease.fence
+            taken.release()
+    record_property("lost_after_pause_s", round(seen["lost"] - paused_at, 3))
+    record_property("granted_after_resume_s", round(seen["granted"] - resumed, 3))
+    assert seen["lost"] <= deadline + WAKE_SLACK, (seen, deadline)
+    assert "on_lost" in seen
+    assert seen["on_lost"] <= deadline + WAKE_SLACK, (seen, deadline)
+    assert seen["granted"] > deadline  # nobody could be granted while it was frozen
 
 
 def _grant(invoked: float, lease: keymutex.Lease) -> Op:

@@ -24,6 +24,7 @@ __all__ = [
     "kill",
     "network_namespace",
     "paused",
+    "paused_tree",
     "redis_standalone",
     "wait_until",
 ]
@@ -48,6 +49,45 @@ def paused(process: subprocess.Popen[bytes] | subprocess.Popen[str] | int) -> It
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid …": comm may hold spaces and parentheses.
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+@contextlib.contextmanager
+def paused_tree(process: subprocess.Popen[bytes] | subprocess.Popen[str] | int) -> Iterator[float]:
+    """``paused`` for a server made of processes (PostgreSQL: the postmaster and every
+    backend and worker it started): all of them frozen, sockets open, nothing answered.
+
+    Yields the monotonic time of the pause.
+    """
+    root = _pid(process)
+    stopped: list[int] = []
+    try:
+        os.kill(root, signal.SIGSTOP)  # first: it starts nobody new meanwhile
+        stopped.append(root)
+        for child in _children(root):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGSTOP)
+                stopped.append(child)
+        yield time.monotonic()
+    finally:
+        for pid in reversed(stopped):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def kill(process: subprocess.Popen[bytes] | subprocess.Popen[str]) -> float:
