@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -961,6 +962,9 @@ def _crashable_store(
                 etcd.wait_ready()
 
             yield etcd.url, crash, lambda: _pid_of(member.process)
+    elif name == "http":
+        with _LockServer(directory) as server:
+            yield server.url, server.crash_and_restart, server.pid
     else:
         assert name == "zookeeper", name
         from _zk_servers import standalone
@@ -973,6 +977,64 @@ def _crashable_store(
             )
 
 
+class _LockServer:
+    """``keymutex serve`` on a SQLite file, on a fixed port, that can crash (SIGKILL)
+    and start again on the same port and file (a context manager)."""
+
+    def __init__(self, directory: Path) -> None:
+        from _processes import free_port
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.directory / "server.log"
+        with log.open("ab") as output:
+            self.process = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "keymutex", "serve"),
+                    *("--port", str(self.port)),
+                    *("--store", f"sqlite:///{self.directory}/locks.db"),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1):
+                    return
+            except OSError:
+                assert self.process.poll() is None, log.read_text(errors="replace")
+                assert time.monotonic() < deadline, log.read_text(errors="replace")
+                time.sleep(0.05)
+
+    def crash_and_restart(self) -> None:
+        assert self.process is not None
+        kill(self.process)
+        self.start()
+
+    def pid(self) -> int:
+        return _pid_of(self.process)
+
+    def __enter__(self) -> _LockServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
 def _pid_of(process: subprocess.Popen[bytes] | None) -> int:
     assert process is not None, "the server is not running"
     return process.pid
@@ -980,7 +1042,7 @@ def _pid_of(process: subprocess.Popen[bytes] | None) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("store", ["postgresql", "memcached", "etcd", "zookeeper"])
+@pytest.mark.parametrize("store", ["postgresql", "memcached", "etcd", "zookeeper", "http"])
 def test_store_crash_and_restart_fences(
     tmp_path: Path, namespace: str, store: str, record_property
 ) -> None:  # type: ignore[no-untyped-def]
@@ -994,20 +1056,26 @@ def test_store_crash_and_restart_fences(
         from _memcached_fixtures import require_memcached as require
     elif store == "etcd":
         from _etcd_fixtures import require_etcd as require
-    else:
+    elif store == "zookeeper":
         from _zk_fixtures import require_zookeeper as require
+    else:  # the lock server (on SQLite): nothing to install
+
+        def require() -> None:
+            return None
+
     require()
     grants = []
     with (
         _crashable_store(store, tmp_path / store) as (url, crash_and_restart, _),
         keymutex.Locks(url, namespace=namespace, ttl=2.0) as locks,
     ):
-        durable = locks._store.capabilities.durable_fences  # type: ignore[attr-defined]
         for _ in range(5):
             invoked = time.monotonic()
             lease = locks.acquire("k", timeout=0)
             grants.append(_grant(invoked, lease))
             lease.release()
+        # (Read after a first request: the lock server's client learns it from /healthz.)
+        durable = locks._store.capabilities.durable_fences  # type: ignore[attr-defined]
         invoked = time.monotonic()
         held = locks.acquire("k", timeout=0)
         grants.append(_grant(invoked, held))
@@ -1024,7 +1092,10 @@ def test_store_crash_and_restart_fences(
     report = check_fencing([], grants)
     assert report.ok, report
     assert grants[-1].fence > held.fence  # type: ignore[operator]
-    if not durable:
+    if durable:  # the held lease came through the crash, as the store keeps it
+        assert survivor is not None
+        assert survivor.fence == held.fence
+    else:
         # memcached forgot the lease and its counter; the counter starts again from the
         # wall clock (microseconds), so fences still grew here — but a clock stepped
         # back would break that, hence durable_fences=False.
