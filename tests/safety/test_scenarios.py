@@ -720,7 +720,7 @@ PARTITION_TTL = 1.5
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@stores("redis", "postgresql", "zookeeper")
+@stores("redis", "postgresql", "memcached", "etcd", "zookeeper", "http")
 def test_holder_partitioned_off_learns_at_its_deadline_and_is_fenced(
     store_url: str, namespace: str, make_resource, spawn_worker, tmp_path: Path, record_property
 ) -> None:  # type: ignore[no-untyped-def]
