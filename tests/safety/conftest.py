@@ -12,6 +12,7 @@ scenario that breaks a server starts its own (``faults.redis_standalone``).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import uuid
@@ -42,6 +43,8 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return "memory://"
     if name == "sqlite":
         return f"sqlite:///{tmp_path}/locks.db"
+    if name == "mongodb":  # only generated when the variable is set (test_scenarios.py)
+        return os.environ["KEYMUTEX_TEST_MONGODB_URL"]
     return str(request.getfixturevalue(STORE_FIXTURES[name]))
 
 
