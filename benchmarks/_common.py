@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -10,12 +11,26 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import keymutex
 
 __all__ = ["cpu_model", "enter_peer_venv", "host_clock", "percentile", "revision"]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_module(path: str, name: str) -> ModuleType:
+    """The module at ``path`` (another version of a store, to compare), loaded once per
+    process under ``name``."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None, path
+        assert spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while it loads
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def host_clock() -> float:

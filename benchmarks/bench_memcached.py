@@ -32,7 +32,6 @@ benchmarks/results/memcached.md.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import multiprocessing as mp
 import os
@@ -54,6 +53,7 @@ import keymutex
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the server helper
 from _common import cpu_model as _cpu
 from _common import host_clock as _clock
+from _common import load_module
 from _common import percentile as _percentile
 from _common import revision as _revision
 
@@ -70,16 +70,7 @@ BASELINE = "baseline"
 
 
 def _baseline_module(path: str) -> ModuleType:
-    """The store module at ``path``, loaded once per process under a name of its own."""
-    name = "keymutex_baseline_memcached"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None, path
-        assert spec.loader is not None, path
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while it loads
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_module(path, "keymutex_baseline_memcached")
 
 
 def _locks(url: str, namespace: str, baseline: str | None) -> keymutex.Locks:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import importlib.util
 import itertools
 import multiprocessing as mp
 import os
@@ -39,6 +38,7 @@ from pathlib import Path
 from types import ModuleType
 
 import filelock
+from _common import load_module
 
 import keymutex
 
@@ -52,16 +52,7 @@ def _clock() -> float:
 
 
 def _baseline_module(path: str) -> ModuleType:
-    """The store module at ``path``, loaded once per process under a name of its own."""
-    name = "keymutex_baseline_sqlite"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None, path
-        assert spec.loader is not None, path
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while it loads
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_module(path, "keymutex_baseline_sqlite")
 
 
 def _lock_factory(
