@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -31,6 +34,33 @@ def load_module(path: str, name: str) -> ModuleType:
         sys.modules[name] = module  # dataclasses look their module up while it loads
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+@dataclass(frozen=True)
+class HoldFigures:
+    """What the holds of a contention run say about the lock (times in seconds)."""
+
+    overlaps: int  # holds that began before the previous one ended (must be 0)
+    same: int  # holds that followed one of the same process
+    handoffs: list[float]  # a release -> the next holder's grant, between processes
+    worst_wait: float  # the longest asked -> granted
+
+    def same_percent(self, holds: int) -> float:
+        return 100.0 * self.same / max(1, holds - 1)
+
+
+def hold_figures(holds: Sequence[tuple[float, float, float, int]]) -> HoldFigures:
+    """``holds``: (acquired, released, asked, pid) of every hold, sorted by acquired."""
+    handoffs: list[float] = []
+    same = overlaps = 0
+    for (_, released, _, pid), (acquired, _, _, next_pid) in itertools.pairwise(holds):
+        overlaps += acquired < released
+        if next_pid == pid:
+            same += 1
+        else:
+            handoffs.append(acquired - released)
+    worst = max((acquired - asked for acquired, _, asked, _ in holds), default=0.0)
+    return HoldFigures(overlaps, same, handoffs, worst)
 
 
 def host_clock() -> float:

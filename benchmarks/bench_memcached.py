@@ -32,7 +32,6 @@ benchmarks/results/memcached.md.
 from __future__ import annotations
 
 import argparse
-import itertools
 import multiprocessing as mp
 import os
 import platform
@@ -52,8 +51,8 @@ import keymutex
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the server helper
 from _common import cpu_model as _cpu
+from _common import hold_figures, load_module
 from _common import host_clock as _clock
-from _common import load_module
 from _common import percentile as _percentile
 from _common import revision as _revision
 
@@ -225,24 +224,18 @@ def contention(server: MemcachedServer, baseline: str | None, seconds: float) ->
         for pid, rows in replies
         for asked, acquired, released in rows
     )
-    handoffs: list[float] = []
-    same = overlaps = 0
-    for (_, released, _, pid), (acquired, _, _, next_pid) in itertools.pairwise(holds):
-        overlaps += acquired < released
-        if next_pid == pid:
-            same += 1
-        else:
-            handoffs.append((acquired - released) * 1e3)
+    figures = hold_figures(holds)
+    handoffs = [handoff * 1e3 for handoff in figures.handoffs]
     first_asked = min(hold[2] for hold in holds)
     return {
         "acquires/s": sum(1 for hold in holds if hold[0] < first_asked + seconds) / seconds,
         "lost": len(holds) - counted,
-        "overlaps": overlaps,
+        "overlaps": figures.overlaps,
         "handoff p50": _percentile(handoffs, 0.5),
         "handoff p90": _percentile(handoffs, 0.9),
-        "same %": 100.0 * same / max(1, len(holds) - 1),
+        "same %": figures.same_percent(len(holds)),
         "busiest %": 100.0 * max(len(rows) for _, rows in replies) / max(1, len(holds)),
-        "worst wait": max(acquired - asked for acquired, _, asked, _ in holds) * 1e3,
+        "worst wait": figures.worst_wait * 1e3,
         "commands/grant": commands / max(1, len(holds)),
     }
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -75,7 +74,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the server helpers
 from _common import cpu_model as _cpu
-from _common import enter_peer_venv
+from _common import enter_peer_venv, hold_figures
 from _common import host_clock as _clock
 from _common import percentile as _percentile
 from _common import revision as _revision
@@ -721,23 +720,17 @@ def contention(library: str, where: dict[str, Any], seconds: float) -> dict[str,
         for _, pid, rows, _ in replies
         for asked, acquired, released in rows
     )
-    handoffs: list[float] = []
-    same = overlaps = 0
-    for (_, released, _, pid), (acquired, _, _, next_pid) in itertools.pairwise(holds):
-        overlaps += acquired < released
-        if next_pid == pid:
-            same += 1
-        else:
-            handoffs.append((acquired - released) * 1e3)
+    figures = hold_figures(holds)
+    handoffs = [handoff * 1e3 for handoff in figures.handoffs]
     first_asked = min(h[2] for h in holds)
     return {
         "acquires/s": sum(1 for h in holds if h[0] < first_asked + seconds) / seconds,
         "lost": len(holds) - counted,
-        "overlaps": overlaps,
+        "overlaps": figures.overlaps,
         "handoff p50": _percentile(handoffs, 0.5),
         "handoff p90": _percentile(handoffs, 0.9),
-        "same %": 100.0 * same / max(1, len(holds) - 1),
-        "worst wait": max(acquired - asked for acquired, _, asked, _ in holds) * 1e3,
+        "same %": figures.same_percent(len(holds)),
+        "worst wait": figures.worst_wait * 1e3,
         "gave up": sum(reply[3] for reply in replies),
         "acquires": len(holds),
         "handoffs": len(handoffs),

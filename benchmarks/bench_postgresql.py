@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import multiprocessing as mp
 import os
 import platform
@@ -53,6 +52,7 @@ import keymutex
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _common import cpu_model as _cpu
+from _common import hold_figures
 from _common import host_clock as _clock
 from _common import percentile as _percentile
 from _common import revision as _revision
@@ -277,26 +277,19 @@ def contention(url: str, kind: str, seconds: float) -> dict[str, float]:
         for pid, rows in results
         for asked, acquired, released in rows
     )
-    handoffs = []
-    same = overlaps = 0
-    for (_, released, _, pid), (acquired, _, _, next_pid) in itertools.pairwise(holds):
-        if acquired < released:
-            overlaps += 1
-        if next_pid == pid:
-            same += 1
-        else:
-            handoffs.append((acquired - released) * 1e6)
+    figures = hold_figures(holds)
+    handoffs = [handoff * 1e6 for handoff in figures.handoffs]
     counted = int(Path(counter).read_text())
     first = min(h[2] for h in holds)
     last = max(h[1] for h in holds)
     return {
         "acquires_per_s": len(holds) / (last - first),
         "lost": len(holds) - counted,
-        "overlaps": overlaps,
+        "overlaps": figures.overlaps,
         "handoff_p50": _percentile(handoffs, 0.5) if handoffs else float("nan"),
         "handoff_p90": _percentile(handoffs, 0.9) if handoffs else float("nan"),
-        "same_holder": 100.0 * same / max(1, len(holds) - 1),
-        "worst_wait_ms": max(acquired - asked for acquired, _, asked, _ in holds) * 1e3,
+        "same_holder": figures.same_percent(len(holds)),
+        "worst_wait_ms": figures.worst_wait * 1e3,
         "acquires": len(holds),
     }
 
