@@ -48,7 +48,14 @@ from click.core import ParameterSource
 
 from keymutex import AsyncLease, AsyncLocks, Holder, Locked, LockLost, Locks, StoreError
 from keymutex._client import MAX_NAMESPACE_BYTES
-from keymutex._validate import check_key, check_prefix, check_text, check_timeout, check_ttl
+from keymutex._validate import (
+    check_info,
+    check_key,
+    check_prefix,
+    check_text,
+    check_timeout,
+    check_ttl,
+)
 from keymutex._version import __version__
 
 __all__ = ["main"]
@@ -72,6 +79,7 @@ FORWARDED_SIGNALS = (
 # Signals that a terminal sends to its whole foreground process group (Ctrl-C, Ctrl-\).
 TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
 MAX_CMD_CHARS = 1024  # of the command line shown to others in the lease's info
+RUN_INFO_FIELDS = ("cmd", "host", "pid", "user")  # what `run` shows of itself
 RELEASE_TTL = 5.0  # lifetime of the lease that `release --force` takes and gives back
 
 AnyLocks = TypeVar("AnyLocks", Locks, AsyncLocks)
@@ -127,8 +135,9 @@ if TYPE_CHECKING:
     # Click 8.4+ makes ParamType generic in (value, input); earlier versions are not.
     _TextParam = click.ParamType[str, Any]
     _SecondsParam = click.ParamType[float, Any]
+    _ObjectParam = click.ParamType[dict[str, Any], Any]
 else:
-    _TextParam = _SecondsParam = click.ParamType
+    _TextParam = _SecondsParam = _ObjectParam = click.ParamType
 
 
 class _Checked(_TextParam):
@@ -180,6 +189,39 @@ class _Seconds(_SecondsParam):
             self.fail(str(exc), param, ctx)
         assert checked is not None
         return checked
+
+
+class _InfoObject(_ObjectParam):
+    """``--info``: a JSON object of fields to show with the lease."""
+
+    name = "info"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> dict[str, Any]:
+        if isinstance(value, dict):
+            return value
+
+        def no_constant(name: str) -> None:
+            raise ValueError(f"{name} is not JSON")
+
+        try:
+            decoded = json.loads(value, parse_constant=no_constant)
+        except ValueError as exc:
+            self.fail(f"{value!r} is not a JSON object: {exc}", param, ctx)
+        except RecursionError:
+            self.fail("the JSON object is nested too deeply", param, ctx)
+        if not isinstance(decoded, dict):
+            self.fail(f'{value!r} is not a JSON object ({{"name": value, ...}})', param, ctx)
+        taken = sorted(set(decoded) & set(RUN_INFO_FIELDS))
+        if taken:
+            self.fail(
+                f"{', '.join(taken)}: keymutex sets these fields of the info itself"
+                f" ({', '.join(RUN_INFO_FIELDS)})",
+                param,
+                ctx,
+            )
+        return decoded
 
 
 KEY = _Checked("key", check_key)
@@ -627,12 +669,16 @@ def _terminal_delivered_to_child(signum: int) -> bool:
         os.close(fd)
 
 
-def _lease_info(command: Sequence[str]) -> dict[str, Any]:
-    """What others see of this run: the command line, host, keymutex's pid and user."""
-    cmd = shlex.join(command)
+def _lease_info(
+    command: Sequence[str], *, hide_command: bool = False, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What others see of this run: ``extra``, the command line (its program's name
+    alone with ``hide_command``), host, keymutex's pid and user."""
+    cmd = Path(command[0]).name if hide_command else shlex.join(command)
     if len(cmd) > MAX_CMD_CHARS:
         cmd = cmd[: MAX_CMD_CHARS - 1] + "…"
-    info: dict[str, Any] = {"cmd": cmd, "host": socket.gethostname(), "pid": os.getpid()}
+    info: dict[str, Any] = {**(extra or {}), "cmd": cmd}
+    info.update(host=socket.gethostname(), pid=os.getpid())
     with contextlib.suppress(KeyError, OSError):
         info["user"] = getpass.getuser()
     return info
@@ -647,7 +693,10 @@ class _Run:
     runs on the event loop, so the phase changes only between awaits.
     """
 
-    def __init__(self, key: str, command: Sequence[str], *, quiet: bool) -> None:
+    def __init__(
+        self, key: str, command: Sequence[str], *, quiet: bool, info: dict[str, Any] | None
+    ) -> None:
+        self.info = info
         self.key = key
         self.command = list(command)
         self.quiet = quiet
@@ -723,7 +772,7 @@ class _Run:
         self, locks: AsyncLocks, ttl: float | None, timeout: float | None
     ) -> AsyncLease:
         """Try once; if the key is held, say so on stderr and wait up to ``timeout``."""
-        info = _lease_info(self.command)
+        info = self.info
         started = time.monotonic()
         try:
             return await locks.acquire(
@@ -842,6 +891,21 @@ class _Run:
     is_flag=True,
     help="Do not say on stderr that keymutex is waiting (errors are still shown).",
 )
+@click.option(
+    "--hide-command",
+    is_flag=True,
+    help="Show others (ls, show, the dashboard) only COMMAND's program name, not its"
+    " arguments, which may hold secrets.",
+)
+@click.option(
+    "--info",
+    "extra_info",
+    type=_InfoObject(),
+    default=None,
+    metavar="JSON",
+    help="Fields to show with the lease besides keymutex's own (cmd, host, pid, user),"
+    ' as a JSON object: --info \'{"job": "nightly"}\'. At most 4 KiB in all.',
+)
 @click.pass_context
 def run_command(
     ctx: click.Context,
@@ -852,6 +916,8 @@ def run_command(
     ttl: float | None,
     timeout: float | None,
     quiet: bool,
+    hide_command: bool,
+    extra_info: dict[str, Any] | None,
 ) -> None:
     """Run COMMAND while holding the lock KEY; exit with COMMAND's status.
 
@@ -884,10 +950,14 @@ def run_command(
     COMMAND to end and exits 70, whatever COMMAND's status. A resource that checks
     KEYMUTEX_FENCE rejects its late writes either way.
     """
+    try:
+        info = check_info(_lease_info(command, hide_command=hide_command, extra=extra_info))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param_hint="'--info'") from None
     url = _store_url(store)
     with _store_errors(url):
         status = asyncio.run(
-            _Run(key, command, quiet=quiet).main(
+            _Run(key, command, quiet=quiet, info=info).main(
                 lambda: _open(ctx, AsyncLocks, url, namespace), ttl, timeout
             )
         )

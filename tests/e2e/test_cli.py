@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -341,6 +342,25 @@ def test_non_executable_command_exits_126_and_releases(
     result = keymutex("run", "job", "--store", store, "--", str(script), env=env, check=126)
     assert "permission denied" in result.stderr
     assert holder_json("job", store, env) is None
+
+
+def test_run_shows_others_its_info_and_can_hide_the_commands_arguments(
+    store: str, env: dict[str, str]
+) -> None:
+    """What others see of a run: --info's fields with keymutex's own; with
+    --hide-command, the program's name without the arguments (they may hold secrets)."""
+    show = [*KEYMUTEX, "show", "job", "--store", store, "--json"]
+    seen = json.loads(
+        keymutex("run", "job", "--store", store, "--info", '{"job": "nightly"}', "--", *show, env=env).stdout
+    )["info"]  # fmt: skip
+    assert seen["job"] == "nightly"
+    assert seen["cmd"] == shlex.join(show)
+    assert {"host", "pid"} <= set(seen)
+    seen = json.loads(
+        keymutex("run", "job", "--store", store, "--hide-command", "--", *show, env=env).stdout
+    )["info"]
+    assert seen["cmd"] == Path(show[0]).name
+    assert "--json" not in json.dumps(seen)
 
 
 # -- ls, show, release ---------------------------------------------------------------

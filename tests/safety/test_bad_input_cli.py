@@ -115,6 +115,11 @@ ROWS = [
     cli("run-ttl-missing-value", ["run", KEY, "--store", S, "--ttl"], "Error: Option '--ttl' requires an argument.", usage=False),
     cli("run-ttl-below-clock-resolution", ["run", KEY, "--ttl", "1e-300", "--store", S, "--", CHILD], "Error: Invalid value for '--ttl': ttl must be at least 0.001 s (1 ms), not 1e-300"),
     cli("run-ttl-below-a-millisecond", ["run", KEY, "--ttl", "0.0005", "--store", S, "--", CHILD], "Error: Invalid value for '--ttl': ttl must be at least 0.001 s (1 ms), not 0.0005"),
+    cli("run-info-not-json", ["run", KEY, "--info", "job=nightly", "--store", S, "--", CHILD], "Error: Invalid value for '--info': 'job=nightly' is not a JSON object: Expecting value: line 1 column 1 (char 0)"),
+    cli("run-info-not-an-object", ["run", KEY, "--info", "[1]", "--store", S, "--", CHILD], "Error: Invalid value for '--info': '[1]' is not a JSON object ({\"name\": value, ...})"),
+    cli("run-info-nan", ["run", KEY, "--info", '{"a": NaN}', "--store", S, "--", CHILD], "Error: Invalid value for '--info': '{\"a\": NaN}' is not a JSON object: NaN is not JSON"),
+    cli("run-info-keymutex-field", ["run", KEY, "--info", '{"pid": 1, "cmd": "x"}', "--store", S, "--", CHILD], "Error: Invalid value for '--info': cmd, pid: keymutex sets these fields of the info itself (cmd, host, pid, user)"),
+    cli("run-info-too-big", ["run", KEY, "--info", '{"a": "' + "x" * 5000 + '"}', "--store", S, "--", CHILD], "Error: Invalid value for '--info': info is"),
     # run: --timeout
     cli("run-timeout-negative", ["run", KEY, "--timeout=-1", "--store", S, "--", CHILD], "Error: Invalid value for '--timeout': timeout must be None (wait forever), 0 (try once) or finite seconds > 0, not -1.0"),
     cli("run-timeout-nan", ["run", KEY, "--timeout", "nan", "--store", S, "--", CHILD], "Error: Invalid value for '--timeout': timeout must be a number of seconds, not NaN"),
