@@ -63,6 +63,27 @@ def hold_figures(holds: Sequence[tuple[float, float, float, int]]) -> HoldFigure
     return HoldFigures(overlaps, same, handoffs, worst)
 
 
+def contention_row(
+    holds: Sequence[tuple[float, float, float, int]], seconds: float, counted: int
+) -> dict[str, float]:
+    """The common columns of a contention run (times in ms): grants within ``seconds``
+    of the first ask per second, updates lost against the ``counted`` counter, and
+    ``hold_figures``."""
+    figures = hold_figures(holds)
+    handoffs = [handoff * 1e3 for handoff in figures.handoffs]
+    first_asked = min(hold[2] for hold in holds)
+    return {
+        "acquires/s": sum(1 for hold in holds if hold[0] < first_asked + seconds) / seconds,
+        "lost": len(holds) - counted,
+        "overlaps": figures.overlaps,
+        "handoff p50": percentile(handoffs, 0.5),
+        "handoff p90": percentile(handoffs, 0.9),
+        "same %": figures.same_percent(len(holds)),
+        "worst wait": figures.worst_wait * 1e3,
+        "handoffs": len(handoffs),
+    }
+
+
 def host_clock() -> float:
     """``CLOCK_BOOTTIME``: one clock for every process on the host (handoff times)."""
     return time.clock_gettime(time.CLOCK_BOOTTIME)

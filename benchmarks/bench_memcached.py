@@ -50,8 +50,8 @@ from pymemcache.client.base import Client
 import keymutex
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the server helper
+from _common import contention_row, load_module
 from _common import cpu_model as _cpu
-from _common import hold_figures, load_module
 from _common import host_clock as _clock
 from _common import percentile as _percentile
 from _common import revision as _revision
@@ -224,18 +224,9 @@ def contention(server: MemcachedServer, baseline: str | None, seconds: float) ->
         for pid, rows in replies
         for asked, acquired, released in rows
     )
-    figures = hold_figures(holds)
-    handoffs = [handoff * 1e3 for handoff in figures.handoffs]
-    first_asked = min(hold[2] for hold in holds)
     return {
-        "acquires/s": sum(1 for hold in holds if hold[0] < first_asked + seconds) / seconds,
-        "lost": len(holds) - counted,
-        "overlaps": figures.overlaps,
-        "handoff p50": _percentile(handoffs, 0.5),
-        "handoff p90": _percentile(handoffs, 0.9),
-        "same %": figures.same_percent(len(holds)),
+        **contention_row(holds, seconds, counted),
         "busiest %": 100.0 * max(len(rows) for _, rows in replies) / max(1, len(holds)),
-        "worst wait": figures.worst_wait * 1e3,
         "commands/grant": commands / max(1, len(holds)),
     }
 

@@ -73,8 +73,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the server helpers
+from _common import contention_row, enter_peer_venv
 from _common import cpu_model as _cpu
-from _common import enter_peer_venv, hold_figures
 from _common import host_clock as _clock
 from _common import percentile as _percentile
 from _common import revision as _revision
@@ -720,20 +720,10 @@ def contention(library: str, where: dict[str, Any], seconds: float) -> dict[str,
         for _, pid, rows, _ in replies
         for asked, acquired, released in rows
     )
-    figures = hold_figures(holds)
-    handoffs = [handoff * 1e3 for handoff in figures.handoffs]
-    first_asked = min(h[2] for h in holds)
     return {
-        "acquires/s": sum(1 for h in holds if h[0] < first_asked + seconds) / seconds,
-        "lost": len(holds) - counted,
-        "overlaps": figures.overlaps,
-        "handoff p50": _percentile(handoffs, 0.5),
-        "handoff p90": _percentile(handoffs, 0.9),
-        "same %": figures.same_percent(len(holds)),
-        "worst wait": figures.worst_wait * 1e3,
+        **contention_row(holds, seconds, counted),
         "gave up": sum(reply[3] for reply in replies),
         "acquires": len(holds),
-        "handoffs": len(handoffs),
     }
 
 

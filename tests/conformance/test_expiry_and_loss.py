@@ -374,10 +374,14 @@ async def test_release_cancelled_on_its_way_is_completed_before_aclose_async(
     releasing = asyncio.Event()
     store_release = alocks._store.release
 
+    released = asyncio.Event()
+
     async def slow_release(key: str, token: str) -> Outcome:
         releasing.set()
         await asyncio.sleep(0.2)  # a slow round trip
-        return await store_release(key, token)
+        outcome = await store_release(key, token)
+        released.set()
+        return outcome
 
     alocks._store.release = slow_release  # type: ignore[method-assign]
 
@@ -391,5 +395,7 @@ async def test_release_cancelled_on_its_way_is_completed_before_aclose_async(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert not released.is_set()  # the cancelled caller did not wait for the release
     await alocks.aclose()
+    assert released.is_set()  # aclose() did
     assert await make_alocks().holder("order") is None

@@ -86,37 +86,3 @@ async def test_the_async_renewer_outlives_a_lease_but_not_a_quiet_spell() -> Non
             assert locks._renewer._task is not task
             await asyncio.sleep(2.5)
             assert not lease.lost
-
-
-@pytest.mark.asyncio
-async def test_an_async_with_cancelled_while_it_releases_still_releases() -> None:
-    async with keymutex.AsyncLocks("memory://") as locks:
-        store = locks._store
-        release = store.release
-        releasing, released = asyncio.Event(), asyncio.Event()
-
-        async def slow_release(key: str, token: str) -> Any:
-            releasing.set()
-            await asyncio.sleep(0.2)
-            outcome = await release(key, token)
-            released.set()
-            return outcome
-
-        store.release = slow_release  # type: ignore[method-assign]
-
-        async def hold() -> None:
-            async with locks.lock("k"):
-                pass
-
-        task = asyncio.create_task(hold())
-        async with asyncio.timeout(PATIENCE):
-            await releasing.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert not released.is_set()  # the caller did not wait for the release
-        async with asyncio.timeout(PATIENCE):  # which went on after the cancellation
-            await released.wait()
-        assert await locks.holder("k") is None
-        store.release = release  # type: ignore[method-assign]
-        await (await locks.acquire("k", timeout=0)).release()
