@@ -8,6 +8,7 @@ of its own, so tests never see each other's keys.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ import redis
 
 import keymutex
 from _processes import free_port
+from keymutex import _clock as clock
 from keymutex._store import RenewRequest
 from keymutex.stores.redis import RedisStore
 
@@ -140,7 +142,10 @@ def test_waiters_of_one_locks_share_one_subscription(
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 10
-        channels = [holder._store._layout.lease(f"k{i}") for i in range(8)]  # type: ignore[attr-defined]
+        # One channel for all the waiters of a Locks (in this process), whatever the key.
+        layout = waiting._store._layout  # type: ignore[attr-defined]
+        channels = sorted({layout.channel(f"k{i}") for i in range(8)})
+        assert len(channels) == 1
         while time.monotonic() < deadline:
             counts = server.pubsub_numsub(*channels)
             if all(n == 1 for _, n in counts):
@@ -396,3 +401,133 @@ def test_a_connection_closed_by_the_server_is_replaced_without_an_error(
         killed = server.client_kill_filter(_type="normal", skipme=True, laddr=None, user=None)
         assert killed >= 1
         locks.acquire("k", timeout=0).release()
+
+
+@pytest.fixture
+def two_locks(redis_url: str, namespace: str) -> Iterator[tuple[keymutex.Locks, keymutex.Locks]]:
+    """A holder's and a waiter's ``Locks`` on one namespace."""
+    with (
+        keymutex.Locks(redis_url, namespace=namespace) as holder,
+        keymutex.Locks(redis_url, namespace=namespace) as waiting,
+    ):
+        yield holder, waiting
+
+
+def _queue_entry(token: str, channel: str, ttl_ms: int = 60_000) -> str:
+    """A waiter's queue entry, as the store writes it (see the scripts)."""
+    return json.dumps([token, ttl_ms, "ghost", "", channel], separators=(",", ":"))
+
+
+def _wait_in_thread(
+    server: redis.Redis, locks: keymutex.Locks, queued: int
+) -> tuple[threading.Thread, list[keymutex.Lease]]:
+    """A thread acquiring "k" with ``locks``, started, once the queue is ``queued`` long."""
+    got: list[keymutex.Lease] = []
+    thread = threading.Thread(target=lambda: got.append(locks.acquire("k", timeout=30)))
+    thread.start()
+    queue = locks._store._layout.queue("k")  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while server.llen(queue) != queued and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return thread, got
+
+
+def test_a_grant_nobody_hears_goes_to_the_next_waiter(
+    server: redis.Redis, two_locks: tuple[keymutex.Locks, keymutex.Locks]
+) -> None:
+    holder, waiting = two_locks
+    lease = holder.acquire("k", timeout=0)
+    layout = holder._store._layout  # type: ignore[attr-defined]
+    # First in line: a waiter whose process died (nobody listens on its channel).
+    server.rpush(layout.queue("k"), _queue_entry("g" * 22, layout.bucket("k") + "w:gone"))
+    thread, got = _wait_in_thread(server, waiting, queued=2)
+    lease.release()
+    thread.join(30)
+    assert len(got) == 1
+    # The live waiter holds the key, not the one that vanished (whose grant was
+    # taken back at once: had it kept it, the waiter would have waited 60 s).
+    found = holder.holder("k")
+    assert found is not None
+    assert found.fence == got[0].fence
+    assert server.hget(layout.lease("k"), "t") == got[0].token
+    assert server.exists(layout.queue("k")) == 0
+    got[0].release()
+
+
+def test_a_waiter_leaving_passes_on_a_key_granted_to_it(
+    server: redis.Redis, two_locks: tuple[keymutex.Locks, keymutex.Locks]
+) -> None:
+    holder, waiting = two_locks
+    lease = holder.acquire("k", timeout=0)
+    store = holder._store  # type: ignore[attr-defined]
+    layout = store._layout
+    # A waiter that listens (so the release grants it the key) but gives up before
+    # it takes the grant: its leave must hand the key on, not keep it.
+    channel = layout.bucket("k") + "w:listening"
+    entry = _queue_entry("l" * 22, channel)
+    listener = server.pubsub()
+    listener.subscribe(channel)
+    assert listener.get_message(timeout=5) is not None  # the confirmation
+    server.rpush(layout.queue("k"), entry)
+    thread, got = _wait_in_thread(server, waiting, queued=2)
+    lease.release()
+    message = listener.get_message(timeout=5)
+    assert message is not None
+    assert message["data"].startswith("l" * 22 + ":")
+    assert server.hget(layout.lease("k"), "t") == "l" * 22
+    store._leave("k", "l" * 22, entry)
+    thread.join(30)
+    listener.close()
+    assert len(got) == 1
+    assert server.hget(layout.lease("k"), "t") == got[0].token
+    assert got[0].fence > int(message["data"].split(":")[1])
+    got[0].release()
+
+
+def test_a_waiter_granted_by_a_release_takes_the_lease_without_a_round_trip(
+    server: redis.Redis, two_locks: tuple[keymutex.Locks, keymutex.Locks]
+) -> None:
+    holder, waiting = two_locks
+    lease = holder.acquire("k", timeout=0)
+    thread, got = _wait_in_thread(server, waiting, queued=1)
+    before = _commands(server)
+    lease.release()
+    thread.join(30)
+    delta = _delta(before, _commands(server))
+    assert len(got) == 1
+    assert got[0].fence > lease.fence
+    assert 0 < got[0].remaining <= 30
+    # The release's script was the only one: the waiter, granted by it, sent
+    # nothing more to take the lease.
+    assert delta.get("evalsha") == 1
+    found = waiting.holder("k")
+    assert found is not None
+    assert found.fence == got[0].fence
+    got[0].release()
+
+
+def test_a_grant_older_than_the_last_refusal_is_not_taken() -> None:
+    from keymutex._lease import Holder, Outcome
+    from keymutex.stores.redis import _Grantee
+
+    waiter = _Grantee("channel")
+    refusal = Outcome(False, Holder("k", "other", None, 7, 0.0, 0.0), 1.0)
+    waiter.refused(refusal, sent_at=clock.monotonic())
+    # A grant made before that refusal (fence below the refusing holder's): stale.
+    waiter.granted = (6, 1000)
+    assert waiter.take_grant("k", 10.0, "me", None) is None
+    assert waiter.granted is None
+    # One made after it: taken, counted from the refused request.
+    waiter.granted = (8, 1000)
+    outcome = waiter.take_grant("k", 10.0, "me", {"a": 1})
+    assert outcome is not None
+    assert outcome.ok
+    assert outcome.holder is not None
+    assert outcome.holder.fence == 8
+    assert outcome.holder.info == {"a": 1}
+    assert outcome.remaining is not None
+    assert 9.0 < outcome.remaining < 10.0
+    # Past the TTL, counted from the refusal: not taken (a real try will tell).
+    waiter.refused(refusal, sent_at=clock.monotonic() - 11.0)
+    waiter.granted = (9, 1000)
+    assert waiter.take_grant("k", 10.0, "me", None) is None

@@ -14,21 +14,26 @@
   only as far as the counter does: with AOF (``appendonly yes``, ideally
   ``appendfsync always``) they never go backwards; without persistence they restart
   at 1, and after a failover to a replica that missed the last writes they can repeat.
-- Waiting: a refused waiter joins the key's queue in Redis in the same script, and
-  listens on the key's channel (one pub/sub connection per store, read by one thread
-  or task, shared by all its waiters; a channel stays subscribed a few seconds after
-  its last waiter, so a process that keeps contending subscribes once). A waiter
-  that was not listening yet subscribes and tries once more, so no hand-over is
-  missed. A release hands the key over to the first queued waiter in the same
-  script: the key is kept for it for ``HANDOVER_MS`` and its id published, so exactly
-  one waiter wakes, tries once, and gets the key: one round trip to be refused, one
-  to be granted, one to release, and no herd. The releaser cannot barge back in
-  ahead of the queue. A waiter that gives up leaves the queue (passing on a key just
-  handed to it); one that vanished costs the others at most ``HANDOVER_MS`` plus
-  their one-second recheck. Waiters also wake at the holder's expiry (the reply
-  carries its ``PTTL``). A key freed by expiry goes to whoever tries first, so the
-  order is first come, first served through releases, not strictly (``fair`` is
-  false).
+- Waiting: a refused waiter joins the key's queue in Redis in the same script, with
+  everything a grant needs (token, TTL, owner, info, its channel). The waiters of a
+  store listen on one channel of its own (per process, and per bucket in a cluster),
+  on one pub/sub connection that a waiting thread reads itself (the others sleep
+  until it rings them; see ``_Subscriptions``); a channel stays subscribed a few
+  seconds after its last waiter, so a process that keeps contending subscribes
+  once. A waiter joins the queue only once it listens, so no grant goes unheard.
+  A release *grants* the key to the first queued waiter in the same script (a new
+  fence, its lease) and publishes the grant on that waiter's channel: exactly one
+  waiter wakes, already holding the key: one round trip to be refused, one to
+  release, and no herd. The releaser cannot barge back in ahead of the queue.
+  ``PUBLISH`` counts the connections that heard it: none means the waiter's process
+  (or its connection) is gone, and the script takes the lease back and grants the
+  next waiter. A waiter that gives up leaves the queue, passing on a key granted to
+  it meanwhile; one that cannot (Redis unreachable as it leaves) may be granted the
+  key unheard, which then stays held until that lease's TTL, as if a holder had
+  died. Waiters also wake at the holder's expiry (the reply carries its ``PTTL``)
+  and look again at least every second. A key freed by expiry goes to whoever tries
+  first, so the order is first come, first served through releases, not strictly
+  (``fair`` is false).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 import zlib
@@ -59,10 +65,10 @@ import redis.cluster
 import redis.sentinel
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
+from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
-from keymutex.stores._doorbell import Doorbell
 
 __all__ = ["AsyncRedisStore", "RedisStore", "driver"]
 
@@ -71,16 +77,15 @@ _LOG = logging.getLogger("keymutex")
 CAPABILITIES = Capabilities(
     notifies=True, fair=False, cross_process=True, durable_fences=False, clock="server"
 )
-# How long a released key is kept for the waiter it was handed over to: long enough
-# for a woken waiter on a busy host to send its try; if the waiter has vanished, the
-# key is free again after this.
-HANDOVER_MS = 200
 # A key's queue outlives the last refusal of a waiter by this much: waiters look again
 # at least every second, so only the ids of waiters that vanished expire with it.
 QUEUE_LIFETIME_MS = 60_000
 # A channel stays subscribed this long after its last waiter left, so that a process
 # that keeps contending for a key subscribes once, not at every wait.
 LINGER = 5.0
+# How often a store's tending thread reads what came in while no waiter was reading.
+TEND_EVERY = 0.5
+TEND_BATCH = 1000
 CLUSTER_BUCKETS = 1024
 SCAN_COUNT = 1000
 DEFAULT_SOCKET_TIMEOUT = 5.0
@@ -90,12 +95,13 @@ DEFAULT_SOCKET_TIMEOUT = 5.0
 # back) and answers in one shape, the *reply*:
 #   {ok, owner, info, fence, acquired_ms, pttl_ms}
 # ok: 1 or 0; the other fields describe the lease after the step when ok (acquire,
-# renew), else the current holder (all false when the key is free or handed over).
-# pttl_ms is the holder's time left, or the hand-over's.
+# renew), else the current holder (all false when the key is free). pttl_ms is the
+# holder's time left.
 #
 # A lease hash has the fields t (token), o (owner), i (info JSON, if any), f (fence)
-# and a (acquired at, wall-clock ms). A key *handed over* to a waiter is a hash with
-# only r (the waiter's id) and a short TTL. A key's queue is a list of waiter ids.
+# and a (acquired at, wall-clock ms). A key's queue is a list of waiters' *entries*:
+# each the JSON array [token, ttl ms, owner, info JSON or "", channel], everything a
+# release needs to grant the key to that waiter and tell it so.
 
 _PRELUDE = """
 local function holder(ok, key)
@@ -110,12 +116,29 @@ local function positive(value, name)
   end
   return nil
 end
-local function hand_on(lease, queue, channel, handover_ms, publish)
-  local head = redis.call('LPOP', queue)
-  if head then
-    redis.call('HSET', lease, 'r', head)
-    redis.call('PEXPIRE', lease, handover_ms)
-    redis.call(publish, channel, head)
+-- Grant the free key to the first queued waiter that hears of it: a new fence, the
+-- lease made from its entry, and 'token:fence:acquired_ms' published on its channel.
+-- A waiter whose channel nobody listens to any more (its process is gone, or its
+-- connection) is skipped: its lease is deleted again and the next one tried.
+local function hand_on(lease, queue, fence_key, publish, now_ms)
+  while true do
+    local head = redis.call('LPOP', queue)
+    if not head then return end
+    local decoded, e = pcall(cjson.decode, head)
+    if decoded and type(e) == 'table' and type(e[1]) == 'string' and e[1] ~= ''
+        and type(e[2]) == 'number' and e[2] >= 1 and type(e[3]) == 'string'
+        and type(e[4]) == 'string' and type(e[5]) == 'string' then
+      local fence = redis.call('INCR', fence_key)
+      if e[4] == '' then
+        redis.call('HSET', lease, 't', e[1], 'o', e[3], 'f', fence, 'a', now_ms)
+      else
+        redis.call('HSET', lease, 't', e[1], 'o', e[3], 'i', e[4], 'f', fence, 'a', now_ms)
+      end
+      redis.call('PEXPIRE', lease, math.floor(e[2]))
+      local told = e[1] .. ':' .. string.format('%d', fence) .. ':' .. now_ms
+      if redis.call(publish, e[5], told) > 0 then return end
+      redis.call('DEL', lease)
+    end
   end
 end
 local function publisher(name)
@@ -129,39 +152,39 @@ end
 ACQUIRE = (
     _PRELUDE
     + """
--- Contract: try to grant KEYS[1] (the lease hash) to ARGV[1] (token, also the
--- waiter's id). KEYS: 1 lease, 2 fence counter of the key's bucket, 3 queue.
+-- Contract: try to grant KEYS[1] (the lease hash) to ARGV[1] (token).
+-- KEYS: 1 lease, 2 fence counter of the key's bucket, 3 queue.
 -- ARGV: 1 token, 2 ttl ms, 3 owner, 4 info JSON or '', 5 steal '1'/'0',
---       6 queue '1'/'0' (a waiter: joins the queue when refused), 7 acquired-at
+--       6 the caller's queue entry, or '' (not a waiter: never queued), 7 acquired-at
 --       wall-clock ms, 8 queue lifetime ms.
--- A key this token holds already is granted again as it is (a retried call).
--- Grants when the key is free or handed over to this caller, or when stealing: a
--- new fence from KEYS[2], PEXPIRE ttl; a waiter granted leaves the queue. Refuses
--- otherwise with the holder; a refused waiter is queued (once) and the queue's
--- lifetime renewed. Reply: see the module.
+-- A key this token holds already is granted again as it is (a retried call, or a
+-- waiter a release granted the key to, looking before it heard so).
+-- Grants when the key is free, or when stealing: a new fence from KEYS[2], PEXPIRE
+-- ttl; a waiter granted leaves the queue. Refuses otherwise with the holder; a
+-- refused waiter is queued (once) and the queue's lifetime renewed. Reply: see the
+-- module.
 local err = positive(ARGV[2], 'ttl') or positive(ARGV[7], 'acquired-at')
   or positive(ARGV[8], 'queue lifetime')
 if err then return err end
 if ARGV[1] == '' then return redis.error_reply('keymutex: empty token') end
-local cur = redis.call('HMGET', KEYS[1], 't', 'o', 'i', 'f', 'a', 'r')
+local cur = redis.call('HMGET', KEYS[1], 't', 'o', 'i', 'f', 'a')
 if cur[1] == ARGV[1] then  -- granted already: this is a retry whose reply was lost
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if ARGV[6] ~= '' then redis.call('LREM', KEYS[3], 1, ARGV[6]) end
   return {1, cur[2], cur[3] or false, cur[4], cur[5], tonumber(ARGV[2])}
 end
-if ARGV[5] ~= '1' and (cur[1] or (cur[6] and cur[6] ~= ARGV[1])) then
-  if ARGV[6] == '1' then
-    if not redis.call('LPOS', KEYS[3], ARGV[1]) then
-      redis.call('RPUSH', KEYS[3], ARGV[1])
+if ARGV[5] ~= '1' and cur[1] then
+  if ARGV[6] ~= '' then
+    if not redis.call('LPOS', KEYS[3], ARGV[6]) then
+      redis.call('RPUSH', KEYS[3], ARGV[6])
     end
     redis.call('PEXPIRE', KEYS[3], ARGV[8])
   end
-  local pttl = redis.call('PTTL', KEYS[1])
-  if cur[1] then return {0, cur[2], cur[3] or false, cur[4], cur[5], pttl} end
-  return {0, false, false, false, false, pttl}
+  return {0, cur[2], cur[3] or false, cur[4], cur[5], redis.call('PTTL', KEYS[1])}
 end
 local fence = redis.call('INCR', KEYS[2])
-if cur[1] or cur[6] then redis.call('DEL', KEYS[1]) end
-if ARGV[6] == '1' then redis.call('LREM', KEYS[3], 1, ARGV[1]) end
+if cur[1] then redis.call('DEL', KEYS[1]) end
+if ARGV[6] ~= '' then redis.call('LREM', KEYS[3], 1, ARGV[6]) end
 if ARGV[4] == '' then
   redis.call('HSET', KEYS[1], 't', ARGV[1], 'o', ARGV[3], 'f', fence, 'a', ARGV[7])
 else
@@ -189,17 +212,16 @@ return holder(1, KEYS[1])
 RELEASE = (
     _PRELUDE
     + """
--- Contract: delete KEYS[1] (the lease hash) if ARGV[1] (token) holds it, and hand
--- the key over to the first queued waiter: the key is kept for it for ARGV[3] ms and
--- its id is published on ARGV[2] (the key's channel) with ARGV[4] ('publish', or
--- 'spublish' in a cluster). KEYS: 1 lease, 2 queue.
--- ARGV: 1 token, 2 channel, 3 hand-over ms, 4 publish command.
+-- Contract: delete KEYS[1] (the lease hash) if ARGV[1] (token) holds it, and grant
+-- the key to the first queued waiter still listening (hand_on), published with
+-- ARGV[2] ('publish', or 'spublish' in a cluster). KEYS: 1 lease, 2 queue, 3 fence
+-- counter of the key's bucket. ARGV: 1 token, 2 publish command, 3 now, wall-clock ms.
 -- Reply: see the module ({1, false...} once released).
-local err = positive(ARGV[3], 'hand-over') or publisher(ARGV[4])
+local err = publisher(ARGV[2]) or positive(ARGV[3], 'now')
 if err then return err end
 if redis.call('HGET', KEYS[1], 't') ~= ARGV[1] then return holder(0, KEYS[1]) end
 redis.call('DEL', KEYS[1])
-hand_on(KEYS[1], KEYS[2], ARGV[2], ARGV[3], ARGV[4])
+hand_on(KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3])
 return {1, false, false, false, false, false}
 """
 )
@@ -207,16 +229,17 @@ return {1, false, false, false, false, false}
 LEAVE = (
     _PRELUDE
     + """
--- Contract: waiter ARGV[1] gives up waiting for KEYS[1]: it leaves the queue, and if
--- the key had been handed over to it, the key goes to the next waiter (as RELEASE).
--- KEYS: 1 lease, 2 queue. ARGV: 1 waiter id, 2 channel, 3 hand-over ms, 4 publish
--- command. Reply: {1, false...}.
-local err = positive(ARGV[3], 'hand-over') or publisher(ARGV[4])
+-- Contract: the waiter with token ARGV[1] and queue entry ARGV[4] gives up waiting for
+-- KEYS[1]: it leaves the queue, and if a release granted it the key meanwhile, the
+-- key goes to the next waiter (as RELEASE). KEYS: 1 lease, 2 queue, 3 fence counter.
+-- ARGV: 1 token, 2 publish command, 3 now, wall-clock ms, 4 entry.
+-- Reply: {1, false...}.
+local err = publisher(ARGV[2]) or positive(ARGV[3], 'now')
 if err then return err end
-redis.call('LREM', KEYS[2], 1, ARGV[1])
-if redis.call('HGET', KEYS[1], 'r') == ARGV[1] then
+redis.call('LREM', KEYS[2], 1, ARGV[4])
+if redis.call('HGET', KEYS[1], 't') == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  hand_on(KEYS[1], KEYS[2], ARGV[2], ARGV[3], ARGV[4])
+  hand_on(KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3])
 end
 return {1, false, false, false, false, false}
 """
@@ -248,17 +271,21 @@ class _Layout:
 
     ``km:{B}:L:NS:KEY`` is a lease hash, ``km:{B}:q:L:NS:KEY`` its queue of waiters,
     ``km:{B}:fence`` the bucket's fence counter, where L is the namespace's length (so
-    that namespace and key never run into each other) and B the key's bucket. The
-    lease's name is also its channel (sharded in a cluster). With one bucket the braces
-    are left out.
+    that namespace and key never run into each other) and B the key's bucket.
+    ``km:{B}:w:L:NS:ID`` is the channel on which the waiters of one store, in one
+    process (ID), hear that a release granted them a key of bucket B (sharded in a
+    cluster, so that it lives on the key's node). With one bucket the braces are left
+    out.
     """
 
-    __slots__ = ("_buckets", "_middle", "namespace", "publish", "sharded")
+    __slots__ = ("_buckets", "_id", "_middle", "_pid", "namespace", "publish", "sharded")
 
     def __init__(self, namespace: str, buckets: int) -> None:
         self.namespace = namespace
         self._buckets = buckets
         self._middle = f"{len(namespace)}:{namespace}:"
+        self._pid = 0
+        self._id = ""
         # In a cluster, a sharded channel lives on the key's own node, so PUBLISH's count
         # of receivers is exact there too.
         self.sharded = buckets > 1
@@ -278,6 +305,12 @@ class _Layout:
 
     def fence(self, key: str) -> str:
         return f"{self.bucket(key)}fence"
+
+    def channel(self, key: str) -> str:
+        """Where this process's waiters for ``key`` hear of a grant."""
+        if self._pid != os.getpid():  # a forked child must not hear its parent's grants
+            self._pid, self._id = os.getpid(), secrets.token_hex(8)
+        return f"{self.bucket(key)}w:{self._middle}{self._id}"
 
     def pattern(self, prefix: str) -> str:
         """A SCAN pattern that matches at least the leases of keys starting with prefix."""
@@ -399,19 +432,25 @@ class _Steps:
         owner: str,
         info: dict[str, Any] | None,
         steal: bool,
-        queue: bool,
+        waiter: _RedisWaiter | _AsyncRedisWaiter | None,
     ) -> _Call:
         layout = self.layout
+        ttl_ms = _ttl_ms(ttl)
+        info_json = "" if info is None else json.dumps(info, separators=(",", ":"))
+        if waiter is not None and not waiter.entry:
+            waiter.entry = json.dumps(
+                [token, ttl_ms, owner, info_json, waiter.channel], separators=(",", ":")
+            )
         return _Call(
             _ACQUIRE,
             (layout.lease(key), layout.fence(key), layout.queue(key)),
             (
                 token,
-                _ttl_ms(ttl),
+                ttl_ms,
                 owner,
-                "" if info is None else json.dumps(info, separators=(",", ":")),
+                info_json,
                 "1" if steal else "0",
-                "1" if queue else "0",
+                "" if waiter is None else waiter.entry,
                 math.floor(time.time() * 1000),
                 QUEUE_LIFETIME_MS,
             ),
@@ -429,17 +468,19 @@ class _Steps:
         )
 
     def release(self, key: str, token: str) -> _Call:
-        return self._hand_on(_RELEASE, key, token)
+        return self._hand_on(_RELEASE, key, (token,))
 
-    def leave(self, key: str, waiter_id: str) -> _Call:
-        return self._hand_on(_LEAVE, key, waiter_id)
+    def leave(self, key: str, token: str, entry: str) -> _Call:
+        return self._hand_on(_LEAVE, key, (token,), (entry,))
 
-    def _hand_on(self, script: _Script, key: str, token: str) -> _Call:
-        lease = self.layout.lease(key)
+    def _hand_on(
+        self, script: _Script, key: str, first: tuple[str, ...], last: tuple[str, ...] = ()
+    ) -> _Call:
+        layout = self.layout
         return _Call(
             script,
-            (lease, self.layout.queue(key)),
-            (token, lease, HANDOVER_MS, self.layout.publish),
+            (layout.lease(key), layout.queue(key), layout.fence(key)),
+            (*first, layout.publish, math.floor(time.time() * 1000), *last),
             key,
             _release_outcome,
         )
@@ -465,39 +506,116 @@ _SHARDED = _PubSubKind("ssubscribe", "sunsubscribe", "ssubscribe", "smessage")
 Locate = Callable[[str], tuple[str, Callable[[], Any]]]
 
 
-class _RedisWaiter(Doorbell):
-    """A waiter of the sync store: rung by the store's pub/sub reader thread.
+def _told(data: Any) -> tuple[str, tuple[int, int] | None]:
+    """A grant's message, ``token:fence:acquired_ms``: the token, and (fence, ms)."""
+    text = data.decode() if isinstance(data, bytes) else str(data)
+    token, _, rest = text.partition(":")
+    fence, _, acquired_ms = rest.partition(":")
+    if fence.isdigit() and acquired_ms.isdigit():
+        return token, (int(fence), int(acquired_ms))
+    return token, None
 
-    Its id is the token of the acquire it waits for (set at the first try): the id
-    queued in Redis, and the message a hand-over publishes. Its doorbell (a lock and
-    an event, a few µs) is made when it joins its channel (``arm``): only then can it
-    be rung, and only a refused waiter, which has joined, is waited on. Most acquires
-    are granted at the first try and never need it.
+
+class _Grantee:
+    """What the sync and async waiters share: their place in a queue, and their grant.
+
+    Its ``id`` is the token of the acquire it waits for (set at the first try), its
+    ``entry`` what it queues in Redis (see the scripts), made at the first try. A
+    release that grants it the key publishes ``token:fence:acquired_ms`` on its
+    ``channel``; the reader keeps the fence and time in ``granted``, and the next try
+    takes the lease from there without a round trip (``take_grant``), if the grant is
+    surely newer than the waiter's last refusal: its fence is above the fence of the
+    holder that refused it (fences grow with every grant of the key, so a grant made
+    before that refusal, and gone since, has a smaller one). The lease's time is then
+    counted from that refusal's request, which the grant came after: never more than
+    Redis gave.
     """
 
-    __slots__ = ("armed", "channel", "hub", "id", "on_close", "subscribed")
+    __slots__ = (
+        "channel",
+        "entry",
+        "granted",
+        "id",
+        "refused_at",
+        "refused_fence",
+        "subscribed",
+    )
 
-    def __init__(self, hub: _Subscriptions, channel: str) -> None:
-        self.armed = False
-        self.hub = hub
+    def __init__(self, channel: str) -> None:
         self.channel = channel
         self.id = ""
+        self.entry = ""
         self.subscribed = False
+        self.granted: tuple[int, int] | None = None
+        self.refused_at = 0.0
+        self.refused_fence: int | None = None
+
+    def refused(self, outcome: Outcome, sent_at: float) -> None:
+        """Note a refusal of a try whose request was sent at ``sent_at`` (``_clock``)."""
+        if not outcome.ok:
+            self.refused_at = sent_at
+            self.refused_fence = None if outcome.holder is None else outcome.holder.fence
+
+    def take_grant(
+        self, key: str, ttl: float, owner: str, info: dict[str, Any] | None
+    ) -> Outcome | None:
+        """The lease a release granted this waiter, if it surely still holds."""
+        granted, self.granted = self.granted, None
+        if granted is None or self.refused_fence is None or granted[0] <= self.refused_fence:
+            return None
+        remaining = ttl - (_clock.monotonic() - self.refused_at) - CLOCK_GRAIN
+        if remaining <= 0:  # a real try will tell (and renew it, if it is still ours)
+            return None
+        holder = Holder(
+            key=key,
+            owner=owner,
+            info=None if info is None else json.loads(json.dumps(info)),
+            fence=granted[0],
+            acquired_at=granted[1] / 1000,
+            expires_at=time.time() + remaining,
+        )
+        return Outcome(True, holder, remaining)
+
+
+class _RedisWaiter(_Grantee):
+    """A waiter of the sync store: rung by whichever thread reads its hub's connection.
+
+    Its event is made when it joins its channel (``arm``): only then can it be rung,
+    and only a refused waiter, which has joined, is waited on. Most acquires are
+    granted at the first try and never need it. A ring that comes while the waiter is
+    not waiting is kept until its next wait.
+    """
+
+    __slots__ = ("event", "hub", "on_close", "rung")
+
+    def __init__(self, hub: _Subscriptions, channel: str) -> None:
+        super().__init__(channel)
+        self.hub = hub
+        self.rung = False  # set and consumed under the hub's mutex
+        self.event: threading.Event | None = None
         # Set while the waiter is queued in Redis: leaves the queue (one round trip).
         self.on_close: Callable[[], None] | None = None
 
     def arm(self) -> None:
-        if not self.armed:
-            self.armed = True
-            super().__init__()
+        if self.event is None:
+            self.event = threading.Event()
+
+    def ring(self, grant: tuple[int, int] | None) -> None:
+        if grant is not None:
+            self.granted = grant
+        self.rung = True
+        if self.event is not None:
+            self.event.set()
 
     def wait(self, timeout: float) -> bool:
         self.arm()  # joined, hence armed, already: this only keeps it safe to call
-        return super().wait(timeout)
+        assert self.event is not None
+        return self.hub.wait_for(self, self.event, timeout)
 
     async def wait_async(self, timeout: float) -> bool:
-        self.arm()
-        return await super().wait_async(timeout)
+        # For the Waiter protocol's thread adapter; AsyncLocks on Redis uses
+        # AsyncRedisStore and its own waiter, so this thread is never taken in practice.
+        return await asyncio.to_thread(self.wait, timeout)
 
     def close(self) -> None:
         on_close, self.on_close = self.on_close, None
@@ -544,13 +662,23 @@ class _Channels:
             del self.idle[channel]
         return gone
 
-    def addressees(self, channel: str, data: Any) -> list[Any]:
-        """The waiters a hand-over message is for (its data is the waiter's id)."""
-        return [w for w in self.waiters.get(channel, ()) if w.id == data]
+    def addressees(self, channel: str, data: Any) -> tuple[list[Any], tuple[int, int] | None]:
+        """The waiters a grant's message is for, and the grant (see ``_told``)."""
+        token, grant = _told(data)
+        return [w for w in self.waiters.get(channel, ()) if w.id == token], grant
 
 
 class _Subscriptions:
-    """One pub/sub connection per sync store (per node in a cluster), read by one thread.
+    """One pub/sub connection per sync store (per node in a cluster), read by a waiter.
+
+    No thread of its own stands between a message and its waiter: a thread that waits
+    (for a hand-over, or for a subscription to be confirmed) reads the connection
+    itself when nobody else does, and dispatches what it reads to the others, which
+    sleep on their events (leader and followers). When it is done, it hands the
+    reading on to a thread still waiting. A waiter woken by its hand-over has then
+    paid one wake-up, not two. A *tending* thread reads whatever came in while no
+    waiter was reading (every ``TEND_EVERY`` seconds, without blocking), so that
+    lingering channels are unsubscribed and nothing piles up on the connection.
 
     ``join`` subscribes a waiter's channel (unless it is subscribed already) and
     returns once Redis has confirmed the subscription: a hand-over published after
@@ -565,7 +693,12 @@ class _Subscriptions:
         self._channels = _Channels()
         self._confirmed: dict[str, threading.Event] = {}
         self._pubsub: Any = None
-        self._thread: threading.Thread | None = None
+        # The event of the thread reading the connection now, and those of the threads
+        # waiting for it to ring them (in arrival order).
+        self._reader: threading.Event | None = None
+        self._followers: dict[threading.Event, None] = {}
+        self._tending: threading.Thread | None = None
+        self._stop = threading.Event()
         self._closed = False
         self._pid = os.getpid()
 
@@ -585,9 +718,10 @@ class _Subscriptions:
             if self._closed:
                 raise RuntimeError("this store is closed")
             if self._pid != os.getpid():  # forked: the parent's connection is not ours
-                self._pid, self._pubsub, self._thread = os.getpid(), None, None
+                self._pid, self._pubsub, self._tending = os.getpid(), None, None
                 self._channels = _Channels()
                 self._confirmed.clear()
+                self._reader, self._followers = None, {}
             waiter.arm()
             self._channels.add(waiter.channel, waiter)
             confirmed = self._confirmed.get(waiter.channel)
@@ -601,13 +735,14 @@ class _Subscriptions:
                     self._channels.remove(waiter.channel, waiter)
                     self._confirmed.pop(waiter.channel, None)
                     raise
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._read, name="keymutex-redis-pubsub", daemon=True
+                if self._tending is None:
+                    self._tending = threading.Thread(
+                        target=self._tend, name="keymutex-redis-pubsub", daemon=True
                     )
-                    self._thread.start()
+                    self._tending.start()
         waiter.subscribed = True
-        if not confirmed.wait(timeout):
+        deadline = time.monotonic() + timeout
+        if not self._await(confirmed.is_set, threading.Event(), deadline):
             raise StoreError(f"Redis did not confirm the subscription within {timeout} s")
 
     def leave(self, waiter: _RedisWaiter) -> None:
@@ -615,30 +750,111 @@ class _Subscriptions:
             if self._pid == os.getpid() and not self._closed:
                 self._channels.remove(waiter.channel, waiter)
 
-    def _read(self) -> None:
+    def wait_for(self, waiter: _RedisWaiter, event: threading.Event, timeout: float) -> bool:
+        """Wait until ``waiter`` is rung (True, and the ring consumed) or ``timeout``."""
+
+        def rung() -> bool:
+            return waiter.rung
+
+        done = self._await(rung, event, time.monotonic() + timeout)
+        if done:
+            with self._mutex:
+                waiter.rung = False
+        return done
+
+    def _await(self, done: Callable[[], bool], event: threading.Event, deadline: float) -> bool:
+        """Wait until ``done()`` (checked under the mutex), reading the connection when
+        nobody else does; False at ``deadline`` or when the store closes."""
+        while True:
+            with self._mutex:
+                finished = done()
+                remaining = deadline - time.monotonic()
+                if finished or remaining <= 0 or self._closed or self._pid != os.getpid():
+                    self._followers.pop(event, None)
+                    self._pass_on()
+                    return finished
+                lead = self._reader is None and self._pubsub is not None
+                if lead:
+                    self._reader = event
+                    self._followers.pop(event, None)
+                else:
+                    self._followers[event] = None
+                    event.clear()  # a ring or a turn to read from now on sets it again
+            if not lead:
+                event.wait(remaining)
+                continue
+            try:
+                self._read_until(done, deadline)
+            finally:
+                with self._mutex:
+                    self._reader = None
+                    self._pass_on()
+
+    def _pass_on(self) -> None:
+        """Under the mutex: with nobody reading, wake the first follower to read."""
+        if self._reader is None and self._followers:
+            next(iter(self._followers)).set()
+
+    def _read_until(self, done: Callable[[], bool], deadline: float) -> None:
         failures = 0
         while True:
             with self._mutex:
                 pubsub = self._pubsub
-                if self._closed or pubsub is None:
+                if done() or self._closed or pubsub is None:
                     return
-                unused = self._channels.expired()
-                for channel in unused:
-                    self._confirmed.pop(channel, None)
+                unused = self._unused()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
             try:
                 if unused:
                     getattr(pubsub, self._kind.unsubscribe)(*unused)
-                message = pubsub.get_message(timeout=0.5)
+                message = pubsub.get_message(timeout=min(remaining, TEND_EVERY))
                 failures = 0
             except Exception as exc:  # the driver's, or a socket closed under it by close()
                 if self._closed:
                     return
                 failures += 1
                 _LOG.warning("Redis pub/sub connection failed (%s); reconnecting", exc)
-                time.sleep(min(1.0, 0.05 * 2**failures))
+                time.sleep(min(1.0, 0.05 * 2**failures, max(0.0, deadline - time.monotonic())))
                 continue
             if message is not None:
                 self._dispatch(message)
+
+    def _unused(self) -> list[str]:
+        """Under the mutex: channels to unsubscribe, forgotten as confirmed."""
+        unused = self._channels.expired()
+        for channel in unused:
+            self._confirmed.pop(channel, None)
+        return unused
+
+    def _tend(self) -> None:
+        """Read what came in while no waiter was reading; unsubscribe lingering channels."""
+        turn = threading.Event()
+        while not self._stop.wait(TEND_EVERY):
+            with self._mutex:
+                pubsub = self._pubsub
+                if self._closed or self._pid != os.getpid() or pubsub is None:
+                    return
+                if self._reader is not None:
+                    continue
+                self._reader = turn
+                unused = self._unused()
+            try:
+                if unused:
+                    getattr(pubsub, self._kind.unsubscribe)(*unused)
+                for _ in range(TEND_BATCH):
+                    message = pubsub.get_message(timeout=0)
+                    if message is None:
+                        break
+                    self._dispatch(message)
+            except Exception as exc:  # reconnects at the next read (redis-py resubscribes)
+                if not self._closed:
+                    _LOG.warning("Redis pub/sub connection failed (%s); reconnecting", exc)
+            finally:
+                with self._mutex:
+                    self._reader = None
+                    self._pass_on()
 
     def _dispatch(self, message: Mapping[str, Any]) -> None:
         channel = message.get("channel")
@@ -647,18 +863,23 @@ class _Subscriptions:
                 confirmed = self._confirmed.get(channel)  # type: ignore[arg-type]
                 if confirmed is not None:
                     confirmed.set()
+                    for event in self._followers:  # among them, the threads joining it
+                        event.set()
                 return
             if message.get("type") != self._kind.message:
                 return
-            waiters = self._channels.addressees(channel, message.get("data"))  # type: ignore[arg-type]
-        for waiter in waiters:
-            waiter.ring()
+            waiters, grant = self._channels.addressees(channel, message.get("data"))  # type: ignore[arg-type]
+            for waiter in waiters:
+                waiter.ring(grant)
 
     def close(self) -> None:
         with self._mutex:
             self._closed = True
+            self._stop.set()
             pubsub, self._pubsub = self._pubsub, None
-            thread = self._thread
+            thread = self._tending
+            for event in self._followers:
+                event.set()
         if pubsub is not None and self._pid == os.getpid():
             with contextlib.suppress(RedisError, OSError):
                 pubsub.close()
@@ -690,20 +911,20 @@ class _Hubs:
             hub.close()
 
 
-class _AsyncRedisWaiter:
+class _AsyncRedisWaiter(_Grantee):
     """A waiter of the async store: rung by the store's pub/sub reader task."""
 
-    __slots__ = ("_event", "channel", "hub", "id", "on_close", "subscribed")
+    __slots__ = ("_event", "hub", "on_close")
 
     def __init__(self, hub: _AsyncSubscriptions, channel: str) -> None:
+        super().__init__(channel)
         self.hub = hub
         self._event = asyncio.Event()
-        self.channel = channel
-        self.id = ""
-        self.subscribed = False
         self.on_close: Callable[[], Awaitable[None]] | None = None
 
-    def ring(self) -> None:
+    def ring(self, grant: tuple[int, int] | None) -> None:
+        if grant is not None:
+            self.granted = grant
         self._event.set()
 
     async def wait(self, timeout: float) -> bool:
@@ -808,8 +1029,9 @@ class _AsyncSubscriptions:
                 if confirmed is not None:
                     confirmed.set()
             elif message.get("type") == self._kind.message:
-                for waiter in self._channels.addressees(channel, message.get("data")):
-                    waiter.ring()
+                waiters, grant = self._channels.addressees(channel, message.get("data"))
+                for waiter in waiters:
+                    waiter.ring(grant)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -1079,24 +1301,36 @@ class RedisStore:
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _RedisWaiter)
         if waiter is None:
-            return self._run(self._steps.acquire(key, token, ttl, owner, info, steal, False))
+            return self._run(self._steps.acquire(key, token, ttl, owner, info, steal, None))
+        if waiter.granted is not None and not steal:
+            granted = waiter.take_grant(key, ttl, owner, info)
+            if granted is not None:  # a release granted it to us, and told us
+                waiter.on_close = None
+                return granted
         if not waiter.id:  # the first try of this acquire
             waiter.id = token
             waiter.hub.try_join(waiter)  # a channel this store listens to already
-        outcome = self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
-        if not outcome.ok and not waiter.subscribed:
-            # Queued now, but not listening yet: subscribe, then look again, for a
-            # hand-over published before the subscription would go unheard.
-            waiter.on_close = functools.partial(self._leave, key, waiter.id)
+        if not waiter.subscribed:
+            # Not listening yet: a try that queued us could be granted the key unheard
+            # (the release would pass us over). Try without a place; when refused,
+            # subscribe, then try again with one.
+            outcome = self._run(self._steps.acquire(key, token, ttl, owner, info, steal, None))
+            if outcome.ok:
+                return outcome
             with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
                 waiter.hub.join(waiter, self._subscribe_timeout)
-            outcome = self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
-        waiter.on_close = None if outcome.ok else functools.partial(self._leave, key, waiter.id)
+        call = self._steps.acquire(key, token, ttl, owner, info, steal, waiter)
+        sent_at = _clock.monotonic()
+        outcome = self._run(call)
+        waiter.refused(outcome, sent_at)
+        waiter.on_close = (
+            None if outcome.ok else functools.partial(self._leave, key, token, waiter.entry)
+        )
         return outcome
 
-    def _leave(self, key: str, waiter_id: str) -> None:
+    def _leave(self, key: str, token: str, entry: str) -> None:
         try:
-            self._run(self._steps.leave(key, waiter_id))
+            self._run(self._steps.leave(key, token, entry))
         except StoreError as exc:  # its queue entry expires; a hand-over to it lapses
             _LOG.warning("could not leave the queue of %r: %s", key, exc)
 
@@ -1170,7 +1404,7 @@ class RedisStore:
         return found
 
     def waiter(self, key: str) -> _RedisWaiter:
-        channel = self._layout.lease(key)
+        channel = self._layout.channel(key)
         try:
             hub = self._hubs.for_channel(channel)
         except _DRIVER_ERRORS:  # as in _run
@@ -1240,24 +1474,35 @@ class AsyncRedisStore:
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _AsyncRedisWaiter)
         if waiter is None:
-            return await self._run(self._steps.acquire(key, token, ttl, owner, info, steal, False))
+            return await self._run(self._steps.acquire(key, token, ttl, owner, info, steal, None))
+        if waiter.granted is not None and not steal:  # as in RedisStore.try_acquire
+            granted = waiter.take_grant(key, ttl, owner, info)
+            if granted is not None:
+                waiter.on_close = None
+                return granted
         if not waiter.id:
             waiter.id = token
             waiter.hub.try_join(waiter)
-        outcome = await self._run(self._steps.acquire(key, token, ttl, owner, info, steal, True))
-        if not outcome.ok and not waiter.subscribed:
-            waiter.on_close = functools.partial(self._leave, key, waiter.id)
+        if not waiter.subscribed:
+            outcome = await self._run(
+                self._steps.acquire(key, token, ttl, owner, info, steal, None)
+            )
+            if outcome.ok:
+                return outcome
             with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
                 await waiter.hub.join(waiter, self._subscribe_timeout)
-            outcome = await self._run(
-                self._steps.acquire(key, token, ttl, owner, info, steal, True)
-            )
-        waiter.on_close = None if outcome.ok else functools.partial(self._leave, key, waiter.id)
+        call = self._steps.acquire(key, token, ttl, owner, info, steal, waiter)
+        sent_at = _clock.monotonic()
+        outcome = await self._run(call)
+        waiter.refused(outcome, sent_at)
+        waiter.on_close = (
+            None if outcome.ok else functools.partial(self._leave, key, token, waiter.entry)
+        )
         return outcome
 
-    async def _leave(self, key: str, waiter_id: str) -> None:
+    async def _leave(self, key: str, token: str, entry: str) -> None:
         try:
-            await self._run(self._steps.leave(key, waiter_id))
+            await self._run(self._steps.leave(key, token, entry))
         except StoreError as exc:
             _LOG.warning("could not leave the queue of %r: %s", key, exc)
 
@@ -1342,7 +1587,7 @@ class AsyncRedisStore:
         return found
 
     async def waiter(self, key: str) -> _AsyncRedisWaiter:
-        channel = self._layout.lease(key)
+        channel = self._layout.channel(key)
         try:
             hub = await self._hubs.for_channel(channel)
         except _DRIVER_ERRORS:  # as in _run
