@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python benchmarks/bench_memcached.py [--pairs 2000] [--seconds 3]
      [--rounds 3] [--baseline OTHER_memcached.py [--baseline-label TEXT]]
+     [--patience 0,0.05,…]
 
 Starts its own memcached (tests/_memcached_fixtures.py: a free loopback port, a
 temporary directory) and stops it afterwards.
@@ -10,7 +11,9 @@ temporary directory) and stops it afterwards.
 ``git show HEAD:src/keymutex/stores/memcached.py > /tmp/memcached_before.py``): it is
 loaded as a module of its own and put under a ``Locks`` in place of this checkout's
 store, everything else being this checkout's. Both versions then run in the same
-rounds, interleaved, on the same server: compare them within one run.
+rounds, interleaved, on the same server: compare them within one run. ``--patience``
+runs this checkout's store once per value of its ``patience`` option (seconds a
+waiter polls before it queues; 0 is strict hand-over), as versions of their own.
 
 Uncontended: µs per pair in one process — ``with locks.lock(key, renew=False)`` and
 ``acquire(key, timeout=0)`` + ``release()`` — interleaved call by call with the floor,
@@ -23,7 +26,8 @@ acquisitions), overlaps (a grant before the previous release), handoff p50/p90 (
 release -> another process's acquire returning, on the host's shared clock),
 same-holder % (consecutive holds by the process that just released), the busiest
 process's share of the grants, the worst wait of a single acquire, and memcached
-commands per grant (``stats``: gets, sets, incr; the waiters' polling shows here).
+commands per grant (``stats``: gets, sets, incr, deletes, text or meta; the waiters'
+polling shows here).
 Rounds rotate the versions; tables show medians over rounds (sums for lost updates
 and overlaps, the worst of all rounds for the worst wait). Results go to
 benchmarks/results/memcached.md.
@@ -72,9 +76,14 @@ def _baseline_module(path: str) -> ModuleType:
     return load_module(path, "keymutex_baseline_memcached")
 
 
-def _locks(url: str, namespace: str, baseline: str | None) -> keymutex.Locks:
-    """A ``Locks`` on this checkout's store, or on the ``baseline`` module's."""
-    locks = keymutex.Locks(url, namespace=namespace, ttl=TTL_S)
+Version = tuple[str | None, float | None]  # a baseline module's path; a patience
+
+
+def _locks(url: str, namespace: str, version: Version) -> keymutex.Locks:
+    """A ``Locks`` on this checkout's store (with a patience), or on the baseline's."""
+    baseline, patience = version
+    options = {} if patience is None else {"patience": patience}
+    locks = keymutex.Locks(url, namespace=namespace, ttl=TTL_S, **options)
     if baseline is not None:
         locks._store.close()
         store = _baseline_module(baseline).driver.open(url, namespace=namespace, options={})
@@ -90,14 +99,14 @@ FORMS = ("`with locks.lock(key, renew=False)`", "`acquire(key, timeout=0)` + `re
 
 
 def uncontended(
-    url: str, port: int, versions: dict[str, str | None], pairs: int, rounds: int
+    url: str, port: int, versions: dict[str, Version], pairs: int, rounds: int
 ) -> dict[str, tuple[float, float, float, float | None]]:
     """case -> (median µs, p90 µs, × floor, × the baseline's same case)."""
     floor = Client(("127.0.0.1", port), default_noreply=False)
     cases: dict[str, Callable[[], object]] = {FLOOR: floor.version}
     opened = []
-    for version, path in versions.items():
-        locks = _locks(url, f"bench-unc-{uuid.uuid4().hex[:8]}", path)
+    for version, spec in versions.items():
+        locks = _locks(url, f"bench-unc-{uuid.uuid4().hex[:8]}", spec)
         opened.append(locks)
 
         def with_lock(locks: keymutex.Locks = locks) -> None:
@@ -160,7 +169,7 @@ def uncontended(
 
 def _worker(
     url: str,
-    baseline: str | None,
+    baseline: Version,
     namespace: str,
     counter: str,
     seconds: float,
@@ -186,10 +195,11 @@ def _worker(
 
 def _commands(server: MemcachedServer) -> int:
     stats = server.stats()
-    return sum(int(stats[name]) for name in ("cmd_get", "cmd_set", "incr_hits", "incr_misses"))
+    names = ("cmd_get", "cmd_set", "incr_hits", "incr_misses", "delete_hits", "delete_misses")
+    return sum(int(stats[name]) for name in names)
 
 
-def contention(server: MemcachedServer, baseline: str | None, seconds: float) -> dict[str, float]:
+def contention(server: MemcachedServer, baseline: Version, seconds: float) -> dict[str, float]:
     context = mp.get_context("spawn")
     ready = context.Barrier(PROCESSES + 1)
     out = context.Queue()
@@ -243,11 +253,19 @@ def main() -> int:
     parser.add_argument(
         "--baseline-label", help="what the baseline is, for the report (e.g. 'HEAD 3b9ffd7')"
     )
+    parser.add_argument(
+        "--patience", help="comma-separated patience values (s) to run this checkout with"
+    )
     parser.add_argument("--output", default=str(RESULTS / "memcached.md"))
     args = parser.parse_args()
-    versions: dict[str, str | None] = {CHECKOUT: None}
+    versions: dict[str, Version] = {}
     if args.baseline:
-        versions = {BASELINE: str(Path(args.baseline).resolve()), CHECKOUT: None}
+        versions[BASELINE] = (str(Path(args.baseline).resolve()), None)
+    if args.patience:
+        for value in args.patience.split(","):
+            versions[f"{CHECKOUT} (patience {float(value):g} s)"] = (None, float(value))
+    else:
+        versions[CHECKOUT] = (None, None)
 
     began = time.monotonic()
     with (
@@ -271,6 +289,8 @@ def main() -> int:
         command += f" --baseline {args.baseline}"
     if args.baseline_label:
         command += f" --baseline-label '{args.baseline_label}'"
+    if args.patience:
+        command += f" --patience {args.patience}"
     lines = [
         "## memcached store: fairness without notifications (`benchmarks/bench_memcached.py`)",
         "",
@@ -332,7 +352,8 @@ def main() -> int:
         "- A handoff is measured only between different processes; with 4 processes a"
         " fair lock gives each about 25 % of the grants and a same-holder share near 0.",
         "- memcached cannot notify: every waiter polls, so commands / grant counts the"
-        " waiters' looks as well as the holder's own steps (4 to acquire, 2 to release).",
+        " waiters' looks as well as the holder's own steps (this checkout, uncontended:"
+        " add + append to acquire, one compare-and-delete to release).",
     ]
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -451,7 +451,7 @@ STORES = [
         "`version` (pymemcache)",
         _memcached,
         (
-            Case("keymutex", KEYMUTEX_LABEL, "6 (`gets`, `incr`, `add`, `append`; `gets`, `cas`)"),
+            Case("keymutex", KEYMUTEX_LABEL, "2 (`ms` add + index append; `md` by CAS)"),
             Case("keymutex-try-once", TRY_ONCE_LABEL, "6", contends=False),
             Case("tooz", "tooz `memcached://` (pymemcache)", "3 (`add`; `get`, `delete`)"),
             Case("sherlock", "sherlock `MCLock` (pylibmc, binary)", "3 (`add`; `get`, `delete`)"),

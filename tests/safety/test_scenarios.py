@@ -839,7 +839,7 @@ REPLY_OPTIONS: dict[str, dict[str, object]] = {
 # /v1/acquire to the lock server.
 DROP_FROM: dict[str, dict[str, bytes]] = {
     # gets (a free key), incr (a fence), then add: the grant
-    "memcached": {"after_request": b"add km1:l:"},
+    "memcached": {"after_request": b"ms km2:l:"},
     # lease grant, then the transaction that puts the key
     "etcd": {"after_request": b"POST /v3/kv/txn"},
     # The create of the contender node, already holding, is the grant; on a new key it
@@ -1111,9 +1111,9 @@ def test_store_crash_and_restart_fences(
         assert survivor is not None
         assert survivor.fence == held.fence
     else:
-        # memcached forgot the lease and its counter; the counter starts again from the
-        # wall clock (microseconds), so fences still grew here — but a clock stepped
-        # back would break that, hence durable_fences=False.
+        # memcached forgot the lease and its epoch; a new epoch is taken from the wall
+        # clock (microseconds), so fences still grew here — but a clock stepped back
+        # would break that, hence durable_fences=False.
         assert store == "memcached"
         assert survivor is None
 

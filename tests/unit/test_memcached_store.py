@@ -2,8 +2,9 @@
 
 Against real memcached processes: the session's ``memcached_server``, or servers a test
 starts for itself when it restarts, fills or kills one. Races are made deterministic
-by wrapping the store's own pymemcache client so that another client writes between
-its ``gets`` and its ``cas`` — the server itself is never imitated.
+by letting another client write right after one of the store's own reads (``interleave``
+wraps ``Session.read``), before the store's compare-and-swap — the server itself is
+never imitated. Round trips are counted as the writes the store sends on its sockets.
 """
 
 from __future__ import annotations
@@ -25,18 +26,21 @@ import keymutex
 from _memcached_fixtures import MemcachedServer
 from keymutex.stores import memcached
 from keymutex.stores.memcached import (
+    EPOCH_ITEM,
     HANDOVER_SECONDS,
     INDEX_BUCKETS,
     POLL_FIRST,
     POLL_LIMIT,
-    QUEUED_TOMBSTONE_SECONDS,
     RACE_ATTEMPTS,
     REFRESH_SECONDS,
+    TOMBSTONE_SECONDS,
+    Connection,
     Layout,
     MemcachedStore,
     Place,
     QueuedWaiter,
     Record,
+    Session,
     Tombstone,
     decode,
     exptime,
@@ -63,53 +67,81 @@ def raw(memcached_server: MemcachedServer) -> Iterator[Client]:
     client.close()
 
 
-def open_store(url: str, namespace: str) -> MemcachedStore:
-    return memcached.driver.open(url, namespace=namespace, options={})
+def open_store(url: str, namespace: str, **options: object) -> MemcachedStore:
+    return memcached.driver.open(url, namespace=namespace, options=options)
 
 
 class Interleaved:
-    """The store's own client, with ``between`` run after its ``gets`` of one item.
+    """Runs ``between`` right after ``store`` reads the item of ``key`` (``times`` times).
 
     ``between`` plays another client that writes the item after we read it and before
-    we ``cas`` it: the race the store must survive. Everything else goes straight through.
+    our compare-and-swap: the race the store must survive. ``reads`` counts our reads
+    of the item (``mg``, alone or sent with other commands).
     """
 
-    def __init__(self, inner: Any, name: str, between: Callable[[], None], times: int) -> None:
-        self._inner = inner
-        self._name = name
-        self._between = between
-        self._times = times
-        self.gets_calls = 0
+    def __init__(
+        self, store: MemcachedStore, key: str, between: Callable[[], None], times: int
+    ) -> None:
+        self.name = store._layout.lease(key).encode()
+        self.pools = set(map(id, store._pools.values()))
+        self.between = between
+        self.times = times
+        self.reads = 0
+        self.busy = False
 
-    def gets(self, name: str) -> Any:
-        reply = self._inner.gets(name)
-        self._after_read([name])
-        return reply
-
-    def gets_many(self, names: list[str]) -> Any:
-        reply = self._inner.gets_many(names)
-        self._after_read(names)
-        return reply
-
-    def _after_read(self, names: list[str]) -> None:
-        if self._name in names:
-            self.gets_calls += 1
-            if self._times > 0:
-                self._times -= 1
-                self._between()
-
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(self._inner, attribute)
+    def after(self, session: Session, commands: bytes) -> None:
+        mine = id(session._pool) in self.pools
+        if self.busy or not mine or b"mg " + self.name not in commands:
+            return
+        self.reads += 1
+        if self.times > 0:
+            self.times -= 1
+            self.busy = True  # ``between`` reads too, through other stores
+            try:
+                self.between()
+            finally:
+                self.busy = False
 
 
+@pytest.fixture
 def interleave(
-    store: MemcachedStore, key: str, between: Callable[[], None], times: int = 1
-) -> Interleaved:
-    name = store._layout.lease(key)
-    server = store._layout.server_of(name)
-    wrapped = Interleaved(store._clients[server], name, between, times)
-    store._clients[server] = wrapped
-    return wrapped
+    monkeypatch: pytest.MonkeyPatch,
+) -> Callable[..., Interleaved]:
+    def install(
+        store: MemcachedStore, key: str, between: Callable[[], None], times: int = 1
+    ) -> Interleaved:
+        hook = Interleaved(store, key, between, times)
+        read, write = Session.read, Session.write
+
+        def read_then(session: Session, commands: bytes, replies: int) -> Any:
+            found = read(session, commands, replies)
+            hook.after(session, commands)
+            return found
+
+        def write_then(session: Session, commands: bytes, replies: int) -> Any:
+            found = write(session, commands, replies)
+            hook.after(session, commands)
+            return found
+
+        monkeypatch.setattr(Session, "read", read_then)
+        monkeypatch.setattr(Session, "write", write_then)
+        return hook
+
+    return install
+
+
+@pytest.fixture
+def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every write the stores send on their sockets (one round trip each)."""
+    sent: list[bytes] = []
+    send = Connection.send
+
+    def counted(connection: Connection, data: bytes) -> None:
+        sent.append(data)
+        send(connection, data)
+
+    monkeypatch.setattr(Connection, "send", counted)
+    return sent
 
 
 def acquire(
@@ -126,45 +158,69 @@ def acquire(
     )
 
 
+def item(raw: Client, store: MemcachedStore, key: str) -> Record | Tombstone:
+    """What the key's item holds now, as memcached has it (its fence resolved)."""
+    name = store._layout.lease(key)
+    value, cas = raw.gets(name)
+    assert value is not None
+    epoch = int(raw.get(EPOCH_ITEM).split(b":")[0])
+    return decode(value, name, epoch + int(cas))
+
+
+def gone(raw: Client, store: MemcachedStore, key: str) -> bool:
+    return raw.get(store._layout.lease(key)) is None
+
+
+def waiters(item: Record | Tombstone) -> list[str]:
+    return [place.waiter for place in item.queue]
+
+
 # -- races ---------------------------------------------------------------------------
 
 
 def test_release_never_removes_the_lock_that_replaced_ours(
-    memcached_url: str, namespace: str
+    memcached_url: str, namespace: str, interleave: Callable[..., Interleaved]
 ) -> None:
     ours, theirs = open_store(memcached_url, namespace), open_store(memcached_url, namespace)
     try:
         assert acquire(ours, "doc", TOKEN_A).ok
-        # Between our gets and our write, someone takes the key over (a steal here; an
-        # expiry followed by an acquire is the same race). A gets-then-delete would now
-        # delete *their* lock.
-        wrapped = interleave(ours, "doc", lambda: acquire(theirs, "doc", TOKEN_B, steal=True))
+        # Our lease is taken over (a steal here; an expiry followed by an acquire is the
+        # same race) before we release: a get-then-delete would delete *their* lock,
+        # and so would a delete by a CAS older than their write.
+        stolen = acquire(theirs, "doc", TOKEN_B, steal=True)
         released = ours.release("doc", TOKEN_A)
         assert released.ok is False
-        assert released.holder is not None
-        assert released.holder.owner == "o"
-        assert wrapped.gets_calls == 2  # the lost cas was noticed and the item read again
-        current = theirs.holder("doc")
+        assert released.holder == stolen.holder
+        # The same, between a read and the compare-and-delete: a waiter wrote its place
+        # (so the holder's own last CAS is stale), and the key is stolen after the
+        # holder read the item again.
+        waiting = open_store(memcached_url, namespace, patience=0)
+        assert acquire(waiting, "doc", "W" * 24, waiter=waiting.waiter("doc")).ok is False
+        hook = interleave(theirs, "doc", lambda: acquire(ours, "doc", TOKEN_A, steal=True))
+        assert theirs.release("doc", TOKEN_B).ok is False
+        assert hook.reads == 2  # its compare-and-swap failed; it read the item again
+        waiting.close()
+        current = ours.holder("doc")
         assert current is not None
-        assert current.fence == released.holder.fence
-        assert theirs.renew("doc", TOKEN_B, 30.0).ok
-        assert theirs.release("doc", TOKEN_B).ok
+        assert current.fence > stolen.holder.fence
+        assert ours.renew("doc", TOKEN_A, 30.0).ok
+        assert ours.release("doc", TOKEN_A).ok
     finally:
         ours.close()
         theirs.close()
 
 
 def test_a_lost_race_on_an_expired_lease_is_retried_and_decided_afresh(
-    memcached_url: str, namespace: str
+    memcached_url: str, namespace: str, interleave: Callable[..., Interleaved]
 ) -> None:
     first, second, third = (open_store(memcached_url, namespace) for _ in range(3))
     try:
         old = acquire(first, "job", "C" * 24, ttl=0.2)
         time.sleep(0.3)  # expired by its record; memcached still keeps the item
         # While `second` replaces the expired lease, `third` gets there first.
-        wrapped = interleave(second, "job", lambda: acquire(third, "job", TOKEN_B))
+        hook = interleave(second, "job", lambda: acquire(third, "job", TOKEN_B))
         outcome = acquire(second, "job", TOKEN_A)
-        assert wrapped.gets_calls == 2
+        assert hook.reads == 2
         assert outcome.ok is False  # the second read saw the third's live lease
         assert outcome.holder is not None
         assert outcome.holder.fence > old.holder.fence
@@ -175,7 +231,7 @@ def test_a_lost_race_on_an_expired_lease_is_retried_and_decided_afresh(
 
 
 def test_lost_races_are_bounded(
-    memcached_url: str, namespace: str, raw: Client, monkeypatch: pytest.MonkeyPatch
+    memcached_url: str, namespace: str, raw: Client, interleave: Callable[..., Interleaved]
 ) -> None:
     store = open_store(memcached_url, namespace)
     try:
@@ -187,44 +243,24 @@ def test_lost_races_are_bounded(
         def rewrite() -> None:  # another client writes the item after every read of ours
             raw.set(name, value, expire=5)
 
-        wrapped = interleave(store, "hot", rewrite, times=10 * RACE_ATTEMPTS)
+        hook = interleave(store, "hot", rewrite, times=10 * RACE_ATTEMPTS)
         refused = acquire(store, "hot", TOKEN_B)
         assert refused.ok is False
-        assert wrapped.gets_calls == RACE_ATTEMPTS
+        assert hook.reads == RACE_ATTEMPTS + 1  # and a last look, to say who holds it
 
-        wrapped.gets_calls = 0
+        hook.reads = 0
         with pytest.raises(keymutex.StoreError, match="lost 8 races"):
             store.release("hot", TOKEN_A)
-        assert wrapped.gets_calls == RACE_ATTEMPTS
-        raw.set(name, value, expire=5)
-        wrapped.gets_calls = 0
+        assert hook.reads == RACE_ATTEMPTS
         # Renewal: the rewritten record is live again for a moment, and ours.
         fresh = json.loads(value)
         fresh[7] = time.time() + 30
         value = json.dumps(fresh).encode()
         raw.set(name, value, expire=5)
+        hook.reads = 0
         with pytest.raises(keymutex.StoreError, match="lost 8 races"):
             store.renew("hot", TOKEN_A, 30.0)
-        assert wrapped.gets_calls == RACE_ATTEMPTS
-    finally:
-        store.close()
-
-
-def test_a_grant_always_describes_its_lease_even_when_its_ttl_ran_out_in_transit(
-    memcached_url: str, namespace: str
-) -> None:
-    # A TTL shorter than the round trips: the reply still carries the holder (and the
-    # client's own deadline, counted from before the request, has passed already).
-    store = open_store(memcached_url, namespace)
-    try:
-        granted = acquire(store, "blink", TOKEN_A, ttl=1e-6)
-        assert granted.ok
-        assert granted.holder is not None
-        assert granted.remaining == pytest.approx(1e-6, abs=1e-5)
-        assert acquire(store, "blink", TOKEN_B).ok  # and it is expired for everyone
-        renewed = store.renew("blink", TOKEN_B, 1e-6)
-        assert renewed.ok
-        assert renewed.holder is not None
+        assert hook.reads == RACE_ATTEMPTS
     finally:
         store.close()
 
@@ -232,21 +268,10 @@ def test_a_grant_always_describes_its_lease_even_when_its_ttl_ran_out_in_transit
 # -- the queue and the hand-over ------------------------------------------------------
 
 
-def item(raw: Client, store: MemcachedStore, key: str) -> Record | Tombstone:
-    """What the key's item holds now, as memcached has it."""
-    value = raw.get(store._layout.lease(key))
-    assert value is not None
-    return decode(value)
-
-
-def waiters(item: Record | Tombstone) -> list[str]:
-    return [place.waiter for place in item.queue]
-
-
 @pytest.fixture
 def stores(memcached_url: str, namespace: str) -> Iterator[list[MemcachedStore]]:
-    """Four clients of one namespace: a holder and three others."""
-    opened = [open_store(memcached_url, namespace) for _ in range(4)]
+    """Four clients of one namespace whose waiters queue at once (``patience=0``)."""
+    opened = [open_store(memcached_url, namespace, patience=0) for _ in range(4)]
     yield opened
     for store in opened:
         store.close()
@@ -265,14 +290,17 @@ def test_a_release_keeps_the_key_for_the_first_queued_waiter(
     holder, first, second, other = stores
     held = acquire(holder, "doc", TOKEN_A)
     one, two = first.waiter("doc"), second.waiter("doc")
-    # A refusal with a waiter queues it in the step that read the holder.
+    # A refusal with a waiter out of patience queues it, by a compare-and-swap of the
+    # record that refused it.
     refused = acquire(first, "doc", "1" * 24, waiter=one)
     assert refused.ok is False
     assert refused.holder == held.holder
     assert acquire(second, "doc", "2" * 24, waiter=two).ok is False
     assert waiters(item(raw, holder, "doc")) == [one.id, two.id]
-    # The holder's renewal keeps the queue.
-    assert holder.renew("doc", TOKEN_A, 30.0).ok
+    # The holder's renewal keeps the queue (and the fence).
+    renewed = holder.renew("doc", TOKEN_A, 30.0)
+    assert renewed.ok
+    assert renewed.holder.fence == held.holder.fence
     assert waiters(item(raw, holder, "doc")) == [one.id, two.id]
 
     assert holder.release("doc", TOKEN_A).ok
@@ -295,6 +323,71 @@ def test_a_release_keeps_the_key_for_the_first_queued_waiter(
     assert waiters(item(raw, holder, "doc")) == [two.id]
     one.close()  # granted: nothing to leave, no round trip
     assert waiters(item(raw, holder, "doc")) == [two.id]
+
+
+def test_a_patient_waiter_leaves_the_key_to_barging_and_then_is_handed_it(
+    memcached_url: str, namespace: str, raw: Client, long_hand_over: float
+) -> None:
+    """Bounded barging: before its patience runs out a waiter writes nothing, and the
+    releaser takes the key straight back; after, it queues and is handed the key ahead
+    of the releaser."""
+    holder = open_store(memcached_url, namespace)
+    patient = open_store(memcached_url, namespace, patience=3600)
+    try:
+        held = acquire(holder, "doc", TOKEN_A)
+        waiter = patient.waiter("doc")
+        assert acquire(patient, "doc", "1" * 24, waiter=waiter).ok is False
+        assert waiters(item(raw, holder, "doc")) == []  # it polled, and wrote nothing
+        assert waiter.queued is False
+        steps = [waiter.park(1.0) for _ in range(12)]  # slower and slower meanwhile
+        assert steps[0] == POLL_FIRST
+        assert steps == sorted(steps)
+        assert waiter.park(0.0001) == 0.0001  # never longer than the client asked
+        assert holder.release("doc", TOKEN_A).ok
+        assert gone(raw, holder, "doc")  # deleted: free for whoever comes first
+        again = acquire(holder, "doc", TOKEN_A)  # the releaser barges back in
+        assert again.ok
+        assert again.holder.fence > held.holder.fence
+
+        patient._patience = 0.0  # as if its hour had passed
+        impatient = patient.waiter("doc")
+        assert impatient.park(1.0) == POLL_FIRST  # it looks again soon
+        assert acquire(patient, "doc", "1" * 24, waiter=impatient).ok is False
+        assert impatient.queued is True
+        assert waiters(item(raw, holder, "doc")) == [impatient.id]
+        # The holder's own last write is stale now: its release reads the item and
+        # leaves the key to the waiter, and its next try is refused.
+        assert holder.release("doc", TOKEN_A).ok
+        assert acquire(holder, "doc", TOKEN_A).ok is False
+        taken = acquire(patient, "doc", "1" * 24, waiter=impatient)
+        assert taken.ok
+        assert taken.holder.fence > again.holder.fence
+        # The queue is empty again: its release deletes the item; barging resumes.
+        assert patient.release("doc", "1" * 24).ok
+        assert gone(raw, holder, "doc")
+    finally:
+        holder.close()
+        patient.close()
+
+
+def test_release_after_a_waiter_wrote_its_place(
+    stores: list[MemcachedStore], raw: Client, round_trips: list[bytes], long_hand_over: float
+) -> None:
+    holder, first, _, _ = stores
+    held = acquire(holder, "doc", TOKEN_A)
+    waiter = first.waiter("doc")
+    assert acquire(first, "doc", "1" * 24, waiter=waiter).ok is False
+    queued = item(raw, holder, "doc")
+    assert isinstance(queued, Record)
+    assert queued.fence == held.holder.fence  # written into the record by the waiter
+    del round_trips[:]
+    assert holder.release("doc", TOKEN_A).ok
+    # The compare-and-delete by the holder's own CAS failed (a waiter wrote since),
+    # then a read and the tombstone that keeps the key for the waiter.
+    assert [sent.split(b" ")[0] for sent in round_trips] == [b"md", b"mg", b"ms"]
+    kept = item(raw, holder, "doc")
+    assert isinstance(kept, Tombstone)
+    assert kept.heir == waiter.id
 
 
 def test_a_waiter_that_stopped_refreshing_its_place_is_skipped(
@@ -332,16 +425,16 @@ def test_a_waiter_refreshes_its_place_and_so_is_never_taken_for_gone(
     monkeypatch.setattr(memcached, "REFRESH_SECONDS", 60.0)
     assert acquire(first, "doc", "1" * 24, waiter=waiter).ok is False
     joined = item(raw, holder, "doc").queue[0].seen
-    # Looking again while the place is fresh costs one read.
+    # Looking again while the place is fresh costs one write: an add and a read.
     before = _counts(memcached_server)
     assert acquire(first, "doc", "1" * 24, waiter=waiter).ok is False
-    assert _delta(before, _counts(memcached_server)) == {"cmd_get": 1}
-    # Once it is REFRESH_SECONDS old, the look rewrites it: a read and a cas.
+    assert _delta(before, _counts(memcached_server)) == {"cmd_get": 1, "cmd_set": 1}
+    # Once it is REFRESH_SECONDS old, the look rewrites it by compare-and-swap.
     monkeypatch.setattr(memcached, "REFRESH_SECONDS", 0.05)
     time.sleep(0.1)
     before = _counts(memcached_server)
     assert acquire(first, "doc", "1" * 24, waiter=waiter).ok is False
-    assert _delta(before, _counts(memcached_server)) == {"cmd_get": 1, "cmd_set": 1}
+    assert _delta(before, _counts(memcached_server)) == {"cmd_get": 1, "cmd_set": 2}
     record = item(raw, holder, "doc")
     assert waiters(record) == [waiter.id]
     assert record.queue[0].seen > joined
@@ -394,7 +487,7 @@ def test_a_waiter_that_gives_up_leaves_the_queue(
     assert holder.release("doc", TOKEN_A).ok
     assert acquire(other, "doc", TOKEN_B).ok is False
     one.close()
-    assert item(raw, holder, "doc") == Tombstone(item(raw, holder, "doc").fence)
+    assert gone(raw, holder, "doc")
     assert acquire(other, "doc", TOKEN_B).ok
 
 
@@ -421,19 +514,22 @@ def test_a_waiter_that_gives_up_passes_a_key_kept_for_it_on(
     assert acquire(second, "doc", "2" * 24, waiter=two).ok
 
 
-def test_a_waiters_write_never_undoes_a_renewal(stores: list[MemcachedStore], raw: Client) -> None:
+def test_a_waiters_write_never_undoes_a_renewal(
+    stores: list[MemcachedStore], raw: Client, interleave: Callable[..., Interleaved]
+) -> None:
     holder, first, _, _ = stores
-    assert acquire(holder, "doc", TOKEN_A, ttl=5.0).ok
+    held = acquire(holder, "doc", TOKEN_A, ttl=5.0)
     waiter = first.waiter("doc")
-    # Between the waiter's read and its cas, the holder renews for an hour.
-    wrapped = interleave(first, "doc", lambda: holder.renew("doc", TOKEN_A, 3600.0))
+    # Between the waiter's read and its compare-and-swap, the holder renews for an hour.
+    hook = interleave(first, "doc", lambda: holder.renew("doc", TOKEN_A, 3600.0))
     assert acquire(first, "doc", "1" * 24, waiter=waiter).ok is False
-    assert wrapped.gets_calls == 2  # its cas failed, it read the item again
+    assert hook.reads == 2  # its compare-and-swap failed, it read the item again
     record = item(raw, holder, "doc")
     assert isinstance(record, Record)
     assert record.token == TOKEN_A
     assert record.expires_at > time.time() + 3000
     assert waiters(record) == [waiter.id]
+    assert record.fence == held.holder.fence  # the same lease, the same fence
 
 
 def test_the_queue_is_bounded(
@@ -463,9 +559,10 @@ def test_steal_ignores_the_hand_over_and_keeps_the_queue(
     assert waiters(item(raw, holder, "doc")) == [waiter.id]
 
 
-def test_contenders_take_turns(memcached_url: str, namespace: str) -> None:
-    """Three clients looping on one key: a releaser cannot take the key straight back."""
-    clients = [keymutex.Locks(memcached_url, namespace=namespace) for _ in range(3)]
+def test_contenders_take_turns_with_strict_hand_over(memcached_url: str, namespace: str) -> None:
+    """Three clients looping on one key, waiters queueing at once (``patience=0``): a
+    releaser cannot take the key straight back while another waits."""
+    clients = [keymutex.Locks(memcached_url, namespace=namespace, patience=0) for _ in range(3)]
     grants: list[int] = []
     mutex = threading.Lock()
 
@@ -497,6 +594,7 @@ def test_a_waiter_polls_soon_after_a_change_and_less_often_further_back(
     store = open_store(memcached_url, namespace)
     try:
         waiter = store.waiter("doc")
+        waiter.queued = True
         waiter.saw((1, True), 0)
         steps = [waiter.park(1.0) for _ in range(20)]
         assert steps[0] == POLL_FIRST
@@ -514,7 +612,9 @@ def test_a_waiter_polls_soon_after_a_change_and_less_often_further_back(
 # -- fences --------------------------------------------------------------------------
 
 
-def test_fences_increase_and_start_from_the_clock(memcached_url: str, namespace: str) -> None:
+def test_fences_are_epoch_plus_cas_and_increase_across_grants_expiries_and_steals(
+    memcached_url: str, namespace: str, raw: Client
+) -> None:
     before = time.time_ns() // 1000
     one, two = open_store(memcached_url, namespace), open_store(memcached_url, namespace)
     try:
@@ -522,17 +622,47 @@ def test_fences_increase_and_start_from_the_clock(memcached_url: str, namespace:
         for round_ in range(20):
             store = one if round_ % 2 else two
             token = f"{round_:024d}"
-            outcome = acquire(store, "row", token, steal=round_ % 3 == 0)
+            outcome = acquire(store, "row", token, ttl=0.05 if round_ % 5 == 4 else 30.0)
+            if not outcome.ok:  # the last lease is held: steal it
+                outcome = acquire(store, "row", token, steal=True)
             assert outcome.ok
             fences.append(outcome.holder.fence)
-            if round_ % 3 != 2:
+            if round_ % 5 == 4:
+                time.sleep(0.1)  # left to expire: the next grant replaces it
+            elif round_ % 3 != 2:
                 assert store.release("row", token).ok
         assert all(a < b for a, b in itertools.pairwise(fences)), fences
-        # The counter was created from the wall clock in microseconds.
-        assert before <= fences[0] <= time.time_ns() // 1000 + 1
+        # The fence is the server's epoch (the wall clock, in microseconds, when it was
+        # first needed) plus the grant's CAS.
+        epoch = int(raw.get(EPOCH_ITEM).split(b":")[0])
+        assert epoch <= before
+        assert all(epoch < fence < epoch + 10**9 for fence in fences)
     finally:
         one.close()
         two.close()
+
+
+def test_a_fence_never_changes_during_a_lease(
+    stores: list[MemcachedStore], raw: Client, long_hand_over: float
+) -> None:
+    holder, first, second, other = stores
+    held = acquire(holder, "doc", TOKEN_A)
+    fence = held.holder.fence
+    # The record a grant writes leaves the fence out: it is the item's CAS.
+    assert json.loads(raw.get(holder._layout.lease("doc")))[5] is None
+    seen = [fence]
+    for store, token in ((first, "1" * 24), (second, "2" * 24)):
+        refused = acquire(store, "doc", token, waiter=store.waiter("doc"))  # writes a place
+        seen.append(refused.holder.fence)
+        seen.append(item(raw, holder, "doc").fence)  # now written into the record
+        renewed = holder.renew("doc", TOKEN_A, 30.0)
+        seen.append(renewed.holder.fence)
+    # A renewal from a client that did not grant it (read, compare, swap).
+    seen.append(other.renew("doc", TOKEN_A, 30.0).holder.fence)
+    seen.append(holder.renew("doc", TOKEN_A, 30.0).holder.fence)
+    seen.append(holder.holder("doc").fence)
+    assert seen == [fence] * len(seen)
+    assert holder.release("doc", TOKEN_A).ok
 
 
 def test_concurrent_grants_never_share_a_fence(memcached_url: str, namespace: str) -> None:
@@ -572,21 +702,135 @@ def test_restart_forgets_every_lease_and_fences_rest_on_the_clock(
             assert lease.lost is False
             assert other.holder("doc") is None
             taken = other.acquire("doc", timeout=0)
-            # The counter was recreated from the clock: fences still went up...
+            # The epoch was created again from the clock: fences still went up...
             assert taken.fence > lease.fence
+            # The restarted server gave the new lease the very CAS that the holder's
+            # last write had (its counter started again): the holder's release must not
+            # delete it by that CAS. It reads, compares the token, and finds it lost.
+            assert (
+                _cas(server, holder, "doc")
+                == holder._store._written[  # type: ignore[attr-defined]
+                    holder._store._layout.lease("doc")  # type: ignore[attr-defined]
+                ].cas
+            )
             with pytest.raises(keymutex.LockLost):
-                lease.renew()
+                lease.release()
+            assert other.holder("doc") == locks_holder(other, taken)
 
             # ... but only because the clock did. With the clock set back (here: the
             # seed), a restart hands out a fence smaller than one granted before.
-            monkeypatch.setattr(memcached, "fence_seed", lambda: 1000)
+            monkeypatch.setattr(memcached, "epoch_seed", lambda: 1000)
+            taken.release()
             server.restart()
             again = other.acquire("doc", timeout=0)
             assert again.fence < taken.fence
-            assert again.fence == 1001
+            assert again.fence < 10**6
         finally:
             holder.close()
             other.close()
+
+
+def _cas(server: MemcachedServer, store: keymutex.Locks, key: str) -> int:
+    name = store._store._layout.lease(key)  # type: ignore[attr-defined]
+    reply = server.command(f"mg {name} c", until=b"\r\n")
+    return int(reply.split()[1][1:])
+
+
+def locks_holder(locks: keymutex.Locks, lease: keymutex.Lease) -> keymutex.Holder:
+    return keymutex.Holder(
+        lease.key, lease.owner, lease.info, lease.fence, lease.acquired_at, lease.expires_at
+    )
+
+
+# -- round trips ---------------------------------------------------------------------
+
+
+def _counts(server: MemcachedServer) -> dict[str, int]:
+    stats = server.stats()
+    names = ("cmd_get", "cmd_set", "delete_hits", "delete_misses")
+    return {name: int(stats[name]) for name in names}
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before[name] for name in after if after[name] != before[name]}
+
+
+def test_round_trips_of_each_step(
+    memcached_server: MemcachedServer,
+    namespace: str,
+    round_trips: list[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(memcached, "COMPACT_EVERY", 10**30)  # no compaction in between
+    store, other = (open_store(memcached_server.url, namespace) for _ in range(2))
+    try:
+        assert acquire(store, "doc", "W" * 24).ok  # connects, creates the index bucket
+        assert store.release("doc", "W" * 24).ok
+        assert other.holder("doc") is None  # connects
+
+        def step(do: Callable[[], object]) -> tuple[list[bytes], dict[str, int]]:
+            del round_trips[:]
+            before = _counts(memcached_server)
+            do()
+            return [sent.split(b" ")[0] for sent in round_trips], _delta(
+                before, _counts(memcached_server)
+            )
+
+        # A free key: add and append to the index, in one write.
+        assert step(lambda: acquire(store, "doc", TOKEN_A)) == ([b"ms"], {"cmd_set": 2})
+        # Refused: the add fails, a read says who holds it.
+        assert step(lambda: acquire(other, "doc", TOKEN_B)) == (
+            [b"ms", b"mg"],
+            {"cmd_set": 2, "cmd_get": 1},
+        )
+        # Renew and release by the CAS of our own last write: one command each.
+        assert step(lambda: store.renew("doc", TOKEN_A, 30)) == ([b"ms"], {"cmd_set": 1})
+        assert step(lambda: store.release("doc", TOKEN_A)) == ([b"md"], {"delete_hits": 1})
+
+        # From a client that did not write the lease last: read, then compare-and-swap.
+        assert acquire(store, "doc", TOKEN_A).ok
+        assert step(lambda: other.renew("doc", TOKEN_A, 30)) == (
+            [b"mg", b"ms"],
+            {"cmd_get": 1, "cmd_set": 1},
+        )
+        assert step(lambda: store.release("doc", TOKEN_A)) == (  # its CAS is stale now
+            [b"md", b"mg", b"md"],
+            {"delete_misses": 1, "cmd_get": 1, "delete_hits": 1},
+        )
+        # A waiter's poll: the add and the read in one write.
+        assert acquire(store, "doc", TOKEN_A).ok
+        assert step(lambda: acquire(other, "doc", TOKEN_B, waiter=other.waiter("doc"))) == (
+            [b"ms"],
+            {"cmd_set": 1, "cmd_get": 1},
+        )
+    finally:
+        store.close()
+        other.close()
+
+
+def test_a_dead_pooled_connection_is_replaced_before_a_write(tmp_path: Path) -> None:
+    with MemcachedServer(tmp_path / "restarted").start() as server:
+        store = open_store(server.url, "n")
+        try:
+            assert acquire(store, "doc", TOKEN_A).ok
+            server.restart()  # every pooled connection is closed by the server
+            # The next step, a write first, goes down a new connection, and succeeds.
+            assert acquire(store, "doc", TOKEN_B).ok
+        finally:
+            store.close()
+
+
+def test_the_pool_is_bounded(memcached_url: str, namespace: str) -> None:
+    store = open_store(memcached_url, namespace, max_connections=1, socket_timeout=0.2)
+    try:
+        pool = next(iter(store._pools.values()))
+        with pool.session() as session:
+            assert session.epoch > 0
+            with pytest.raises(keymutex.StoreError, match="busy"):
+                store.holder("doc")
+        assert store.holder("doc") is None  # the connection came back
+    finally:
+        store.close()
 
 
 def test_capabilities_say_what_memcached_does_not_promise() -> None:
@@ -613,7 +857,7 @@ def test_eviction_drops_a_live_lease(tmp_path: Path) -> None:
             # eight times the cache was written: the lease is the oldest of its class.
             name = Layout("n", ["one"]).lease("doc")
             size = len(
-                Record("doc", lease.token, lease.owner, lease.info, lease.fence,
+                Record("doc", lease.token, lease.owner, lease.info, None,
                        lease.acquired_at, lease.expires_at).encode()
             )  # fmt: skip
             padding = b"p" * size
@@ -681,45 +925,6 @@ def test_a_foreign_item_is_a_store_error(memcached_url: str, namespace: str, raw
         store.close()
 
 
-# -- round trips ---------------------------------------------------------------------
-
-
-def _counts(server: MemcachedServer) -> dict[str, int]:
-    stats = server.stats()
-    names = ("cmd_get", "cmd_set", "incr_hits", "incr_misses", "delete_hits", "delete_misses")
-    return {name: int(stats[name]) for name in names}
-
-
-def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {name: after[name] - before[name] for name in after if after[name] != before[name]}
-
-
-def test_round_trips_of_each_step(
-    memcached_server: MemcachedServer, namespace: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(memcached, "COMPACT_EVERY", 10**30)  # no compaction in between
-    store = open_store(memcached_server.url, namespace)
-    try:
-        assert acquire(store, "doc", "W" * 24).ok  # creates the counter and the index bucket
-        assert store.release("doc", "W" * 24).ok
-        before = _counts(memcached_server)
-        assert acquire(store, "doc", TOKEN_A).ok
-        assert _delta(before, after := _counts(memcached_server)) == {
-            "cmd_get": 1,  # gets (the tombstone)
-            "incr_hits": 1,  # the fence
-            "cmd_set": 2,  # cas, append to the index
-        }
-        assert acquire(store, "doc", TOKEN_B).ok is False
-        assert _delta(after, after2 := _counts(memcached_server)) == {"cmd_get": 1}
-        assert store.renew("doc", TOKEN_A, 30).ok
-        assert _delta(after2, after3 := _counts(memcached_server)) == {"cmd_get": 1, "cmd_set": 1}
-        assert store.release("doc", TOKEN_A).ok
-        # gets + cas to a tombstone: never a delete.
-        assert _delta(after3, _counts(memcached_server)) == {"cmd_get": 1, "cmd_set": 1}
-    finally:
-        store.close()
-
-
 # -- several servers -----------------------------------------------------------------
 
 
@@ -736,8 +941,7 @@ def test_several_servers_spread_keys_and_a_dead_one_is_never_replaced(tmp_path: 
             homes = {key: layout.server_of(layout.lease(key)) for key in leases}
             assert set(homes.values()) == {f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"}
             assert [h.key for h in locks.holders()] == sorted(leases)
-            for shard in layout.shards.values():  # counter and index live on their server
-                assert layout.server_of(shard.counter) == shard.server
+            for shard in layout.shards.values():  # index buckets live on their server
                 assert all(layout.server_of(b) == shard.server for b in shard.buckets)
 
             two.stop()
@@ -757,30 +961,32 @@ def test_several_servers_spread_keys_and_a_dead_one_is_never_replaced(tmp_path: 
 def test_records_round_trip_and_garbage_is_refused() -> None:
     record = Record("k", "t" * 24, "me", {"n": "é"}, 7, 1.5, 31.5)
     assert decode(record.encode()) == record
-    assert decode(Tombstone(9).encode()) == Tombstone(9)
+    # A grant's record leaves its fence out: the item's epoch + CAS stands for it.
+    fresh = replace(record, fence=None)
+    assert json.loads(fresh.encode())[5] is None
+    assert decode(fresh.encode(), "name", 12) == replace(record, fence=12)
+    assert decode(record.encode(), "name", 12) == record  # a written fence wins
     assert decode(b'["L","k","t","o",null,3,1,2]') == Record("k", "t", "o", None, 3, 1.0, 2.0)
     queue = (Place("w1", 10.5), Place("w2", 11.0))
     queued = Record("k", "t" * 24, "me", None, 7, 1.5, 31.5, queue)
     assert decode(queued.encode()) == queued
-    kept = Tombstone(9, queue, "w1", 12.25)
+    kept = Tombstone(queue, "w1", 12.25)
     assert decode(kept.encode()) == kept
-    # Without waiters, records are what they always were.
-    assert Tombstone(9, (), None, 0.0).encode() == b'["T",9]'
-    assert len(json.loads(record.encode())) == 8
+    assert len(json.loads(record.encode())) == 8  # no queue, no field for it
     for garbage in (
         b"",
         b"x",
         b"[]",
         b"{}",
         b'["L",1]',
-        b'["T","9"]',
+        b'["T",9]',
+        b'["T",[],7,1]',
+        b'["T",[[1,2]],null,1]',
         b'["L","k","t","o",[],3,1,2]',
+        b'["L","k","t","o",null,null,1,2]',  # no fence, and none to resolve it
         b'["L","k","t","o",null,3,1,2,[["w",true]]]',
         b'["L","k","t","o",null,3,1,2,[["w"]]]',
         b'["L","k","t","o",null,3,1,2,[],[]]',
-        b'["T",9,[],7,1]',
-        b'["T",9,[[1,2]],null,1]',
-        b'["T",9,[]]',
     ):
         with pytest.raises(keymutex.StoreError):
             decode(garbage, "name")
@@ -796,16 +1002,16 @@ def test_places_are_kept_refreshed_and_dropped_when_gone(monkeypatch: pytest.Mon
     assert rejoined((fresh,), "new", now) == (fresh, Place("new", now))
     monkeypatch.setattr(memcached, "QUEUE_LIMIT", 1)
     assert rejoined((fresh,), "new", now) is None  # full
-    assert handed_over(5, (gone, old, fresh), now) == Tombstone(
-        5, (old, fresh), "b", now + HANDOVER_SECONDS
+    assert handed_over((gone, old, fresh), now) == Tombstone(
+        (old, fresh), "b", now + HANDOVER_SECONDS
     )
-    assert handed_over(5, (gone,), now) == Tombstone(5)
-    kept = handed_over(5, (fresh,), now)
+    assert handed_over((gone,), now) is None  # nobody waits: delete
+    kept = handed_over((fresh,), now)
     assert kept_for(kept, now + HANDOVER_SECONDS - 0.01) == "a"
     assert kept_for(kept, now + HANDOVER_SECONDS) is None  # then anyone may take it
-    assert kept_for(Tombstone(5), now) is None
-    assert REFRESH_SECONDS < memcached.GONE_SECONDS < QUEUED_TOMBSTONE_SECONDS
-    assert HANDOVER_SECONDS < QUEUED_TOMBSTONE_SECONDS
+    assert kept_for(Tombstone((fresh,)), now) is None
+    assert REFRESH_SECONDS < memcached.GONE_SECONDS < TOMBSTONE_SECONDS
+    assert HANDOVER_SECONDS < TOMBSTONE_SECONDS
 
 
 @pytest.mark.parametrize(
@@ -828,7 +1034,7 @@ def test_item_names_fit_memcached_and_never_collide() -> None:
     layout = Layout("a", ["h:1"])
     assert layout.lease("b:c") != Layout("a:b", ["h:1"]).lease("c")
     long = Layout("n" * 256, ["h:1"]).lease("🔒" * 256)
-    for name in (long, *layout.shards["h:1"].buckets, layout.shards["h:1"].counter):
+    for name in (long, *layout.shards["h:1"].buckets, memcached.EPOCH_ITEM):
         assert name.isascii()
         assert len(name) < 250
         assert " " not in name
@@ -863,6 +1069,8 @@ def test_urls(url: str, servers: tuple[str, ...]) -> None:
         ("memcached://host", {"socket_timeout": 0}, ValueError),
         ("memcached://host", {"socket_timeout": True}, TypeError),
         ("memcached://host", {"max_connections": 0}, ValueError),
+        ("memcached://host", {"patience": -1}, ValueError),
+        ("memcached://host", {"patience": "1"}, TypeError),
     ],
 )
 def test_bad_urls_and_options(

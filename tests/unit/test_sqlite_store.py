@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +51,30 @@ def test_leases_of_an_earlier_boot_are_dropped(tmp_path: Path) -> None:
         assert locks.holder("doc") is None, "a lease timed by an earlier boot's clock survived"
         again = locks.acquire("doc", timeout=0)
         assert again.fence > lease.fence, "fences must survive the reboot"
+
+
+def test_a_releaser_that_loops_does_not_starve_a_queued_waiter(tmp_path: Path) -> None:
+    db = tmp_path / "locks.db"
+    order: list[str] = []
+    with keymutex.Locks(f"sqlite:///{db}") as mine, keymutex.Locks(f"sqlite:///{db}") as theirs:
+        first = mine.acquire("counter")
+
+        def wait_for_it() -> None:
+            with theirs.lock("counter", renew=False):
+                order.append("theirs")
+
+        waiter = threading.Thread(target=wait_for_it)
+        waiter.start()
+        while rows(db, "waiters") == 0:  # until it is queued
+            time.sleep(0.001)
+        first.release()
+        for _ in range(6):  # take it straight back, again and again
+            with mine.lock("counter", renew=False):
+                order.append("mine")
+        waiter.join()
+    # At most one grant may go back to the releaser before the queued waiter's turn.
+    assert "theirs" in order[:2], order
+    assert order.count("mine") == 6
 
 
 def test_a_missing_directory_is_a_store_error(tmp_path: Path) -> None:

@@ -8,43 +8,72 @@ lock in a CMS, a cache-stampede guard, a periodic job), never where two holders 
 once would corrupt data: for that, pick a store that keeps what it is told (SQLite,
 Redis with AOF, PostgreSQL, etcd, ZooKeeper) and check fences at the resource.
 
+**Protocol.** The store speaks memcached's *meta* commands (``mg``, ``ms``, ``md``,
+``mn``; memcached 1.6 and later, see ``protocol.txt``) over its own small pool of
+sockets, so that several commands go in one write and their replies come back in one
+read: a step costs the round trips listed below, not one per command. pymemcache is
+used only for its rendezvous hash.
+
 **Items.** Every item name is ASCII and short, derived by SHA-256, so any key and
 namespace fit memcached's 250-byte limit and ``("a", "b:c")`` never meets ``("a:b", "c")``:
 
-- ``km1:l:<digest of namespace and key>``: the lease, one compact JSON record (key,
+- ``km2:l:<digest of namespace and key>``: the lease, one compact JSON record (key,
   token, owner, info, fence, acquired-at, expires-at, and the queue of waiters when
   there is one). The record is the truth; the item's own exptime is only garbage
   collection, set to ``ceil(ttl) + 1`` seconds so that memcached (1-second
   granularity) never drops a live lease early.
-- a released lease becomes a *tombstone* by ``cas``: ``["T", fence]``, exptime 1 s;
-  with waiters queued, ``["T", fence, queue, heir, kept-until]``, exptime
-  ``QUEUED_TOMBSTONE_SECONDS`` (see *Waiting*). Never ``delete``: between our ``gets``
-  and a ``delete``, our lease could expire and another client take the key, and the
-  delete would remove *its* lock. Records without waiters are, byte for byte, those
-  of earlier versions; a client of an earlier version takes one with a queue for a
-  foreign item (``StoreError``): mixed versions on a contended key fail, never with
-  two holders.
-- per namespace and server: a fence counter ``km1:f:…`` and index buckets ``km1:i:…``,
-  placed on the same server as the leases they serve (see *Several servers*).
+- a released lease is deleted by compare-and-delete (``md <item> C<cas>``), or, when
+  waiters are queued, replaced by compare-and-swap with a *tombstone* that keeps the
+  key for the first of them (see *Waiting*).
+- ``km2:epoch``, one per server: the wall-clock microseconds at which a client first
+  found it missing (see *Fences*).
+- per namespace and server: index buckets ``km2:i:…`` for ``holders`` (see *Listing*).
 
-**Steps** (round trips in brackets). Acquire [1 when refused, 2 when a refused
-waiter writes its place, 4 when granted, plus a compaction every ``COMPACT_EVERY``
-grants]: ``gets``; a live lease of someone else, or a tombstone that keeps the key
-for another waiter, refuses at once (and a waiter whose place is missing or due for
-a refresh ``cas``-es it into the record it read); else ``incr`` a fence and ``add``
-(no item) or ``cas`` over the tombstone or expired lease (or the live one, when
-stealing), the grantee's place taken out of the queue in that same write; then
-``append`` the lease to the index. A lost race (``add`` found an item, ``cas`` found
-it changed or gone) starts again from a fresh ``gets``, at most ``RACE_ATTEMPTS``
-times; after that the caller is refused as if the key were held. Renew [2]:
-``gets``, compare the token, ``cas`` the new expiry and exptime (the queue kept as
-it is). Release [2]: ``gets``, compare the token, ``cas`` to a tombstone. A waiter
-giving up [2, none once granted]: ``gets``, ``cas`` without its place. Renew and
-release retry a lost race too (a renewer and a manual renewal of one lease, or a
-waiter writing its place), then raise ``StoreError``.
-``renew_many`` reads all its leases with one ``gets`` per server. A step's first
-command is a read; on a pooled connection that died (memcached restarted, or dropped
-an idle client) the pool is emptied and that read sent once more, never a write.
+The format changed with the prefix (``km1`` → ``km2``): clients of earlier versions
+use other items, so mixing versions on one key gives two holders. Upgrade every client
+of a namespace at once.
+
+**Compare-and-swap, and why a delete is safe here.** memcached gives every item a CAS
+value on every write, from one counter per server (``get_cas_id()`` in ``items.c``,
+taken in ``do_item_link()`` whenever an item is stored; no flag this store sends sets
+it). A write with ``C<cas>`` takes effect only if the item still has that CAS, checked
+and applied under the item's lock. Every write of a lease item other than the first
+``add`` is such a write, made with the CAS of a read (or of our own last write) whose
+record carried our token; so is the release's delete (``md … C<cas>``): it deletes the
+item only if nobody wrote it since, so it can never remove a lease that replaced ours
+(a plain ``get``, compare, ``delete`` can, when our lease expires in between). This is
+the guarantee the earlier tombstone-by-``cas`` gave, in one command.
+
+**Steps** (round trips in brackets).
+
+- Acquire [1 when the key is free]: ``ms <item> … c ME`` (``add``, returning the new
+  CAS), with the ``append`` to the index in the same write. Not stored: ``mg`` the
+  item [+1] and decide: our own lease (the same token) is granted again; a live lease
+  of someone else, or a tombstone that keeps the key for another waiter, refuses; a
+  tombstone or an expired lease is replaced by ``ms … C<cas> c`` [+1] (the grantee's
+  place taken out of the queue in that same write), as is a live lease when stealing;
+  an item gone meanwhile is ``add``-ed again. A waiter's later tries send the ``add``
+  and the ``mg`` in one write [1]. A lost race starts again from a fresh ``mg``, at
+  most ``RACE_ATTEMPTS`` times; after that the caller is refused as if the key were held.
+- Release [1 when nothing wrote the item since our grant or renewal]: ``md <item>
+  C<cas>`` with the CAS of our own last write, which the store keeps for each lease it
+  granted or renewed (with the server's epoch: a CAS is only compared on the server
+  that issued it). Otherwise (a waiter wrote its place, another client renewed, a
+  ``release(key, token)`` from a client that did not grant it): ``mg``, compare the
+  token, then ``md … C<cas>``, or ``ms … C<cas>`` to a tombstone when waiters are
+  queued [2]. An expired lease that is still there is removed all the same, and
+  reported lost.
+- Renew [1 likewise]: ``ms … C<cas> c`` of the record we last wrote with the new expiry;
+  otherwise ``mg``, compare the token, ``ms … C<cas> c`` [2]. ``renew_many`` sends the
+  renewals of one server in one write.
+- A waiter writing or refreshing its place [+1], or giving up [2]: ``mg``, ``ms …
+  C<cas>`` (or ``md … C<cas>`` when nothing is left to keep).
+
+A step runs on one connection. Before a pooled connection is used it is checked for a
+close from the server (memcached restarted, or dropped an idle client: the socket reads
+as closed); such a connection is dropped and a new one made, so that no write goes down
+a dead socket. A step that starts with a read and fails on a reused connection is sent
+once more on a new one, never a step that started with a write.
 
 **Time.** memcached has no clock a client can read cheaply and precisely, so a lease's
 expiry is recorded in wall-clock UNIX seconds of the client that grants or renews it,
@@ -54,79 +83,96 @@ leases expire *s* seconds early and may take a key from a live holder; one that 
 behind waits longer than needed. A wall-clock step (a manual change, an NTP step)
 moves every lease by the step. Keep TTLs large against the skew of your hosts.
 
-**Fences.** Each server's counter for a namespace (``incr``) is created on first use,
-and again after eviction or a restart, with the current wall clock in microseconds; a
-grant also takes a fence above the one recorded in the item it replaces. So fences
-keep increasing across a restart of memcached as long as the clients' clocks are
-right and fewer than a million grants a second were made — but nothing in memcached
-guarantees it, hence ``durable_fences=False``: a wall clock stepped backwards, or a
-server that was unreachable and comes back with its old counter, can hand out a
-fence smaller than one granted before.
+**Fences: the server's epoch plus the grant's CAS.** A lease's fence is ``epoch +
+CAS`` of the write that granted it, so the grant costs no counter round trip. Within a
+run of memcached the CAS counter only grows, and every grant is a new write, so a key's
+fences strictly increase across releases, expiries and steals. The write that grants
+cannot contain its own CAS, so the record of a new lease leaves its fence out and the
+item's CAS stands for it; every later write of that record (renewal, a waiter's place)
+is a compare-and-swap after a read, and writes the fence in. A lease's fence never
+changes during its life. The epoch (``km2:epoch``) is read once per connection; a
+client that finds it missing (a new or restarted server) writes the current wall
+clock in microseconds with ``add``. A restart resets the CAS counter and forgets the
+epoch; the new epoch is later by the time between the two, so fences keep increasing
+across a restart as long as the clients' clocks are right and the server made fewer
+than a million writes a second on average (all of its writes: other users of the same
+memcached count). Nothing in memcached guarantees that, hence ``durable_fences=False``:
+fences may go backwards after a restart (a clock stepped back, a busier server), and
+also if ``km2:epoch`` is evicted while clients still use the old one.
 
-**Listing (``holders``).** memcached cannot list keys. Each grant appends its lease's
-digest to one of ``INDEX_BUCKETS`` index items per server and namespace (``append`` is
-atomic, so no retry loop); ``holders(prefix)`` reads the buckets and then the leases
-they name, and keeps the live ones. Released and expired entries are dropped by a
-compaction (``gets`` + ``cas``) of one bucket every ``COMPACT_EVERY`` grants. The
-listing is best effort, like memcached itself: an evicted index bucket, or a client
-that died between its grant and its ``append``, leaves a live lease out of it.
-``holder(key)`` is always exact.
+**Listing (``holders``).** memcached cannot list keys. Each acquire appends its lease's
+digest to one of ``INDEX_BUCKETS`` index items per server and namespace, in the same
+write as its ``add`` (``append`` is atomic; a refused ``add`` leaves an entry too,
+harmless); ``holders(prefix)`` reads the buckets and then the leases they name, and
+keeps the live ones. Released, expired and refused entries are dropped by a compaction
+(``mg`` + ``ms … C<cas>``) of a bucket at every ``COMPACT_EVERY``-th grant of a store. The
+listing is best effort, like memcached itself: an evicted index bucket leaves a live
+lease out of it. ``holder(key)`` is always exact.
 
 **Several servers.** A key's items live on one server, chosen by rendezvous hashing
-(pymemcache's ``RendezvousHash``), and its counter and index bucket live on that same
-server, so a dead server stops only its own keys (``StoreError``) and takes its
-fences with it. Unlike pymemcache's ``HashClient``, a dead server is never taken out
-of the ring: moving its keys to another server would let a second client take a key
-that is still held on the first. Every client must list the same servers.
+(pymemcache's ``RendezvousHash``), and its index bucket lives on that same server, so
+a dead server stops only its own keys (``StoreError``). Unlike pymemcache's
+``HashClient``, a dead server is never taken out of the ring: moving its keys to
+another server would let a second client take a key that is still held on the first.
+Every client must list the same servers.
 
-**Waiting.** memcached cannot notify (``notifies=False``), so waiters poll; but they
-queue, so that a releaser cannot take the key straight back while others wait.
+**Waiting: bounded barging.** memcached cannot notify (``notifies=False``), so waiters
+poll. A released key with nobody queued goes to whoever asks first, the releaser
+included: under a tight loop the releaser mostly takes it straight back, one round trip
+after its release, which is what gives throughput (a hand-over to a polling waiter
+costs that waiter's poll delay each time). So that nobody starves, a waiter that has
+been refused for ``patience`` seconds (the ``patience`` store option, default
+``PATIENCE_SECONDS``; ``0`` queues from the first refused poll: strict hand-over)
+joins the key's queue, and from then on the key is handed over to the queue, first in
+line first:
 
-- A refused waiter writes its *place* (a random id, and the wall-clock time it was
-  last refused) at the end of the key's queue, with the ``cas`` of the very record
-  whose ``gets`` refused it, and rewrites it at most every ``REFRESH_SECONDS`` as it
-  polls. A place not rewritten for ``GONE_SECONDS`` is a waiter that is gone (its
-  process died, or stalled): every write of the record drops it. At most
-  ``QUEUE_LIMIT`` places; a waiter beyond them polls without one.
+- A queued waiter writes its *place* (a random id, and the wall-clock time it was
+  last refused) at the end of the key's queue, with the CAS of the very record whose
+  read refused it, and rewrites it at most every ``REFRESH_SECONDS`` as it polls. A
+  place not rewritten for ``GONE_SECONDS`` is a waiter that is gone (its process died,
+  or stalled): every write of the record drops it. At most ``QUEUE_LIMIT`` places; a
+  waiter beyond them polls without one.
 - A release leaves a tombstone that keeps the key for the first waiter still there,
   its *heir*, for ``HANDOVER_SECONDS`` (longer than any waiter's poll interval):
   only the heir, by its id, can take it; the releaser and newcomers are refused with
   no holder and the hand-over's time left. The grant takes the heir's place out of
-  the queue in its own ``cas``. When the hand-over time runs out (the heir is gone or
+  the queue in its own write. When the hand-over time runs out (the heir is gone or
   stalled), the key is free for anyone; the heir keeps its place.
 - A waiter that gives up (``close``) takes its place out; if the key was kept for it,
   it is kept for the next waiter still there, for a whole hand-over time.
-- Nothing wakes the heir: each waiter polls ``POLL_FIRST`` after it saw the key
+- Nothing wakes the heir: a queued waiter polls ``POLL_FIRST`` after it saw the key
   change hands, then ``POLL_GROWTH`` times longer each time, at most ``POLL_LIMIT``
   × (1 + the waiters before it), and never longer than the client's backoff step.
-  So the first in line finds a released key within about half of the last hold
-  (``POLL_LIMIT`` at most), for a few ``gets`` per waiter and handoff.
-- What is not promised (``fair=False``): a key freed by expiry, or whose hand-over
-  time ran out, goes to whoever tries first; a client joins the queue only from its
-  second try (the client passes no waiter to the first one of a polling store);
-  and places and hand-overs are timed by the clients' wall clocks, so clocks that
-  disagree by a good part of ``HANDOVER_SECONDS`` degrade the hand-over towards first
-  come, first served. None of this touches safety: a waiter's write is a ``cas`` of
-  the record it read, so it changes only the queue and never undoes a renewal, a
-  release or a grant made in between; the token is checked and fences drawn as
-  before.
+  Before its patience runs out, a waiter polls on the same growing steps (not reset
+  when the key changes hands, as it does at every grant under barging), and looks
+  again when its patience ends.
+- So a waiter waits about ``patience``, plus one hold per waiter queued before it,
+  plus its poll delays — unless the key is freed by expiry, or a hand-over time runs
+  out, when it goes to whoever tries first. What is not promised (``fair=False``):
+  arrival order before the patience ends; places and hand-overs timed by the clients'
+  wall clocks (clocks that disagree by a good part of ``HANDOVER_SECONDS`` degrade the
+  hand-over towards first come, first served). None of this touches safety: a waiter's
+  write is a compare-and-swap of the record it read, so it changes only the queue and
+  never undoes a renewal, a release or a grant made in between.
 
 **Async.** ``AsyncLocks`` runs these same steps in worker threads
-(``ThreadedAsyncStore``): one implementation for both, several servers, and the
-pooled pymemcache client. aiomcache would save the threads but has no multi-server
-support, and the two implementations would have to be kept in step by hand.
+(``ThreadedAsyncStore``): one implementation for both, several servers, one pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
 import secrets
+import select
+import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -134,13 +180,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from pymemcache.client.base import PooledClient  # type: ignore[import-untyped]
 from pymemcache.client.rendezvous import RendezvousHash  # type: ignore[import-untyped]
-from pymemcache.exceptions import (  # type: ignore[import-untyped]
-    MemcacheError,
-    MemcacheServerError,
-    MemcacheUnexpectedCloseError,
-)
 
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
@@ -163,18 +203,23 @@ DEFAULT_PORT = 11211
 DEFAULT_SOCKET_TIMEOUT = 5.0
 # How many times a step starts again after losing a race to another client's write.
 RACE_ATTEMPTS = 8
-# A tombstone only has to outlive the race it closes; memcached rounds to the second.
-TOMBSTONE_SECONDS = 1
-# Waiting (see *Waiting* above). A release keeps the key this long for the first queued
-# waiter: longer than any waiter's poll interval (at most ``Backoff``'s 0.25 s).
+# Waiting (see *Waiting* above). A waiter refused for this long joins the key's queue.
+# Chosen from bench_memcached.py --patience (4 processes looping on one key, 2 cores):
+# 20 ms gave ~1,800 acquires/s, 50 ms ~1,450, 100 ms ~2,350, 200 ms ~2,200 (medians of
+# 3 runs, noisy), with worst waits of 28, 60, 105 and 209 ms; 0 (strict hand-over)
+# ~630/s. 100 ms: the throughput of the peers that never hand over, and a worst wait a
+# person does not notice.
+PATIENCE_SECONDS = 0.1
+# A release keeps the key this long for the first queued waiter: longer than any
+# waiter's poll interval (at most ``Backoff``'s 0.25 s).
 HANDOVER_SECONDS = 0.5
 # A queued waiter rewrites its place at most this often as it polls; a place not
 # rewritten for ``GONE_SECONDS`` belongs to a waiter that is gone, and is skipped.
 REFRESH_SECONDS = 0.5
 GONE_SECONDS = 2.0
 QUEUE_LIMIT = 32  # places per key; a waiter beyond them polls without a place
-# A tombstone that carries a queue lives as long as a place in it can.
-QUEUED_TOMBSTONE_SECONDS = math.ceil(GONE_SECONDS) + 1
+# A tombstone carries a queue: it lives as long as a place in it can.
+TOMBSTONE_SECONDS = math.ceil(GONE_SECONDS) + 1
 # A queued waiter looks again POLL_FIRST after it saw the key change hands, then each
 # time POLL_GROWTH times later, at most POLL_LIMIT × (1 + its place in the queue).
 POLL_FIRST = 0.001
@@ -185,14 +230,26 @@ _WAITER_ID_BYTES = 9  # 12 characters: a waiter's id only has to be unique per k
 # clock); longer leases get 0 ("no expiry": only eviction or a release removes them).
 MAX_RELATIVE_EXPTIME = 30 * 24 * 3600
 INDEX_BUCKETS = 16
-COMPACT_EVERY = 16  # grants on a server (by its fence counter) between two compactions
-READ_BATCH = 1000  # items per multi-get
-_PREFIX = "km1"
-_DRIVER_ERRORS = (MemcacheError, OSError)
+COMPACT_EVERY = 64  # grants by one store between two compactions (of the granted one's bucket)
+READ_BATCH = 1000  # items per pipelined multi-read
+OWN_WRITES_KEPT = 10_000  # leases whose last write (CAS) a store remembers for release
+_PREFIX = "km2"
+EPOCH_ITEM = f"{_PREFIX}:epoch"
+_RECV_BYTES = 65536
+_NAMES_KEPT = 4096
+# One encoder for every record: json.dumps with options builds a new one per call.
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
-def fence_seed() -> int:
-    """The value a new fence counter starts from: wall-clock microseconds."""
+class ProtocolError(Exception):
+    """memcached answered with an error, or something this store did not ask for."""
+
+
+_DRIVER_ERRORS = (OSError, ProtocolError)
+
+
+def epoch_seed() -> int:
+    """The value a server's missing epoch is created with: wall-clock microseconds."""
     return time.time_ns() // 1000
 
 
@@ -217,14 +274,16 @@ class Place:
 class Record:
     """A lease as stored: ``acquired_at`` and ``expires_at`` are wall-clock UNIX seconds.
 
-    ``queue``: the places of the waiters refused while it holds, in arrival order.
+    ``fence`` is ``None`` in the record a grant writes (the fence is then its item's
+    epoch + CAS, unknown until written); ``decode`` fills it in. ``queue``: the places
+    of the waiters that queued while it holds, in arrival order.
     """
 
     key: str
     token: str
     owner: str
     info: dict[str, Any] | None
-    fence: int
+    fence: int | None
     acquired_at: float
     expires_at: float
     queue: tuple[Place, ...] = ()
@@ -240,11 +299,12 @@ class Record:
             self.acquired_at,
             self.expires_at,
         ]
-        if self.queue:  # an uncontended lease is the same 8 fields as ever
+        if self.queue:
             fields.append([place.encode() for place in self.queue])
-        return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
+        return _JSON.encode(fields).encode()
 
     def holder(self) -> Holder:
+        assert self.fence is not None
         return Holder(
             key=self.key,
             owner=self.owner,
@@ -257,23 +317,20 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class Tombstone:
-    """What a released lease leaves for a moment: its fence, and no token.
+    """What a release leaves when waiters are queued: the key kept for one of them.
 
-    With waiters queued, it keeps their queue, and the key for ``heir`` (the first of
-    them still there at the release) until ``kept_until`` (wall-clock UNIX seconds).
+    It keeps their queue, and the key for ``heir`` (the first of them still there at
+    the release) until ``kept_until`` (wall-clock UNIX seconds).
     """
 
-    fence: int
-    queue: tuple[Place, ...] = ()
+    queue: tuple[Place, ...]
     heir: str | None = None
     kept_until: float = 0.0
 
     def encode(self) -> bytes:
-        fields: list[object] = ["T", self.fence]
-        if self.queue or self.heir is not None:
-            queue = [place.encode() for place in self.queue]
-            fields += [queue, self.heir, round(self.kept_until, 3)]
-        return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
+        queue = [place.encode() for place in self.queue]
+        fields: list[object] = ["T", queue, self.heir, round(self.kept_until, 3)]
+        return _JSON.encode(fields).encode()
 
 
 def _number(value: object) -> float:
@@ -293,29 +350,37 @@ def _places(value: object) -> tuple[Place, ...]:
     return tuple(places)
 
 
-def decode(raw: bytes, name: str = "") -> Record | Tombstone:
-    """The record an item holds; ``StoreError`` when it is not one of ours."""
+def decode(raw: bytes, name: str = "", fence: int | None = None) -> Record | Tombstone:
+    """The record an item holds; ``StoreError`` when it is not one of ours.
+
+    ``fence``: the item's epoch + CAS, the fence of a lease whose record has none.
+    """
     try:
         fields = json.loads(raw)
-        if fields[0] == "T" and type(fields[1]) is int:
-            if len(fields) == 2:
-                return Tombstone(fields[1])
-            _, fence, queue, heir, kept_until = fields
+        if fields[0] == "T":
+            _, queue, heir, kept_until = fields
             if heir is None or isinstance(heir, str):
-                return Tombstone(fence, _places(queue), heir, _number(kept_until))
-        tag, key, token, owner, info, fence, acquired_at, expires_at, *rest = fields
+                return Tombstone(_places(queue), heir, _number(kept_until))
+        tag, key, token, owner, info, recorded, acquired_at, expires_at, *rest = fields
         if (
             tag == "L"
             and isinstance(key, str)
             and isinstance(token, str)
             and isinstance(owner, str)
             and (info is None or isinstance(info, dict))
-            and type(fence) is int
+            and (type(recorded) is int or (recorded is None and fence is not None))
             and len(rest) <= 1
         ):
             queue = _places(rest[0]) if rest else ()
             return Record(
-                key, token, owner, info, fence, _number(acquired_at), _number(expires_at), queue
+                key,
+                token,
+                owner,
+                info,
+                fence if recorded is None else recorded,
+                _number(acquired_at),
+                _number(expires_at),
+                queue,
             )
     except (ValueError, TypeError, IndexError, KeyError):
         pass
@@ -392,19 +457,20 @@ def kept_for(item: Record | Tombstone | None, now: float) -> str | None:
     return None
 
 
-def handed_over(fence: int, queue: tuple[Place, ...], now: float) -> Tombstone:
-    """What a release (or the heir giving up) leaves: the key kept for the first waiter still there."""
+def handed_over(queue: tuple[Place, ...], now: float) -> Tombstone | None:
+    """What a release (or the heir giving up) leaves: the key kept for the first waiter
+    still there; ``None`` (delete the item) when nobody waits."""
     places = present(queue, now) if queue else ()
     if not places:
-        return Tombstone(fence)
-    return Tombstone(fence, places, places[0].waiter, now + HANDOVER_SECONDS)
+        return None
+    return Tombstone(places, places[0].waiter, now + HANDOVER_SECONDS)
 
 
 def item_exptime(item: Record | Tombstone, now: float) -> int:
     """The exptime to write ``item`` with: never shorter than its lease or its queue."""
     if isinstance(item, Record):
         return exptime(max(0.0, item.expires_at - now))
-    return QUEUED_TOMBSTONE_SECONDS if item.queue else TOMBSTONE_SECONDS
+    return TOMBSTONE_SECONDS
 
 
 def _digest(*parts: str) -> str:
@@ -422,29 +488,28 @@ def _digest(*parts: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Shard:
-    """One server's share of a namespace: its fence counter and index buckets."""
+    """One server's share of a namespace: its index buckets."""
 
     server: str
-    counter: str
     buckets: tuple[str, ...]
 
 
 class Layout:
     """Item names of one namespace, and which server holds each (rendezvous hashing).
 
-    Counter and index buckets are named so that they hash to the server they serve:
-    ``km1:f:<ns>:<n>`` with the first ``n`` that lands on it.
+    Index buckets are named so that they hash to the server they serve:
+    ``km2:i:<ns>:<bucket>:<n>`` with the first ``n`` that lands on it.
     """
 
     def __init__(self, namespace: str, servers: Sequence[str]) -> None:
         self._namespace = namespace
+        self._leases: dict[str, str] = {}  # key -> item name: a digest costs microseconds
         self._hasher = RendezvousHash(nodes=list(servers))
         self.servers = tuple(servers)
         space = _digest(namespace)
         self.shards = {
             server: _Shard(
                 server,
-                self._landing(f"{_PREFIX}:f:{space}", server, 0),
                 tuple(
                     self._landing(f"{_PREFIX}:i:{space}:{bucket}", server, 0)
                     for bucket in range(INDEX_BUCKETS)
@@ -466,7 +531,12 @@ class Layout:
         return str(self._hasher.get_node(name))
 
     def lease(self, key: str) -> str:
-        return f"{_PREFIX}:l:{_digest(self._namespace, key)}"
+        name = self._leases.get(key)
+        if name is None:
+            if len(self._leases) >= _NAMES_KEPT:
+                self._leases.clear()
+            name = self._leases[key] = f"{_PREFIX}:l:{_digest(self._namespace, key)}"
+        return name
 
     def shard_of(self, lease: str) -> _Shard:
         return self.shards[self.server_of(lease)]
@@ -488,43 +558,359 @@ class Layout:
         return [f"{_PREFIX}:l:{digest}" for digest in digests]
 
 
+# -- the wire: meta commands over pooled sockets ---------------------------------------
+
+
+def ms(name: str, value: bytes, *flags: str) -> bytes:
+    """A meta set of ``value`` (flags such as ``T30``, ``c``, ``C<cas>``, ``ME``)."""
+    return b"ms %s %d %s\r\n%s\r\n" % (name.encode(), len(value), " ".join(flags).encode(), value)
+
+
+def mg(name: str) -> bytes:
+    """A meta get of the value and its CAS."""
+    return b"mg %s v c\r\n" % name.encode()
+
+
+def md(name: str, cas: int) -> bytes:
+    """A compare-and-delete: only while the item's CAS is still ``cas``."""
+    return b"md %s C%d\r\n" % (name.encode(), cas)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One meta reply: its code (``HD``, ``VA``, ``NS``, ``EX``, ``NF``, ``EN``, ``MN``),
+    its flags (``c`` → the CAS…) and, for ``VA``, the value."""
+
+    code: bytes
+    flags: dict[str, str]
+    value: bytes | None = None
+    line: bytes = b""
+
+    @property
+    def cas(self) -> int:
+        return int(self.flags["c"])
+
+    def expect(self, *codes: bytes) -> Reply:
+        """This reply, if its code is one of ``codes``; else ``ProtocolError``."""
+        if self.code not in codes:
+            raise ProtocolError(self.line.decode("ascii", "replace") or "no reply")
+        return self
+
+
+class Connection:
+    """One socket to one memcached, and what it learnt there: the server's epoch.
+
+    ``incarnation`` is the epoch item's whole value (microseconds and a random part):
+    a CAS kept from an earlier write is compared only on a connection to the same
+    incarnation, never on a server that restarted since (whose counter starts again).
+    """
+
+    __slots__ = ("_buffer", "_poll", "epoch", "incarnation", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = b""
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self.epoch = 0
+        self.incarnation = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(_RECV_BYTES)
+        if not chunk:
+            raise ConnectionResetError("memcached closed the connection")
+        self._buffer += chunk
+
+    def reply(self) -> Reply:
+        while (end := self._buffer.find(b"\r\n")) < 0:
+            self._fill()
+        line = self._buffer[:end]
+        self._buffer = self._buffer[end + 2 :]
+        code, *tokens = line.split(b" ")
+        if code in (b"ERROR", b"CLIENT_ERROR", b"SERVER_ERROR"):
+            # The reply to a command memcached refused (e.g. an item too large): the
+            # stream stays in step; the caller decides (``expect``).
+            return Reply(code, {}, None, line)
+        value = None
+        if code == b"VA":
+            size = int(tokens.pop(0))
+            while len(self._buffer) < size + 2:
+                self._fill()
+            value = self._buffer[:size]
+            self._buffer = self._buffer[size + 2 :]
+        flags = {token[:1].decode(): token[1:].decode() for token in tokens}
+        return Reply(code, flags, value, line)
+
+    def idle_and_open(self) -> bool:
+        """Whether this pooled connection may be used: nothing to read, not closed."""
+        if self._buffer:
+            return False
+        try:
+            # Readable while idle: the server closed it (or sent what we never asked).
+            return not self._poll.poll(0)
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class Pool:
+    """Connections to one server: reused, checked before use, made with the epoch read."""
+
+    def __init__(
+        self,
+        server: str,
+        *,
+        connect_timeout: float,
+        timeout: float,
+        max_connections: int | None,
+    ) -> None:
+        self.server = server
+        self._connect_timeout = connect_timeout
+        self._timeout = timeout
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._slots = None if max_connections is None else threading.Semaphore(max_connections)
+
+    def _connect(self) -> Connection:
+        if self.server.startswith("/"):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self._connect_timeout)
+            try:
+                sock.connect(self.server)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            host, _, port = self.server.rpartition(":")
+            sock = socket.create_connection(
+                (host.strip("[]"), int(port)), timeout=self._connect_timeout
+            )
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self._timeout)
+        connection = Connection(sock)
+        try:
+            _learn_epoch(connection)
+        except BaseException:
+            connection.close()
+            raise
+        return connection
+
+    def take(self, *, fresh: bool = False) -> tuple[Connection, bool]:
+        """A connection, and whether it was reused from the pool."""
+        while not fresh:
+            with self._lock:
+                if not self._idle:
+                    break
+                connection = self._idle.pop()
+            if connection.idle_and_open():
+                return connection, True
+            connection.close()
+        return self._connect(), False
+
+    def give_back(self, connection: Connection) -> None:
+        with self._lock:
+            self._idle.append(connection)
+
+    def session(self) -> Session:
+        """A step's connection (``with pool.session() as session``): back to the pool
+        when the step ends, closed if it failed."""
+        return Session(self)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+
+class Session:
+    """One step's use of a pool: one connection for all its commands.
+
+    ``max_connections`` bounds the sessions open at once; one that finds them all busy
+    waits for one up to the socket timeout, then fails with ``StoreError``.
+    """
+
+    __slots__ = ("_connection", "_pool", "_reused", "_wrote")
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self._connection: Connection | None = None
+        self._reused = False
+        self._wrote = False
+
+    def __enter__(self) -> Session:
+        slots = self._pool._slots
+        if slots is not None and not slots.acquire(timeout=self._pool._timeout):
+            raise StoreError(
+                f"memcached {self._pool.server}: every connection of the pool is busy"
+            )
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            if exc_type is None:
+                self.finish()
+            else:
+                self.discard()
+        finally:
+            if self._pool._slots is not None:
+                self._pool._slots.release()
+
+    @property
+    def connection(self) -> Connection:
+        if self._connection is None:
+            self._connection, self._reused = self._pool.take()
+        return self._connection
+
+    @property
+    def epoch(self) -> int:
+        return self.connection.epoch
+
+    @property
+    def incarnation(self) -> bytes:
+        return self.connection.incarnation
+
+    def write(self, commands: bytes, replies: int) -> list[Reply]:
+        """Send ``commands`` (which may change items) in one write; their ``replies``."""
+        connection = self.connection
+        self._wrote = True
+        connection.send(commands)
+        return [connection.reply() for _ in range(replies)]
+
+    def read(self, commands: bytes, replies: int) -> list[Reply]:
+        """Send read-only ``commands`` and take ``replies`` (``-1``: up to ``MN``); sent
+        once more on a new connection if the step has written nothing yet and a reused
+        connection turns out dead (not on a timeout)."""
+        try:
+            return _exchange(self.connection, commands, replies)
+        except TimeoutError:
+            raise
+        except OSError:
+            if self._wrote or not self._reused:
+                raise
+            self.discard()
+            self._connection, self._reused = self._pool.take(fresh=True)
+            return _exchange(self._connection, commands, replies)
+
+    def read_many(self, names: Sequence[str]) -> dict[str, Reply]:
+        """The items ``names`` that exist (value and CAS), by pipelined quiet reads."""
+        found: dict[str, Reply] = {}
+        for start in range(0, len(names), READ_BATCH):
+            batch = names[start : start + READ_BATCH]
+            commands = b"".join(b"mg %s v c k q\r\n" % name.encode() for name in batch)
+            for reply in self.read(commands + b"mn\r\n", -1):
+                found[reply.flags["k"]] = reply
+        return found
+
+    def discard(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def finish(self) -> None:
+        if self._connection is not None:
+            self._pool.give_back(self._connection)
+            self._connection = None
+
+
+def _exchange(connection: Connection, commands: bytes, replies: int) -> list[Reply]:
+    connection.send(commands)
+    if replies >= 0:
+        return [connection.reply() for _ in range(replies)]
+    found = []
+    while (reply := connection.reply()).code != b"MN":
+        found.append(reply)
+    return found
+
+
+def _learn_epoch(connection: Connection) -> None:
+    """Read the server's epoch (creating it if missing) into a new connection."""
+    get = b"mg %s v c\r\n" % EPOCH_ITEM.encode()
+    connection.send(get)
+    found = connection.reply()
+    if found.expect(b"VA", b"EN").code == b"EN":
+        seed = b"%d:%s" % (epoch_seed(), secrets.token_hex(8).encode())
+        # Never expires (T0); a client that lost the race reads the winner's.
+        connection.send(ms(EPOCH_ITEM, seed, "T0", "ME") + get)
+        connection.reply().expect(b"HD", b"NS")
+        found = connection.reply().expect(b"VA")
+    if found.cas == 0:  # memcached -C: no CAS, so no compare-and-swap and no fences
+        raise ProtocolError("this memcached runs without CAS (-C); the lock store needs it")
+    try:
+        assert found.value is not None
+        connection.epoch = int(found.value.split(b":")[0])
+        connection.incarnation = found.value
+    except (AssertionError, ValueError) as exc:
+        raise ProtocolError(f"{EPOCH_ITEM} holds {found.value!r}, not an epoch") from exc
+
+
 # -- the store ---------------------------------------------------------------------
 
 
 class QueuedWaiter:
-    """One client waiting for one key: its place in the key's queue, and its polling.
+    """One client waiting for one key: its patience, its place in the queue, its polling.
 
-    memcached cannot notify, so the waiter polls: ``POLL_FIRST`` after it saw the key
-    change hands (a grant, a release kept for another waiter), then each time
-    ``POLL_GROWTH`` times later, up to ``POLL_LIMIT`` × (1 + its place): the first in
-    line finds the key kept for it within half the time the last holder held it (and
-    at most ``POLL_LIMIT``), those behind it look less often. ``wait`` never parks
-    longer than the client asked. ``close`` leaves the queue (passing on the key if it
-    was kept for this waiter); a waiter that was granted the key has left it already.
+    Until its patience runs out it polls ``POLL_FIRST`` after its first refusal, then
+    each time ``POLL_GROWTH`` times later (and once more when its patience ends),
+    barging like any newcomer. Then it queues: it polls
+    ``POLL_FIRST`` after it saw the key change hands (a grant, a release kept for
+    another waiter), then each time ``POLL_GROWTH`` times later, up to ``POLL_LIMIT`` ×
+    (1 + its place): the first in line finds the key kept for it within half the time
+    the last holder held it (and at most ``POLL_LIMIT``), those behind it look less
+    often. ``wait`` never parks longer than the client asked. ``close`` leaves the
+    queue (passing on the key if it was kept for this waiter); a waiter that was
+    granted the key has left it already.
     """
 
-    __slots__ = ("_limit", "_seen", "_step", "_store", "id", "key", "queued")
+    __slots__ = ("_impatient_at", "_limit", "_seen", "_step", "_store", "id", "key", "queued")
 
-    def __init__(self, store: MemcachedStore, key: str) -> None:
+    def __init__(self, store: MemcachedStore, key: str, patience: float) -> None:
         self.id = secrets.token_urlsafe(_WAITER_ID_BYTES)
         self.key = key
         self.queued = False  # it may have a place in the key's queue
         self._store = store
-        self._seen: tuple[int, bool] | None = None  # the last state of the key it saw
+        self._impatient_at = time.monotonic() + patience
+        self._seen: object = None  # the last state of the key it saw
         self._step = POLL_FIRST
         self._limit = POLL_LIMIT
 
-    def saw(self, state: tuple[int, bool], place: int) -> None:
-        """After a refusal: the key's state (fence, held) and how many stand before us."""
+    def impatient(self) -> bool:
+        """Whether it queues when refused: its patience ran out (or it queued before)."""
+        return self.queued or time.monotonic() >= self._impatient_at
+
+    def saw(self, state: object, place: int) -> None:
+        """After a refusal: the key's state (who holds it) and how many stand before us.
+
+        A queued waiter looks again soon after the key changed hands; one that is not
+        queued yet does not (under barging the key changes hands at every grant), it
+        keeps slowing down until its patience ends.
+        """
         if state != self._seen:
             self._seen = state
-            self._step = POLL_FIRST
+            if self.queued:
+                self._step = POLL_FIRST
         self._limit = POLL_LIMIT * (1 + place)
 
+    def joined(self) -> None:
+        """It wrote its place in the queue: look again soon."""
+        self.queued = True
+        self._step = POLL_FIRST
+
     def park(self, timeout: float) -> float:
-        """How long the next wait lasts: the polling step, at most ``timeout``."""
+        """How long the next wait lasts: the polling step, at most ``timeout`` (the
+        client's backoff step), and not past the end of its patience."""
         step = self._step
         self._step = min(step * POLL_GROWTH, self._limit)
+        if not self.queued:
+            left = self._impatient_at - time.monotonic()
+            if left > 0:
+                step = min(step, left)
         return max(0.0, min(timeout, step))
 
     def wait(self, timeout: float) -> bool:
@@ -540,6 +926,18 @@ class QueuedWaiter:
             self.queued = False
             self._store._leave(self.key, self.id)
 
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """Our last write of a lease: the record (fence known), its CAS, and the server
+    incarnation that issued the CAS."""
+
+    record: Record
+    cas: int
+    incarnation: bytes
+
+
+_MISSING = Reply(b"EN", {})
 
 _STORES: weakref.WeakSet[MemcachedStore] = weakref.WeakSet()
 
@@ -558,98 +956,106 @@ class MemcachedStore:
     capabilities = CAPABILITIES
 
     def __init__(
-        self, servers: Sequence[str], namespace: str, make_client: Callable[[str], Any]
+        self,
+        servers: Sequence[str],
+        namespace: str,
+        make_pool: Callable[[str], Pool],
+        *,
+        patience: float = PATIENCE_SECONDS,
     ) -> None:
         self._layout = Layout(namespace, servers)
-        self._make_client = make_client
-        self._clients = {server: make_client(server) for server in servers}
+        self._make_pool = make_pool
+        self._pools = {server: make_pool(server) for server in servers}
+        self._patience = patience
+        self._grants = 0  # grants made by this store: every COMPACT_EVERY-th compacts
+        # Each lease this store granted or renewed, by item name: its last write, so
+        # that a release or renewal can compare-and-swap it without reading it first.
+        self._written: dict[str, _Written] = {}
         _STORES.add(self)
 
     def _after_fork_in_child(self) -> None:
         # The parent's pooled sockets must not be shared: new pools (the old ones are
         # dropped unclosed, since another thread may have held a pool's lock at fork).
-        self._clients = {server: self._make_client(server) for server in self._layout.servers}
+        self._pools = {server: self._make_pool(server) for server in self._layout.servers}
 
-    def _client(self, shard: _Shard) -> Any:
-        return self._clients[shard.server]
+    def _pool(self, name: str) -> tuple[_Shard, Pool]:
+        shard = self._layout.shard_of(name)
+        return shard, self._pools[shard.server]
 
-    def _first_read(self, shard: _Shard, command: str, argument: Any) -> Any:
-        """A step's first command (always a read), sent again once on a dead connection.
+    def _read(self, session: Session, name: str) -> Reply:
+        """A step's read of a lease item (value and CAS)."""
+        (reply,) = session.read(mg(name), 1)
+        return reply.expect(b"VA", b"EN")
 
-        Pooled connections die silently when memcached restarts or drops idle clients;
-        the first use then fails. The pool is emptied and the read sent once more on a
-        new connection: harmless for a read, and the step's writes come after it.
-        A timeout is not retried (the server is there, but slow).
+    @staticmethod
+    def _decode(session: Session, name: str, reply: Reply) -> Record | Tombstone | None:
+        if reply.code == b"EN":
+            return None
+        assert reply.value is not None
+        return decode(reply.value, name, session.epoch + reply.cas)
+
+    def _remember(self, name: str, record: Record, cas: int, session: Session) -> None:
+        written = self._written
+        written.pop(name, None)
+        while len(written) >= OWN_WRITES_KEPT:  # leases lost and never released
+            written.pop(next(iter(written)), None)
+        written[name] = _Written(record, cas, session.incarnation)
+
+    def _own(self, name: str, token: str, session: Session) -> _Written | None:
+        """Our last write of ``name`` for ``token``, if its CAS can be compared here."""
+        known = self._written.get(name)
+        if known is None or known.record.token != token:
+            return None
+        if known.incarnation != session.incarnation:
+            return None
+        return known
+
+    # -- the index -------------------------------------------------------------------
+
+    def _index(self, session: Session, shard: _Shard, name: str, appended: Reply | None) -> None:
+        """List a granted lease for ``holders``; best effort, never fails the grant.
+
+        ``appended``: the reply to the append sent with the grant, or ``None`` when it
+        is still to be sent. A missing bucket is created; one too large, compacted.
         """
+        bucket, entry = Layout.bucket_of(shard, name), Layout.index_entry(name)
         try:
-            return getattr(self._client(shard), command)(argument)
-        except TimeoutError:
-            raise
-        except (MemcacheUnexpectedCloseError, OSError):
-            self._client(shard).close()
-            return getattr(self._client(shard), command)(argument)
-
-    # -- fences and the index ------------------------------------------------------
-
-    def _next_fence(self, shard: _Shard, above: int) -> int:
-        """A fence from the shard's counter, and above ``above`` (the replaced item's)."""
-        client = self._client(shard)
-        fence = client.incr(shard.counter, 1, noreply=False)
-        if fence is None:  # first use, eviction or restart: start again from the clock
-            seed = max(fence_seed(), above)
-            client.add(shard.counter, str(seed).encode(), expire=0, noreply=False)
-            fence = client.incr(shard.counter, 1, noreply=False)
-        if fence is not None and int(fence) <= above:
-            # The counter was lost and recreated behind this key's last fence: catch up.
-            fence = client.incr(shard.counter, above - int(fence) + 1, noreply=False)
-        if fence is None:
-            raise StoreError(f"the fence counter {shard.counter!r} vanished as it was used")
-        return int(fence)
-
-    def _index(self, shard: _Shard, lease: str, fence: int) -> None:
-        """List a granted lease for ``holders``; best effort, never fails the grant."""
-        client, bucket = self._client(shard), Layout.bucket_of(shard, lease)
-        entry = Layout.index_entry(lease)
-        try:
-            if fence % COMPACT_EVERY == 0:
-                self._compact(shard, bucket)
+            self._grants += 1
+            if self._grants % COMPACT_EVERY == 0:
+                self._compact(session, bucket)
             for _ in range(RACE_ATTEMPTS):
-                try:
-                    if client.append(bucket, entry, noreply=False):
-                        return
-                except MemcacheServerError:  # the bucket outgrew the item size limit
-                    self._compact(shard, bucket)
-                    continue
-                if client.add(bucket, entry, expire=0, noreply=False):
+                if appended is None:
+                    (appended,) = session.write(ms(bucket, entry, "MA"), 1)
+                if appended.code == b"HD":
                     return
-            _LOG.warning("memcached: could not list %s in %s for holders()", lease, bucket)
+                if appended.code == b"NS":  # no bucket yet (or evicted)
+                    (created,) = session.write(ms(bucket, entry, "T0", "ME"), 1)
+                    if created.expect(b"HD", b"NS").code == b"HD":
+                        return
+                else:  # SERVER_ERROR: the bucket outgrew the item size limit
+                    self._compact(session, bucket)
+                appended = None
+            _LOG.warning("memcached: could not list %s in %s for holders()", name, bucket)
         except (*_DRIVER_ERRORS, StoreError) as exc:
-            _LOG.warning("memcached: listing %s for holders() failed: %s", lease, exc)
+            session.discard()  # it may be out of step: the next command makes a new one
+            _LOG.warning("memcached: listing %s for holders() failed: %s", name, exc)
 
-    def _compact(self, shard: _Shard, bucket: str) -> None:
+    def _compact(self, session: Session, bucket: str) -> None:
         """Rewrite ``bucket`` with only its live leases (if nobody appended meanwhile)."""
-        client = self._client(shard)
-        raw, cas = client.gets(bucket)
-        if raw is None:
+        (found,) = session.read(mg(bucket), 1)
+        if found.expect(b"VA", b"EN").code == b"EN":
             return
-        names = Layout.index_leases(raw)
+        names = Layout.index_leases(found.value)
         now = time.time()
         keep = [
             name
-            for name, record in self._read(shard, names).items()
-            if live(record, now) is not None
+            for name, reply in session.read_many(names).items()
+            if live(self._decode(session, name, reply), now) is not None
         ]
         rewritten = b"".join(Layout.index_entry(name) for name in keep)
-        client.cas(bucket, rewritten, cas, expire=0, noreply=False)
-
-    def _read(self, shard: _Shard, names: Sequence[str]) -> dict[str, Record | Tombstone]:
-        client = self._client(shard)
-        found: dict[str, Record | Tombstone] = {}
-        for start in range(0, len(names), READ_BATCH):
-            batch = names[start : start + READ_BATCH]
-            for name, raw in client.get_many(batch).items():
-                found[name] = decode(raw, name)
-        return found
+        session.write(ms(bucket, rewritten, "T0", f"C{found.cas}"), 1)[0].expect(
+            b"HD", b"EX", b"NF"
+        )
 
     # -- the steps --------------------------------------------------------------------
 
@@ -665,82 +1071,149 @@ class MemcachedStore:
         waiter: Any,
     ) -> Outcome:
         name = self._layout.lease(key)
-        shard = self._layout.shard_of(name)
-        client = self._client(shard)
+        shard, pool = self._pool(name)
         queued = waiter if isinstance(waiter, QueuedWaiter) and waiter.key == key else None
         me = None if queued is None else queued.id
-        with translate_errors(*_DRIVER_ERRORS, what=f"memcached acquire of {key!r}"):
-            for attempt in range(RACE_ATTEMPTS):
-                raw, cas = client.gets(name) if attempt else self._first_read(shard, "gets", name)
-                now = time.time()
-                current = None if raw is None else decode(raw, name)
-                holder = live(current, now)
-                heir = kept_for(current, now)
-                if current is not None and not steal:
-                    if holder is not None:
-                        if holder.token == token:
-                            return outcome(True, holder, now)
-                        refused = outcome(False, holder, now)
-                    elif isinstance(current, Tombstone) and heir is not None and heir != me:
-                        refused = Outcome(False, None, current.kept_until - now)
-                    else:
-                        refused = None
-                    if refused is not None:
-                        if queued is None:
-                            return refused
-                        # Refused: take (or keep) our place in the queue, in this same
-                        # gets/cas, so that the next release keeps the key for us.
-                        places = rejoined(current.queue, queued.id, now)
-                        state = (current.fence, holder is not None)
-                        if places is None:
-                            queued.saw(state, position(current.queue, queued.id, now))
-                            return refused
-                        queued.queued = True
-                        waiting = replace(current, queue=places)
-                        expire = item_exptime(waiting, now)
-                        if client.cas(name, waiting.encode(), cas, expire=expire, noreply=False):
-                            queued.saw(state, position(places, queued.id, now))
-                            return refused
-                        continue  # renewed, released or joined meanwhile: look again
-                fence = self._next_fence(shard, 0 if current is None else current.fence)
-                queue = () if current is None else current.queue
-                now = time.time()
-                # A grant takes its waiter out of the queue, and the gone ones with it.
-                places = tuple(p for p in present(queue, now) if p.waiter != me) if queue else ()
-                record = Record(key, token, owner, info, fence, now, now + ttl, places)
-                if raw is None:
-                    stored = client.add(name, record.encode(), expire=exptime(ttl), noreply=False)
+        with (
+            translate_errors(*_DRIVER_ERRORS, what=f"memcached acquire of {key!r}"),
+            pool.session() as session,
+        ):
+            now = time.time()
+            record = Record(key, token, owner, info, None, now, now + ttl)
+            reply: Reply | None = None  # the item, once read
+            if not steal:
+                add = ms(name, record.encode(), f"T{exptime(ttl)}", "c", "ME")
+                if queued is None:
+                    # First try: the index entry goes in the same write.
+                    entry = Layout.index_entry(name)
+                    append = ms(Layout.bucket_of(shard, name), entry, "MA")
+                    added, appended = session.write(add + append, 2)
+                    if added.expect(b"HD", b"NS").code == b"HD":
+                        return self._granted(session, shard, name, record, added, appended)
                 else:
-                    stored = client.cas(
-                        name, record.encode(), cas, expire=exptime(ttl), noreply=False
-                    )
-                if stored:
+                    # A waiter's poll: the add and a read in one write.
+                    added, reply = session.write(add + mg(name), 2)
+                    if added.expect(b"HD", b"NS").code == b"HD":
+                        queued.queued = False
+                        return self._granted(session, shard, name, record, added, None)
+                    reply.expect(b"VA", b"EN")
+            for _ in range(RACE_ATTEMPTS):
+                if reply is None:
+                    reply = self._read(session, name)
+                decided = self._decide(
+                    session, name, reply, record, steal=steal, queued=queued, me=me
+                )
+                if isinstance(decided, Outcome):
+                    return decided
+                if decided is not None:
                     if queued is not None:
                         queued.queued = False
-                    self._index(shard, name, fence)
-                    return granted(record, now)
+                    return self._granted(session, shard, name, decided[0], decided[1], None)
+                reply = None  # a lost race: look again
             # Every try lost a race: others keep writing this key, so it is not ours.
-            raw = client.get(name)
             now = time.time()
-            return outcome(False, live(None if raw is None else decode(raw, name), now), now)
+            current = self._decode(session, name, self._read(session, name))
+            return outcome(False, live(current, now), now)
+
+    def _decide(
+        self,
+        session: Session,
+        name: str,
+        reply: Reply,
+        wanted: Record,
+        *,
+        steal: bool,
+        queued: QueuedWaiter | None,
+        me: str | None,
+    ) -> Outcome | tuple[Record, Reply] | None:
+        """One try from the item as read: a refusal or our own lease (``Outcome``), a
+        grant (the record written and the reply), or ``None``: a race lost."""
+        now = time.time()
+        current = self._decode(session, name, reply)
+        holder = live(current, now)
+        if current is not None and not steal:
+            refused: Outcome | None = None
+            if holder is not None:
+                if holder.token == wanted.token:  # ours already (a retried acquire)
+                    self._remember(name, holder, reply.cas, session)
+                    return outcome(True, holder, now)
+                refused = outcome(False, holder, now)
+            elif isinstance(current, Tombstone) and kept_for(current, now) not in (None, me):
+                refused = Outcome(False, None, current.kept_until - now)
+            if refused is not None:
+                if queued is None:
+                    return refused
+                state = ("held", holder.fence) if holder is not None else ("kept", reply.cas)
+                places = rejoined(current.queue, queued.id, now) if queued.impatient() else None
+                if places is None:  # patient still, fresh in its place, or the queue is full
+                    queued.saw(state, position(current.queue, queued.id, now))
+                    return refused
+                # Out of patience: take (or keep) its place in the queue, by a
+                # compare-and-swap of the record that refused it.
+                queued.joined()
+                waiting = replace(current, queue=places)
+                expire = item_exptime(waiting, now)
+                write = ms(name, waiting.encode(), f"T{expire}", f"C{reply.cas}")
+                (written,) = session.write(write, 1)
+                if written.expect(b"HD", b"EX", b"NF").code == b"HD":
+                    queued.saw(state, position(places, queued.id, now))
+                    return refused
+                return None  # renewed, released or joined meanwhile: look again
+        # Free (no item, a tombstone not kept for another, an expired lease), or a steal.
+        # A grant takes its waiter out of the queue, and the gone ones with it.
+        queue = () if current is None else current.queue
+        places = tuple(p for p in present(queue, now) if p.waiter != me) if queue else ()
+        ttl = wanted.expires_at - wanted.acquired_at
+        record = replace(wanted, acquired_at=now, expires_at=now + ttl, queue=places)
+        over = "ME" if current is None else f"C{reply.cas}"
+        (stored,) = session.write(ms(name, record.encode(), f"T{exptime(ttl)}", "c", over), 1)
+        if stored.expect(b"HD", b"NS", b"EX", b"NF").code == b"HD":
+            return record, stored
+        return None
+
+    def _granted(
+        self,
+        session: Session,
+        shard: _Shard,
+        name: str,
+        record: Record,
+        stored: Reply,
+        appended: Reply | None,
+    ) -> Outcome:
+        """A grant stored by ``stored`` (its reply carries the CAS): the fence, and the
+        index entry (``appended``: the reply to the append sent with it, if any)."""
+        fence = session.epoch + stored.cas
+        lease = Record(
+            record.key,
+            record.token,
+            record.owner,
+            record.info,
+            fence,
+            record.acquired_at,
+            record.expires_at,
+            record.queue,
+        )
+        self._remember(name, lease, stored.cas, session)
+        self._index(session, shard, name, appended)
+        return granted(lease, record.acquired_at)
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
         return self.renew_many([RenewRequest(key, token, ttl)])[0]
 
-    def _renew(self, shard: _Shard, name: str, request: RenewRequest, item: Any) -> Outcome:
-        """Renew from a ``gets`` reply already in hand (``item``), then from fresh ones."""
-        client = self._client(shard)
+    def _renew(self, session: Session, name: str, request: RenewRequest, reply: Reply) -> Outcome:
+        """Renew from a read already in hand (``reply``), then from fresh ones."""
         for attempt in range(RACE_ATTEMPTS):
             if attempt:
-                item = client.gets(name)
-            raw, cas = item
+                reply = self._read(session, name)
             now = time.time()
-            current = live(None if raw is None else decode(raw, name), now)
+            current = live(self._decode(session, name, reply), now)
             if current is None or current.token != request.token:
                 return outcome(False, current, now)
             renewed = replace(current, expires_at=now + request.ttl)
-            expire = exptime(request.ttl)
-            if client.cas(name, renewed.encode(), cas, expire=expire, noreply=False):
+            write = ms(name, renewed.encode(), f"T{exptime(request.ttl)}", f"C{reply.cas}", "c")
+            (written,) = session.write(write, 1)
+            if written.expect(b"HD", b"EX", b"NF").code == b"HD":
+                self._remember(name, renewed, written.cas, session)
                 return granted(renewed, now)
         raise StoreError(f"memcached renewal of {request.key!r} lost {RACE_ATTEMPTS} races")
 
@@ -751,33 +1224,84 @@ class MemcachedStore:
             by_server.setdefault(self._layout.server_of(name), []).append(index)
         outcomes: list[Outcome | None] = [None] * len(requests)
         for server, indices in by_server.items():
-            shard = self._layout.shards[server]
-            with translate_errors(*_DRIVER_ERRORS, what=f"memcached renewal on {server}"):
-                unique = list(dict.fromkeys(names[i] for i in indices))
-                items = self._first_read(shard, "gets_many", unique)
+            with (
+                translate_errors(*_DRIVER_ERRORS, what=f"memcached renewal on {server}"),
+                self._pools[server].session() as session,
+            ):
+                # The leases whose last write we made: compare-and-swap them at once,
+                # all in one write.
+                now = time.time()
+                fast: list[tuple[int, Record, int]] = []
                 for index in indices:
-                    item = items.get(names[index], (None, None))
-                    outcomes[index] = self._renew(shard, names[index], requests[index], item)
+                    request = requests[index]
+                    known = self._own(names[index], request.token, session)
+                    if known is not None and known.record.expires_at > now:
+                        renewed = replace(known.record, expires_at=now + request.ttl)
+                        fast.append((index, renewed, known.cas))
+                if fast:
+                    commands = b"".join(
+                        ms(
+                            names[index],
+                            renewed.encode(),
+                            f"T{exptime(requests[index].ttl)}",
+                            f"C{cas}",
+                            "c",
+                        )
+                        for index, renewed, cas in fast
+                    )
+                    replies = session.write(commands, len(fast))
+                    for (index, renewed, _), reply in zip(fast, replies, strict=True):
+                        if reply.expect(b"HD", b"EX", b"NF").code == b"HD":
+                            self._remember(names[index], renewed, reply.cas, session)
+                            outcomes[index] = granted(renewed, now)
+                # The others (or those written since by someone else): read, then swap.
+                rest = [index for index in indices if outcomes[index] is None]
+                if rest:
+                    items = session.read_many(list(dict.fromkeys(names[i] for i in rest)))
+                    for index in rest:
+                        reply = items.get(names[index], _MISSING)
+                        outcomes[index] = self._renew(
+                            session, names[index], requests[index], reply
+                        )
         return [found for found in outcomes if found is not None]
 
     def release(self, key: str, token: str) -> Outcome:
         name = self._layout.lease(key)
-        shard = self._layout.shard_of(name)
-        client = self._client(shard)
-        with translate_errors(*_DRIVER_ERRORS, what=f"memcached release of {key!r}"):
-            for attempt in range(RACE_ATTEMPTS):
-                raw, cas = client.gets(name) if attempt else self._first_read(shard, "gets", name)
+        _, pool = self._pool(name)
+        with (
+            translate_errors(*_DRIVER_ERRORS, what=f"memcached release of {key!r}"),
+            pool.session() as session,
+        ):
+            known = self._own(name, token, session)
+            if known is not None:
+                self._written.pop(name, None)
+                # Nothing wrote the item since we did: delete it by its CAS, one round trip.
                 now = time.time()
-                current = None if raw is None else decode(raw, name)
+                if self._end(session, name, known.record, known.cas, now):
+                    return Outcome(known.record.expires_at > now)
+            for _ in range(RACE_ATTEMPTS):
+                reply = self._read(session, name)
+                now = time.time()
+                current = self._decode(session, name, reply)
                 if not isinstance(current, Record) or current.token != token:
                     return outcome(False, live(current, now), now)
-                # The key is kept for the first queued waiter still there, if any.
-                tombstone = handed_over(current.fence, current.queue, now)
-                expire = item_exptime(tombstone, now)
-                if client.cas(name, tombstone.encode(), cas, expire=expire, noreply=False):
+                if self._end(session, name, current, reply.cas, now):
+                    self._written.pop(name, None)
                     # A lease past its expiry was no longer ours to release: report it lost.
                     return Outcome(current.expires_at > now)
         raise StoreError(f"memcached release of {key!r} lost {RACE_ATTEMPTS} races")
+
+    @staticmethod
+    def _end(session: Session, name: str, lease: Record, cas: int, now: float) -> bool:
+        """Remove ``lease`` if the item still has ``cas``: delete it, or, with waiters
+        queued, leave the tombstone that keeps the key for the first of them."""
+        tombstone = handed_over(lease.queue, now)
+        if tombstone is None:
+            (done,) = session.write(md(name, cas), 1)
+        else:
+            write = ms(name, tombstone.encode(), f"T{TOMBSTONE_SECONDS}", f"C{cas}")
+            (done,) = session.write(write, 1)
+        return done.expect(b"HD", b"EX", b"NF").code == b"HD"
 
     def _leave(self, key: str, waiter: str) -> None:
         """Take ``waiter``'s place out of ``key``'s queue [2]; best effort, never raises.
@@ -787,35 +1311,38 @@ class MemcachedStore:
         unreachable) lapses ``GONE_SECONDS`` after it was last refreshed.
         """
         name = self._layout.lease(key)
-        shard = self._layout.shard_of(name)
-        client = self._client(shard)
+        _, pool = self._pool(name)
         try:
-            with translate_errors(
-                *_DRIVER_ERRORS, what=f"memcached: leaving the queue of {key!r}"
+            with (
+                translate_errors(*_DRIVER_ERRORS, what=f"memcached: leaving the queue of {key!r}"),
+                pool.session() as session,
             ):
-                for attempt in range(RACE_ATTEMPTS):
-                    raw, cas = (
-                        client.gets(name) if attempt else self._first_read(shard, "gets", name)
-                    )
-                    if raw is None:
+                for _ in range(RACE_ATTEMPTS):
+                    reply = self._read(session, name)
+                    current = self._decode(session, name, reply)
+                    if current is None:
                         return
-                    current = decode(raw, name)
                     now = time.time()
                     kept = kept_for(current, now) == waiter
                     if not kept and all(place.waiter != waiter for place in current.queue):
                         return
                     places = tuple(place for place in current.queue if place.waiter != waiter)
-                    rest: Record | Tombstone
+                    rest: Record | Tombstone | None
                     if isinstance(current, Record):
                         rest = replace(current, queue=places)
                     elif kept:
-                        rest = handed_over(current.fence, places, now)
+                        rest = handed_over(places, now)
                     elif places:
                         rest = replace(current, queue=places)
                     else:
-                        rest = Tombstone(current.fence)
-                    expire = item_exptime(rest, now)
-                    if client.cas(name, rest.encode(), cas, expire=expire, noreply=False):
+                        rest = None  # nobody left to keep it for: free
+                    if rest is None:
+                        write = md(name, reply.cas)
+                    else:
+                        expire = item_exptime(rest, now)
+                        write = ms(name, rest.encode(), f"T{expire}", f"C{reply.cas}")
+                    (done,) = session.write(write, 1)
+                    if done.expect(b"HD", b"EX", b"NF").code == b"HD":
                         return
                 _LOG.warning("memcached: a waiter could not leave the queue of %r", key)
         except StoreError as exc:
@@ -823,22 +1350,34 @@ class MemcachedStore:
 
     def holder(self, key: str) -> Holder | None:
         name = self._layout.lease(key)
-        with translate_errors(*_DRIVER_ERRORS, what=f"memcached read of {key!r}"):
-            raw = self._first_read(self._layout.shard_of(name), "get", name)
-        record = live(None if raw is None else decode(raw, name), time.time())
+        _, pool = self._pool(name)
+        with (
+            translate_errors(*_DRIVER_ERRORS, what=f"memcached read of {key!r}"),
+            pool.session() as session,
+        ):
+            current = self._decode(session, name, self._read(session, name))
+        record = live(current, time.time())
         return None if record is None else record.holder()
 
     def holders(self, prefix: str) -> list[Holder]:
         found: dict[str, Holder] = {}
         for server, shard in self._layout.shards.items():
-            with translate_errors(*_DRIVER_ERRORS, what=f"memcached listing on {server}"):
-                buckets = self._first_read(shard, "get_many", list(shard.buckets))
+            with (
+                translate_errors(*_DRIVER_ERRORS, what=f"memcached listing on {server}"),
+                self._pools[server].session() as session,
+            ):
+                buckets = session.read_many(list(shard.buckets))
                 names = list(
                     dict.fromkeys(
-                        name for bucket in buckets.values() for name in Layout.index_leases(bucket)
+                        name
+                        for bucket in buckets.values()
+                        for name in Layout.index_leases(bucket.value)
                     )
                 )
-                records = self._read(shard, names)
+                records = {
+                    name: self._decode(session, name, reply)
+                    for name, reply in session.read_many(names).items()
+                }
             now = time.time()
             for record in records.values():
                 current = live(record, now)
@@ -847,17 +1386,18 @@ class MemcachedStore:
         return [found[key] for key in sorted(found)]
 
     def waiter(self, key: str) -> QueuedWaiter:
-        return QueuedWaiter(self, key)
+        return QueuedWaiter(self, key, self._patience)
 
     def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
+        for pool in self._pools.values():
+            pool.close()
 
 
 # -- URLs ----------------------------------------------------------------------------
 
 # Options a user may pass as ``Locks(url, **options)``; named as the Redis store names them.
-OPTIONS = frozenset({"socket_timeout", "socket_connect_timeout", "max_connections"})
+# ``patience``: seconds a refused waiter polls before it queues (see *Waiting*).
+OPTIONS = frozenset({"socket_timeout", "socket_connect_timeout", "max_connections", "patience"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -868,6 +1408,7 @@ class Target:
     socket_timeout: float
     socket_connect_timeout: float
     max_connections: int | None
+    patience: float = PATIENCE_SECONDS
 
 
 def _seconds(value: object, name: str) -> float:
@@ -921,6 +1462,11 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
     pool = options.get("max_connections")
     if pool is not None and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
         raise ValueError(f"max_connections must be an int >= 1 or None, not {pool!r}")
+    patience = options.get("patience", PATIENCE_SECONDS)
+    if isinstance(patience, bool) or not isinstance(patience, int | float):
+        raise TypeError(f"patience must be seconds (a number >= 0), not {patience!r}")
+    if not 0 <= patience < math.inf:
+        raise ValueError(f"patience must be seconds >= 0, not {patience!r}")
     return Target(
         servers,
         _seconds(options.get("socket_timeout", DEFAULT_SOCKET_TIMEOUT), "socket_timeout"),
@@ -929,33 +1475,28 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
             "socket_connect_timeout",
         ),
         pool,
+        float(patience),
     )
 
 
-def _client_maker(target: Target) -> Callable[[str], Any]:
-    def make(server: str) -> Any:
-        spec: Any = server if server.startswith("/") else _address(server)
-        return PooledClient(
-            spec,
+def _pool_maker(target: Target) -> Callable[[str], Pool]:
+    def make(server: str) -> Pool:
+        return Pool(
+            server,
             connect_timeout=target.socket_connect_timeout,
             timeout=target.socket_timeout,
-            no_delay=True,
-            max_pool_size=target.max_connections,
-            default_noreply=False,
+            max_connections=target.max_connections,
         )
 
     return make
 
 
-def _address(server: str) -> tuple[str, int]:
-    host, _, port = server.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 class MemcachedDriver:
     def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> MemcachedStore:
         target = parse(url, options)
-        return MemcachedStore(target.servers, namespace, _client_maker(target))
+        return MemcachedStore(
+            target.servers, namespace, _pool_maker(target), patience=target.patience
+        )
 
     def open_async(self, url: str, *, namespace: str, options: Mapping[str, object]) -> AsyncStore:
         return ThreadedAsyncStore(
