@@ -8,9 +8,12 @@ servers started as users start them (``python -m keymutex serve --port 0 --store
 one on a SQLite file in a temp dir and one on that Redis. Their output goes to a log
 file that the URL is read from (never a pipe nobody reads).
 
-Measured in one run, both backends side by side:
-1. one client, acquire+release pairs: ``Locks("http://…")`` and raw ``httpx`` POSTs on a
-   persistent ``httpx.Client`` (the HTTP floor), against ``Locks`` on the server's own
+Measured in one run, both backends side by side (and, unless ``--no-plain``, a third lock
+server on SQLite with uvloop and httptools hidden, so that uvicorn runs asyncio and h11:
+what the server's stack is worth, in the same run):
+1. one client, acquire+release pairs: ``Locks("http://…")``, and raw POSTs on a
+   persistent ``httpx.Client`` and on httpx's own transport layer, an
+   ``httpcore.ConnectionPool`` (the HTTP floors), against ``Locks`` on the server's own
    store (same SQLite file, same Redis). Median and p90 µs, the ratio to direct, and
    CPU per pair (client; lock server), which shared-machine noise moves far less than
    wall time. Rounds interleave the cases. Goal: HTTP ≤ 3 × direct.
@@ -38,6 +41,7 @@ import contextlib
 import datetime
 import importlib.metadata
 import itertools
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -56,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 from redis_server import RedisServer
 
@@ -78,6 +83,8 @@ LOADS = {  # part 2's variants: what the 32 clients do
 LATENCY_GOAL = 3.0  # HTTP pair / direct pair
 PROBE_GOAL_MS = 100.0
 WAKEUP_GOAL_MS = 5.0
+PLAIN_HIDES = ("uvloop", "httptools")  # hidden from the --plain server
+PLAIN = "SQLite, asyncio+h11"
 TICKS = os.sysconf("SC_CLK_TCK")
 REQUEST_COUNT = re.compile(
     r'^keymutex_http_request_duration_seconds_count\{method="(\w+)",route="([^"]+)",'
@@ -123,12 +130,24 @@ def _verdict(value: float, bound: float) -> str:
 
 
 class LockServer:
-    """``python -m keymutex serve --port 0 --store URL``, its output in a log file."""
+    """``python -m keymutex serve --port 0 --store URL``, its output in a log file.
 
-    def __init__(self, store_url: str, directory: Path) -> None:
+    ``hide``: packages made to fail on import in the server (a directory of stand-ins
+    first on its ``PYTHONPATH``), as if they were not installed.
+    """
+
+    def __init__(self, store_url: str, directory: Path, hide: tuple[str, ...] = ()) -> None:
         self.store_url = store_url
         self.log = directory / "server.log"
         self.url = ""
+        self._env: dict[str, str] | None = None
+        if hide:
+            for name in hide:
+                (directory / "hidden" / name).mkdir(parents=True)
+                (directory / "hidden" / name / "__init__.py").write_text(
+                    f"raise ImportError('{name} is hidden by the benchmark')\n"
+                )
+            self._env = {**os.environ, "PYTHONPATH": str(directory / "hidden")}
         self._process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> LockServer:
@@ -147,6 +166,7 @@ class LockServer:
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
+                env=self._env,
             )
         deadline = time.monotonic() + START_TIMEOUT
         while (found := LISTENING.search(self.log.read_text(errors="replace"))) is None:
@@ -222,6 +242,28 @@ def _pair_makers(backend: Backend) -> dict[str, Callable[[], Callable[[], None]]
 
         return pair
 
+    def http_core() -> Callable[[], None]:
+        pool = httpcore.ConnectionPool()
+        headers = [
+            (b"Host", url.split("//", 1)[1].encode()),
+            (b"Content-Type", b"application/json"),
+        ]
+
+        def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            reply = pool.request(
+                "POST", f"{url}{path}", headers=headers, content=json.dumps(body).encode()
+            )
+            if reply.status != 200:
+                raise RuntimeError(f"{path} answered {reply.status}")
+            answer: dict[str, Any] = json.loads(reply.content)
+            return answer
+
+        def pair() -> None:
+            token = post("/v1/acquire", {"key": "http-core", "ttl": 30})["token"]
+            post("/v1/release", {"key": "http-core", "token": token})
+
+        return pair
+
     def http_no_store() -> Callable[[], None]:
         client = httpx.Client(base_url=url, timeout=10)
 
@@ -236,6 +278,7 @@ def _pair_makers(backend: Backend) -> dict[str, Callable[[], Callable[[], None]]
         f"direct: Locks('{scheme}://…')": direct,
         "HTTP: Locks('http://…')": http_locks,
         "HTTP floor: httpx POST acquire + release": http_raw,
+        "HTTP floor: httpcore POST acquire + release": http_core,
         "HTTP, no store: 2 × GET of a 404 (httpx)": http_no_store,
     }
 
@@ -585,8 +628,16 @@ def report(
         f"Command: `{COMMAND}{' ' + ' '.join(args.argv) if args.argv else ''}`",
         "",
         f"Versions: {_versions()}. The servers are started as users start them: `python -m"
-        " keymutex serve --port 0 --store URL` (uvicorn's defaults: asyncio loop, h11, access"
-        " log at info, here to a file).",
+        " keymutex serve --port 0 --store URL` (uvicorn's defaults: `loop` and `http` `auto`,"
+        " which take uvloop and httptools when they are installed (see Versions) and asyncio"
+        " and h11 otherwise; no access log, `serve`'s default; its log to a file)."
+        + (
+            f" *{PLAIN}*: the same server on a SQLite file of its own, with"
+            f" {' and '.join(PLAIN_HIDES)} hidden (stand-ins that fail to import first on its"
+            " `PYTHONPATH`), as where they are not installed."
+            if args.plain
+            else ""
+        ),
         "",
         "The machine is shared (see the load averages, and the columns *waiting for a CPU*:"
         " time other tenants took): compare ratios and CPU per pair within a table, not"
@@ -622,9 +673,11 @@ def report(
             )
         http = statistics.median(backend.latency["HTTP: Locks('http://…')"]) / direct
         floor = statistics.median(backend.latency[cases[2]]) / direct
+        core = statistics.median(backend.latency[cases[3]]) / direct
         goals.append(
             f"1. {backend.name}: Locks('http://…') / direct = **{http:,.1f} ×** (httpx floor"
-            f" {floor:,.1f} ×); goal ≤ {LATENCY_GOAL:g} ×: **{_verdict(http, LATENCY_GOAL)}**"
+            f" {floor:,.1f} ×, httpcore floor {core:,.1f} ×); goal ≤ {LATENCY_GOAL:g} ×:"
+            f" **{_verdict(http, LATENCY_GOAL)}**"
         )
     lines += [
         "",
@@ -751,20 +804,25 @@ def report(
 
 
 @contextlib.contextmanager
-def _backends(workdir: Path) -> Iterator[tuple[list[Backend], str]]:
+def _backends(workdir: Path, plain: bool) -> Iterator[tuple[list[Backend], str]]:
     with RedisServer() as redis_server, contextlib.ExitStack() as stack:
         sqlite_url = f"sqlite:///{workdir}/locks.db"
         (workdir / "sqlite").mkdir()
         (workdir / "redis").mkdir()
         sqlite_server = stack.enter_context(LockServer(sqlite_url, workdir / "sqlite"))
         redis_lock_server = stack.enter_context(LockServer(redis_server.url, workdir / "redis"))
-        yield (
-            [
-                Backend("SQLite", sqlite_url, sqlite_server, None),
-                Backend("Redis", redis_server.url, redis_lock_server, redis_server.pid),
-            ],
-            redis_server.version(),
-        )
+        backends = [
+            Backend("SQLite", sqlite_url, sqlite_server, None),
+            Backend("Redis", redis_server.url, redis_lock_server, redis_server.pid),
+        ]
+        if plain:
+            plain_url = f"sqlite:///{workdir}/plain.db"
+            (workdir / "plain").mkdir()
+            plain_server = stack.enter_context(
+                LockServer(plain_url, workdir / "plain", hide=PLAIN_HIDES)
+            )
+            backends.append(Backend(PLAIN, plain_url, plain_server, None))
+        yield backends, redis_server.version()
 
 
 def main() -> None:
@@ -780,6 +838,13 @@ def main() -> None:
         default=10,
         help="part 3 trials where the holder releases in the store (each up to 1 s)",
     )
+    parser.add_argument(
+        "--plain",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"also a SQLite lock server without {' and '.join(PLAIN_HIDES)} (uvicorn then"
+        " runs asyncio and h11): the server stack's share, side by side",
+    )
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     args = parser.parse_args()
     args.argv = sys.argv[1:]
@@ -794,7 +859,7 @@ def main() -> None:
 
     with (
         tempfile.TemporaryDirectory(prefix="keymutex-server-bench-") as tmp,
-        _backends(Path(tmp)) as (backends, redis_version),
+        _backends(Path(tmp), args.plain) as (backends, redis_version),
     ):
         for backend in backends:
             log(f"{backend.name}: lock server {backend.server.url} (pid {backend.server.pid})")

@@ -114,7 +114,9 @@ def _run(server: uvicorn.Server, sock: socket.socket) -> None:
 
 
 def _serve(app: Starlette) -> Iterator[Live]:
-    sock = socket.socket()
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so, and
+    # without it every answer waits ~40 ms for the client's delayed ACK (Nagle).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     port = sock.getsockname()[1]

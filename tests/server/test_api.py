@@ -234,6 +234,15 @@ async def test_pages_and_static_files(api: httpx.AsyncClient) -> None:
         if (STATIC / name).is_file():
             assert reply.status_code == 200
             assert reply.headers["content-type"].startswith("text/html")
+            assert reply.content == (STATIC / name).read_bytes()
+            # A browser revalidating (Cache-Control: no-cache) gets a 304 while unchanged.
+            etag = reply.headers["etag"]
+            again = await api.get(path, headers={"If-None-Match": etag})
+            assert again.status_code == 304
+            assert again.content == b""
+            stale = await api.get(path, headers={"If-None-Match": '"0-0"'})
+            assert stale.status_code == 200
+            assert stale.content == reply.content
         else:
             assert reply.json()["error"] == "not_found"
     missing = await api.get("/static/no-such-file.js")

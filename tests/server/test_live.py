@@ -218,6 +218,36 @@ def test_http_store_unreachable_is_a_store_error() -> None:
         assert failed.value.__cause__ is not None
 
 
+@pytest.mark.parametrize("store", ["sync", "async"])
+def test_http_store_takes_its_proxy_from_the_environment(
+    live: Live, monkeypatch: pytest.MonkeyPatch, store: str
+) -> None:
+    """As ``httpx.Client`` does: ``HTTP_PROXY`` unless ``NO_PROXY`` names the host."""
+    with socket.socket() as sock:  # a proxy that is not there: connections to it fail
+        sock.bind(("127.0.0.1", 0))
+        dead_proxy = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("HTTP_PROXY", dead_proxy)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+
+    def use() -> None:
+        if store == "sync":
+            with keymutex.Locks(live.url, timeout=2) as locks:
+                locks.acquire("proxied", timeout=0).release()
+        else:
+
+            async def run() -> None:
+                async with keymutex.AsyncLocks(live.url, timeout=2) as locks:
+                    await (await locks.acquire("proxied", timeout=0)).release()
+
+            asyncio.run(run())
+
+    with pytest.raises(keymutex.StoreError):
+        use()  # sent to the proxy
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    use()  # straight to the server
+
+
 @pytest.mark.parametrize(
     ("url", "options", "error"),
     [

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+
+import keymutex
 
 from .conftest import write_tokens
 
@@ -23,6 +28,35 @@ def _serve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*KEYMUTEX, "serve", *args], capture_output=True, text=True, timeout=WAIT, cwd=cwd
     )
+
+
+@contextlib.contextmanager
+def _running(
+    *args: str, log: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``keymutex serve ARGS`` with its output in ``log``, once it listens: (process, URL).
+
+    Killed on the way out if the test did not stop it.
+    """
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [*KEYMUTEX, "serve", "--port", "0", *args],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + WAIT
+        while (found := LISTENING.search(log.read_text())) is None:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        yield process, found.group(1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_refuses_a_public_host_without_a_token_file(tmp_path: Path) -> None:
@@ -49,28 +83,57 @@ def test_prints_its_url_serves_and_stops_cleanly(tmp_path: Path, stop: signal.Si
     log = tmp_path / "out.log"
     store = f"sqlite:///{tmp_path}/locks.db"
     tokens = write_tokens(tmp_path)
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            [*KEYMUTEX, "serve", "--port", "0", "--store", store, "--token-file", str(tokens)],
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    try:
-        deadline = time.monotonic() + WAIT
-        while (found := LISTENING.search(log.read_text())) is None:
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.02)
-        url, shown_store = found.groups()
-        assert shown_store == store
+    with _running("--store", store, "--token-file", str(tokens), log=log) as (process, url):
+        found = LISTENING.search(log.read_text())
+        assert found is not None
+        assert found.group(2) == store
         assert httpx.get(f"{url}/healthz").json()["store"] == "sqlite"
         assert httpx.get(f"{url}/v1/holders").status_code == 401  # the token file applies
         process.send_signal(stop)
         assert process.wait(WAIT) == 0, log.read_text()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     assert "keymutex server stopped" in log.read_text()
     assert "Traceback" not in log.read_text()
+
+
+def _hide_packages(directory: Path, *names: str) -> dict[str, str]:
+    """An environment in which importing ``names`` fails, as if they were not installed."""
+    for name in names:
+        (directory / name).mkdir()
+        (directory / name / "__init__.py").write_text(f"raise ImportError('{name} hidden')\n")
+    return {**os.environ, "PYTHONPATH": str(directory)}
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["uvloop+httptools", "asyncio+h11"])
+def test_serves_with_and_without_uvloop_and_httptools(tmp_path: Path, fast: bool) -> None:
+    log = tmp_path / "out.log"
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    env = None if fast else _hide_packages(hidden, "uvloop", "httptools")
+    store = f"sqlite:///{tmp_path}/locks.db"
+    with _running("--store", store, log=log, env=env) as (process, url):
+        with keymutex.Locks(url, ttl=30.0) as locks:
+            lease = locks.acquire("job", timeout=0)
+            assert locks.holder("job") is not None
+            lease.release()
+            assert locks.holder("job") is None
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT) == 0, log.read_text()
+    text = log.read_text()
+    if fast:
+        assert "pip install 'keymutex[server]'" not in text  # both installed: no warning
+    else:
+        assert "event loop asyncio." in text
+        assert "HTTP parser h11; without uvloop and httptools" in text
+        assert "pip install 'keymutex[server]'" in text
+
+
+@pytest.mark.parametrize("logged", [False, True], ids=["default", "--access-log"])
+def test_the_access_log_is_off_unless_asked_for(tmp_path: Path, logged: bool) -> None:
+    log = tmp_path / "out.log"
+    store = f"sqlite:///{tmp_path}/locks.db"
+    extra = ["--access-log"] if logged else []
+    with _running("--store", store, *extra, log=log) as (process, url):
+        assert httpx.get(f"{url}/healthz").status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT) == 0, log.read_text()
+    assert ("GET /healthz" in log.read_text()) is logged, log.read_text()

@@ -127,6 +127,12 @@ def _finite(text: str) -> float:
     return number
 
 
+# One decoder for every body: ``json.loads`` with options builds a new one per call.
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_object, parse_constant=_no_constant, parse_float=_finite
+)
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """One JSON object: UTF-8, no NaN/Infinity, no duplicate fields, no lone surrogates."""
     if len(raw) > MAX_BODY_BYTES:
@@ -136,20 +142,20 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise invalid("the body is not UTF-8 text") from None
     try:
-        data = json.loads(
-            text, object_pairs_hook=_object, parse_constant=_no_constant, parse_float=_finite
-        )
+        data = _DECODER.decode(text)
     except RecursionError:
         raise invalid("the body is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, duplicates, NaN, too many digits
         raise invalid(f"the body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise invalid(f"the body must be a JSON object, not {type(data).__name__}")
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        # json.loads turns "\ud800" escapes into lone surrogates: no store can keep them.
-        raise invalid("the body contains a lone surrogate (\\ud800-\\udfff) escape") from None
+    # json.loads turns "\ud800" escapes into lone surrogates: no store can keep them.
+    # Text that decoded as UTF-8 holds none, so only a body with \u escapes is checked.
+    if "\\u" in text:
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid("the body contains a lone surrogate (\\ud800-\\udfff) escape") from None
     return data
 
 

@@ -3,7 +3,13 @@
 - Each step is one HTTP request to the server (``keymutex serve``), which runs it on
   its own store: ``try_acquire`` is ``/v1/acquire`` with ``timeout: 0``, ``renew_many``
   one ``/v1/renew-many``, and ``renew``, ``release``, ``holder``, ``holders`` their own
-  endpoints. One pooled ``httpx`` client per store keeps connections alive.
+  endpoints. Each store sends its requests through one pooled ``httpx`` transport
+  (``httpx.HTTPTransport``, the layer under ``httpx.Client``), which keeps connections
+  alive: the client's per-request work (merging URLs, default headers, cookies, auth and
+  redirect hooks) would cost more than the server's answer. Its URLs, headers and
+  timeouts are built once per store; proxies come from the environment as with
+  ``httpx.Client`` (``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY``, ``NO_PROXY``), and so
+  do the certificates (certifi's bundle, or ``SSL_CERT_FILE``/``SSL_CERT_DIR``).
 - Tokens are drawn by the client as for every store, and sent with the acquire: a
   lease's token works from any process, through any server of the same store.
 - Waiting happens at the server: a refused ``try_acquire`` records its arguments on
@@ -37,6 +43,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+from urllib.request import getproxies_environment, proxy_bypass
 
 import httpx
 
@@ -79,8 +86,11 @@ class _Call:
     wait: float = 0.0
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def _encode(body: JSONDict) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    return _ENCODER.encode(body).encode()
 
 
 @contextlib.contextmanager
@@ -330,18 +340,61 @@ class _WaiterState:
         return token
 
 
-_JSON_BODY = {"Content-Type": "application/json"}
+def _environment_proxy(base_url: str) -> str | None:
+    """The proxy ``httpx.Client`` would take from the environment for ``base_url``, if any."""
+    parts = urlsplit(base_url)
+    proxies = getproxies_environment()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or proxy_bypass(parts.netloc):  # NO_PROXY
+        return None
+    return proxy
 
 
-def _timeout(seconds: float, wait: float) -> httpx.Timeout:
-    return httpx.Timeout(seconds, read=seconds + wait)
+class _Requests:
+    """What every request of one store shares, built once: URLs, headers, timeouts.
 
+    ``build`` makes the ``httpx.Request`` of a ``_Call``; the transport sends it as is
+    (no base-URL merging, default headers or cookies per request).
+    """
 
-def _headers(api_token: str | None) -> dict[str, str]:
-    headers = {"User-Agent": f"keymutex/{__version__}"}
-    if api_token is not None:
-        headers["Authorization"] = f"Bearer {api_token}"
-    return headers
+    def __init__(self, base_url: str, api_token: str | None, timeout: float) -> None:
+        self.base_url = base_url
+        headers = {"User-Agent": f"keymutex/{__version__}"}
+        if api_token is not None:
+            headers["Authorization"] = f"Bearer {api_token}"
+        self._get_headers = httpx.Headers(headers)
+        self._post_headers = httpx.Headers({**headers, "Content-Type": "application/json"})
+        self._timeout = timeout
+        self._no_wait = self.timeouts(0.0)
+        self._urls: dict[str, httpx.URL] = {}
+
+    def timeouts(self, wait: float) -> dict[str, float]:
+        """httpx's per-request timeouts: ``timeout`` for each phase, plus ``wait`` to read."""
+        seconds = self._timeout
+        return {"connect": seconds, "read": seconds + wait, "write": seconds, "pool": seconds}
+
+    def url(self, path: str) -> httpx.URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(self.base_url + path)
+        return url
+
+    def build(self, call: _Call) -> httpx.Request:
+        url = self.url(call.path)
+        if call.params is not None:
+            url = url.copy_merge_params(call.params)
+        timeouts = self._no_wait if call.wait == 0 else self.timeouts(call.wait)
+        if call.body is None:
+            return httpx.Request(
+                call.method, url, headers=self._get_headers, extensions={"timeout": timeouts}
+            )
+        return httpx.Request(
+            call.method,
+            url,
+            headers=self._post_headers,
+            content=_encode(call.body),
+            extensions={"timeout": timeouts},
+        )
 
 
 # -- the synchronous store -------------------------------------------------------------
@@ -371,33 +424,29 @@ class _HttpWaiter(_WaiterState):
 
 
 class HttpStore:
-    """The ``http://`` store for one namespace, on one pooled ``httpx.Client``."""
+    """The ``http://`` store for one namespace, on one pooled ``httpx.HTTPTransport``."""
 
     def __init__(self, base_url: str, namespace: str, *, api_token: str | None, timeout: float):
         self.capabilities = CAPABILITIES
         self._base_url = base_url
-        self._headers = _headers(api_token)
-        self._timeout = timeout
+        self._requests = _Requests(base_url, api_token, timeout)
         self._protocol = _Protocol(namespace)
         self._pid = os.getpid()
-        self._client = self._new_client()
+        self._transport = self._new_transport()
         self._asked_capabilities = False
 
-    def _new_client(self) -> httpx.Client:
-        return httpx.Client(base_url=self._base_url, headers=self._headers, timeout=self._timeout)
+    def _new_transport(self) -> httpx.HTTPTransport:
+        return httpx.HTTPTransport(proxy=_environment_proxy(self._base_url))
 
     def _send(self, call: _Call) -> tuple[int, JSONDict]:
         if self._pid != os.getpid():  # a forked child must not share the parent's sockets
-            self._pid, self._client = os.getpid(), self._new_client()
+            self._pid, self._transport = os.getpid(), self._new_transport()
         with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
-            response = self._client.request(
-                call.method,
-                call.path,
-                content=None if call.body is None else _encode(call.body),
-                headers=None if call.body is None else _JSON_BODY,
-                params=call.params,
-                timeout=_timeout(self._timeout, call.wait),
-            )
+            response = self._transport.handle_request(self._requests.build(call))
+            try:
+                response.read()
+            finally:
+                response.close()
         if not self._asked_capabilities:
             # After the first step's request, not before: a lease's ``remaining`` counts
             # from before its request was sent, and must not lose this round trip.
@@ -453,7 +502,7 @@ class HttpStore:
         return _HttpWaiter(self, key)
 
     def close(self) -> None:
-        self._client.close()
+        self._transport.close()
 
 
 # -- the asynchronous store --------------------------------------------------------------
@@ -480,35 +529,29 @@ class _AsyncHttpWaiter(_WaiterState):
 
 
 class AsyncHttpStore:
-    """The ``http://`` store for one namespace, for asyncio: one ``httpx.AsyncClient``."""
+    """The ``http://`` store for one namespace, for asyncio: one ``httpx.AsyncHTTPTransport``."""
 
     def __init__(self, base_url: str, namespace: str, *, api_token: str | None, timeout: float):
         self.capabilities = CAPABILITIES
         self._base_url = base_url
-        self._headers = _headers(api_token)
-        self._timeout = timeout
+        self._requests = _Requests(base_url, api_token, timeout)
         self._protocol = _Protocol(namespace)
         self._pid = os.getpid()
-        self._client = self._new_client()
+        self._transport = self._new_transport()
         self._asked_capabilities = False
 
-    def _new_client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            base_url=self._base_url, headers=self._headers, timeout=self._timeout
-        )
+    def _new_transport(self) -> httpx.AsyncHTTPTransport:
+        return httpx.AsyncHTTPTransport(proxy=_environment_proxy(self._base_url))
 
     async def _send(self, call: _Call) -> tuple[int, JSONDict]:
         if self._pid != os.getpid():  # a forked child must not share the parent's sockets
-            self._pid, self._client = os.getpid(), self._new_client()
+            self._pid, self._transport = os.getpid(), self._new_transport()
         with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
-            response = await self._client.request(
-                call.method,
-                call.path,
-                content=None if call.body is None else _encode(call.body),
-                headers=None if call.body is None else _JSON_BODY,
-                params=call.params,
-                timeout=_timeout(self._timeout, call.wait),
-            )
+            response = await self._transport.handle_async_request(self._requests.build(call))
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
         if not self._asked_capabilities:
             # After the first step's request, not before: a lease's ``remaining`` counts
             # from before its request was sent, and must not lose this round trip.
@@ -564,7 +607,7 @@ class AsyncHttpStore:
         return _AsyncHttpWaiter(self, key)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._transport.aclose()
 
 
 # -- the driver --------------------------------------------------------------------------
