@@ -452,7 +452,7 @@ STORES = [
         _memcached,
         (
             Case("keymutex", KEYMUTEX_LABEL, "2 (`ms` add + index append; `md` by CAS)"),
-            Case("keymutex-try-once", TRY_ONCE_LABEL, "6", contends=False),
+            Case("keymutex-try-once", TRY_ONCE_LABEL, "2", contends=False),
             Case("tooz", "tooz `memcached://` (pymemcache)", "3 (`add`; `get`, `delete`)"),
             Case("sherlock", "sherlock `MCLock` (pylibmc, binary)", "3 (`add`; `get`, `delete`)"),
         ),
