@@ -50,7 +50,7 @@ import secrets
 import threading
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
@@ -457,6 +457,42 @@ class _Steps:
             key,
             _outcome,
         )
+
+    def contend(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: _RedisWaiter | _AsyncRedisWaiter,
+    ) -> Generator[_Call | None, Outcome | None, Outcome]:
+        """One try of a waiter, for the sync and async stores alike: yields each script
+        to run (send back its outcome), or ``None`` to subscribe the waiter's channel
+        (send back ``None``); returns the try's outcome."""
+        if waiter.granted is not None and not steal:
+            granted = waiter.take_grant(key, ttl, owner, info)
+            if granted is not None:  # a release granted it to us, and told us
+                return granted
+        if not waiter.id:  # the first try of this acquire
+            waiter.id = token
+            waiter.hub.try_join(waiter)  # type: ignore[arg-type]  # a channel listened to already
+        if not waiter.subscribed:
+            # Not listening yet: a try that queued us could be granted the key unheard
+            # (the release would pass us over). Try without a place; when refused,
+            # subscribe, then try again with one.
+            first = yield self.acquire(key, token, ttl, owner, info, steal, None)
+            assert first is not None
+            if first.ok:
+                return first
+            yield None
+        call = self.acquire(key, token, ttl, owner, info, steal, waiter)
+        sent_at = _clock.monotonic()
+        outcome = yield call
+        assert outcome is not None
+        waiter.refused(outcome, sent_at)
+        return outcome
 
     def renew(self, request: RenewRequest) -> _Call:
         return _Call(
@@ -1302,27 +1338,18 @@ class RedisStore:
         assert waiter is None or isinstance(waiter, _RedisWaiter)
         if waiter is None:
             return self._run(self._steps.acquire(key, token, ttl, owner, info, steal, None))
-        if waiter.granted is not None and not steal:
-            granted = waiter.take_grant(key, ttl, owner, info)
-            if granted is not None:  # a release granted it to us, and told us
-                waiter.on_close = None
-                return granted
-        if not waiter.id:  # the first try of this acquire
-            waiter.id = token
-            waiter.hub.try_join(waiter)  # a channel this store listens to already
-        if not waiter.subscribed:
-            # Not listening yet: a try that queued us could be granted the key unheard
-            # (the release would pass us over). Try without a place; when refused,
-            # subscribe, then try again with one.
-            outcome = self._run(self._steps.acquire(key, token, ttl, owner, info, steal, None))
-            if outcome.ok:
-                return outcome
-            with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
-                waiter.hub.join(waiter, self._subscribe_timeout)
-        call = self._steps.acquire(key, token, ttl, owner, info, steal, waiter)
-        sent_at = _clock.monotonic()
-        outcome = self._run(call)
-        waiter.refused(outcome, sent_at)
+        flow = self._steps.contend(key, token, ttl, owner, info, steal, waiter)
+        try:
+            step = next(flow)
+            while True:
+                if step is None:
+                    with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
+                        waiter.hub.join(waiter, self._subscribe_timeout)
+                    step = flow.send(None)
+                else:
+                    step = flow.send(self._run(step))
+        except StopIteration as done:
+            outcome: Outcome = done.value
         waiter.on_close = (
             None if outcome.ok else functools.partial(self._leave, key, token, waiter.entry)
         )
@@ -1475,26 +1502,18 @@ class AsyncRedisStore:
         assert waiter is None or isinstance(waiter, _AsyncRedisWaiter)
         if waiter is None:
             return await self._run(self._steps.acquire(key, token, ttl, owner, info, steal, None))
-        if waiter.granted is not None and not steal:  # as in RedisStore.try_acquire
-            granted = waiter.take_grant(key, ttl, owner, info)
-            if granted is not None:
-                waiter.on_close = None
-                return granted
-        if not waiter.id:
-            waiter.id = token
-            waiter.hub.try_join(waiter)
-        if not waiter.subscribed:
-            outcome = await self._run(
-                self._steps.acquire(key, token, ttl, owner, info, steal, None)
-            )
-            if outcome.ok:
-                return outcome
-            with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
-                await waiter.hub.join(waiter, self._subscribe_timeout)
-        call = self._steps.acquire(key, token, ttl, owner, info, steal, waiter)
-        sent_at = _clock.monotonic()
-        outcome = await self._run(call)
-        waiter.refused(outcome, sent_at)
+        flow = self._steps.contend(key, token, ttl, owner, info, steal, waiter)  # as in RedisStore
+        try:
+            step = next(flow)
+            while True:
+                if step is None:
+                    with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
+                        await waiter.hub.join(waiter, self._subscribe_timeout)
+                    step = flow.send(None)
+                else:
+                    step = flow.send(await self._run(step))
+        except StopIteration as done:
+            outcome: Outcome = done.value
         waiter.on_close = (
             None if outcome.ok else functools.partial(self._leave, key, token, waiter.entry)
         )
