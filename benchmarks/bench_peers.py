@@ -472,9 +472,14 @@ STORES = [
             " fence. A waiter polls every `retry_interval` (0.1 s); its `timeout` is counted"
             " as tries × interval, not by a clock (raised to 60 here so no contender gives up).",
             "**keymutex `memcached://`**: a lease record with a fence (not durable), released"
-            " by `cas` to a tombstone, never `delete`, so a late release cannot remove"
-            " someone else's lease; expiry judged by the clients' wall clocks. A refused"
-            " waiter polls with jittered backoff (2 ms, doubling to 250 ms).",
+            " by compare-and-delete (`md … C<cas>`, the CAS of its own grant), never a plain"
+            " `delete`, so a late release cannot remove someone else's lease; expiry judged"
+            " by the clients' wall clocks. memcached cannot notify: a refused waiter polls"
+            " on growing steps (1 ms, × 1.5, at most 50 ms × (1 + the waiters ahead of it))."
+            " Until a waiter has been refused for `patience` (0.1 s), the releaser may take"
+            " the key straight back; after that the waiter queues in the lease record and a"
+            " release keeps the key for the first queued waiter (a tombstone written by"
+            " compare-and-swap), which is what bounds same holder % and the worst wait.",
         ),
     ),
     Store(

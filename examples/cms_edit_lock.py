@@ -24,7 +24,9 @@ Run it to watch two editors::
 
     python examples/cms_edit_lock.py [MEMCACHED_URL] [--record FILE]
 
-(default URL: ``$KEYMUTEX_STORE`` or ``memcached://127.0.0.1:11211``). ``--record``
+(default URL: ``$KEYMUTEX_STORE`` or ``memcached://127.0.0.1:11211``, which needs
+``pip install 'keymutex[memcached]'``; any other store URL works too, e.g.
+``sqlite:///tmp/cms.db`` or a lock server's ``http://127.0.0.1:7420``). ``--record``
 writes each request and its answer as JSON lines (tokens left out).
 """
 
@@ -163,7 +165,11 @@ BOB = {"name": "Bob", "email": "bob@example.com"}
 def play(url: str, record: Path) -> None:
     """Two editors on one page, step by step; each request and answer is recorded."""
     namespace = f"cms-demo-{uuid.uuid4().hex[:8]}"
-    documents = Documents(Path(tempfile.mkdtemp()) / "documents")
+    with tempfile.TemporaryDirectory(prefix="keymutex-cms-") as directory:
+        _play(url, record, namespace, Documents(Path(directory) / "documents"))
+
+
+def _play(url: str, record: Path, namespace: str, documents: Documents) -> None:
     desk = EditDesk(url, documents, namespace)
     start = time.monotonic()
     doc = "page-42"

@@ -8,6 +8,9 @@ while the job runs, and a crashed worker's lease expires after its TTL.
 
     python examples/periodic_job.py [REDIS_URL]      # default: $KEYMUTEX_STORE or redis://127.0.0.1:6379/0
 
+Redis needs ``pip install 'keymutex[redis]'``; any other store URL works the same, e.g.
+``sqlite:///tmp/jobs.db`` or a lock server's ``http://127.0.0.1:7420``.
+
 Each worker records what it did as JSON lines (``--record FILE``), so the claims can be
 checked: the runs never overlap, and every run has a larger fence than the one before.
 """

@@ -45,8 +45,8 @@ from keymutex import _clock
 from keymutex._errors import Locked, LockError, LockLost, StoreError
 from keymutex._lease import AsyncLease, Holder, Lease, LeaseState, Outcome
 from keymutex._local import AsyncKeyedLock, KeyedLock
-from keymutex._store import AsyncStore, AsyncWaiter, RenewRequest, Store, Waiter
-from keymutex._urls import driver_for
+from keymutex._store import AsyncStore, AsyncWaiter, RenewRequest, Store, Waiter, max_ttl_of
+from keymutex._urls import driver_for, redacted
 from keymutex._validate import (
     check_bool,
     check_callback,
@@ -119,19 +119,27 @@ class _Request:
 class _Config:
     """The validated settings of a ``Locks`` / ``AsyncLocks`` and its argument checks."""
 
-    def __init__(self, url: object, namespace: object, ttl: object, owner: object) -> None:
+    def __init__(
+        self, url: object, namespace: object, ttl: object, owner: object, *, asynchronous: bool
+    ) -> None:
         self.driver = driver_for(url)
         assert isinstance(url, str)
         self.url = url
+        self.asynchronous = asynchronous
         self.namespace = check_text(
             namespace, "namespace", allow_empty=True, max_bytes=MAX_NAMESPACE_BYTES
         )
-        self.ttl = check_ttl(ttl)
+        self.max_ttl = max_ttl_of(self.driver)
+        self.ttl = self.check_ttl(ttl)
         self.owner = (
             None
             if owner is None
             else check_text(owner, "owner", allow_empty=False, max_bytes=MAX_OWNER_BYTES)
         )
+
+    def check_ttl(self, ttl: object) -> float:
+        """A ``ttl`` argument, within the store's range."""
+        return check_ttl(ttl, at_most=self.max_ttl)
 
     def owner_now(self) -> str:
         # The pid is read at each acquire: a forked child is a different owner.
@@ -149,17 +157,17 @@ class _Config:
     ) -> _Request:
         return _Request(
             key=check_key(key),
-            ttl=self.ttl if ttl is None else check_ttl(ttl),
+            ttl=self.ttl if ttl is None else self.check_ttl(ttl),
             timeout=check_timeout(timeout),
             renew=check_bool(renew, "renew"),
             info=check_info(info),
             steal=check_bool(steal, "steal"),
-            on_lost=check_callback(on_lost, "on_lost"),
+            on_lost=check_callback(on_lost, "on_lost", awaited=self.asynchronous),
         )
 
     def renew_args(self, key: object, token: object, ttl: object) -> RenewRequest:
         return RenewRequest(
-            check_key(key), check_token(token), self.ttl if ttl is None else check_ttl(ttl)
+            check_key(key), check_token(token), self.ttl if ttl is None else self.check_ttl(ttl)
         )
 
 
@@ -192,6 +200,17 @@ def _key_template(template: object, function: Callable[..., Any]) -> inspect.Sig
                 f" {function.__qualname__}{signature}"
             )
     return signature
+
+
+def _refuse_generator(function: Callable[..., Any], decorator: str, instead: str) -> None:
+    """A generator runs after the call that makes it returns: no lock would cover it."""
+    asynchronous = decorator.startswith("Async")
+    if (inspect.isasyncgenfunction if asynchronous else inspect.isgeneratorfunction)(function):
+        raise TypeError(
+            f"{decorator} cannot decorate generator function {function.__qualname__}: the lock"
+            f" would be held only while the generator is created, not while it runs;"
+            f" take it inside the generator ({instead})"
+        )
 
 
 def _format_key(
@@ -560,7 +579,7 @@ class Locks:
         owner: str | None = None,
         **store_options: object,
     ) -> None:
-        self._config = _Config(url, namespace, ttl, owner)
+        self._config = _Config(url, namespace, ttl, owner, asynchronous=False)
         self._store: Store = self._config.driver.open(
             self._config.url, namespace=self._config.namespace, options=store_options
         )
@@ -568,6 +587,13 @@ class Locks:
         self._renewer = _Renewer(self._store)
         self._closed = False
         _CLIENTS.add(self)
+
+    def __repr__(self) -> str:
+        closed = ", closed" if self._closed else ""
+        return (
+            f"{type(self).__name__}({redacted(self._config.url)!r},"
+            f" namespace={self._config.namespace!r}{closed})"
+        )
 
     @property
     def url(self) -> str:
@@ -679,8 +705,13 @@ class Locks:
         self._config.request("template", ttl, timeout, renew, info, steal, on_lost)
 
         def decorate(function: Callable[P, R]) -> Callable[P, R]:
-            if inspect.iscoroutinefunction(function):
+            if not callable(function):
+                raise TypeError(
+                    f"Locks.locked decorates functions; {function!r} is not a callable object"
+                )
+            if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
                 raise TypeError("Locks.locked decorates plain functions; use AsyncLocks.locked")
+            _refuse_generator(function, "Locks.locked", "with locks.lock(…)")
             signature = _key_template(key, function)
 
             @functools.wraps(function)
@@ -759,7 +790,12 @@ class Locks:
             on_lost=request.on_lost,
         )
         if request.renew:
-            self._renewer.add(lease)
+            try:
+                self._renewer.add(lease)
+            except RuntimeError:  # closed while the grant was on its way: give it back
+                with contextlib.suppress(Exception):
+                    self._store.release(request.key, token)
+                raise
         return lease
 
     def _holder_if_known(self, key: str) -> Holder | None:
@@ -774,7 +810,7 @@ class Locks:
         return LockLost(lease.key, lease._new_holder)
 
     def _renew_lease(self, lease: Lease, ttl: float | None) -> None:
-        ttl = lease._ttl if ttl is None else check_ttl(ttl)
+        ttl = lease._ttl if ttl is None else self._config.check_ttl(ttl)
         lease._check_process()
         self._check_open()
         with lease._renewing:
@@ -1045,7 +1081,7 @@ class AsyncLocks:
         owner: str | None = None,
         **store_options: object,
     ) -> None:
-        self._config = _Config(url, namespace, ttl, owner)
+        self._config = _Config(url, namespace, ttl, owner, asynchronous=True)
         self._store: AsyncStore = self._config.driver.open_async(
             self._config.url, namespace=self._config.namespace, options=store_options
         )
@@ -1054,6 +1090,13 @@ class AsyncLocks:
         self._closed = False
         _CLIENTS.add(self)
         self._background: set[asyncio.Task[Any]] = set()
+
+    def __repr__(self) -> str:
+        closed = ", closed" if self._closed else ""
+        return (
+            f"{type(self).__name__}({redacted(self._config.url)!r},"
+            f" namespace={self._config.namespace!r}{closed})"
+        )
 
     @property
     def url(self) -> str:
@@ -1175,6 +1218,7 @@ class AsyncLocks:
                     f"AsyncLocks.locked decorates async functions; {function!r} is not a"
                     " callable object"
                 )
+            _refuse_generator(function, "AsyncLocks.locked", "async with locks.lock(…)")
             if not inspect.iscoroutinefunction(function):
                 raise TypeError("AsyncLocks.locked decorates async functions; use Locks.locked")
             signature = _key_template(key, function)
@@ -1309,7 +1353,11 @@ class AsyncLocks:
             on_lost=request.on_lost,
         )
         if request.renew:
-            self._renewer.add(lease)
+            try:
+                self._renewer.add(lease)
+            except RuntimeError:  # closed while the grant was on its way: give it back
+                self._give_back(request.key, token)
+                raise
         return lease
 
     async def _holder_if_known(self, key: str) -> Holder | None:
@@ -1324,7 +1372,7 @@ class AsyncLocks:
         return LockLost(lease.key, lease._new_holder)
 
     async def _renew_lease(self, lease: AsyncLease, ttl: float | None) -> None:
-        ttl = lease._ttl if ttl is None else check_ttl(ttl)
+        ttl = lease._ttl if ttl is None else self._config.check_ttl(ttl)
         lease._check_process()
         self._check_open()
         async with lease._renewing:

@@ -62,9 +62,6 @@ class Outcome:
     remaining: float | None = None
 
 
-_LOG = logging.getLogger("keymutex")
-
-
 class LeaseState:
     """What a granted lease knows about itself.
 

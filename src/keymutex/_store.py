@@ -30,6 +30,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar
 
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
+from keymutex._validate import MAX_TTL
 
 __all__ = [
     "AsyncStore",
@@ -159,13 +160,23 @@ class AsyncStore(Protocol):
 
 
 class StoreDriver(Protocol):
-    """What a store module exports as its entry point (group ``keymutex.stores``)."""
+    """What a store module exports as its entry point (group ``keymutex.stores``).
+
+    A driver whose store accepts shorter leases than the library's ten years says so
+    in a ``max_ttl`` attribute (seconds): clients refuse a longer ``ttl`` before
+    opening or calling the store.
+    """
 
     def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> Store: ...
 
     def open_async(
         self, url: str, *, namespace: str, options: Mapping[str, object]
     ) -> AsyncStore: ...
+
+
+def max_ttl_of(driver: StoreDriver) -> float:
+    """The longest ``ttl`` the driver's store accepts (see ``StoreDriver``)."""
+    return float(getattr(driver, "max_ttl", MAX_TTL))
 
 
 @contextlib.contextmanager

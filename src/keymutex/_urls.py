@@ -10,10 +10,11 @@ import functools
 import re
 from importlib.metadata import EntryPoint, entry_points
 from typing import cast
+from urllib.parse import SplitResult, urlsplit
 
 from keymutex._store import StoreDriver
 
-__all__ = ["driver_for", "known_schemes", "scheme_of"]
+__all__ = ["driver_for", "known_schemes", "redacted", "scheme_of", "split_url"]
 
 ENTRY_POINT_GROUP = "keymutex.stores"
 # The extra that installs a scheme's client library, where it is not named as the scheme.
@@ -28,6 +29,33 @@ _EXTRAS = {
     "zookeepers": "zookeeper",
 }
 _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.\-]*):")
+_QUERY_PASSWORD = re.compile(r"(?i)([?&](?:password|passwd|pass)=)[^&#]*")
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (after ``user:`` or as ``?password=``), for messages.
+
+    Errs on the side of hiding: a password with an unescaped ``/`` or ``@`` is hidden
+    whole, whatever ``urlsplit`` would make of it.
+    """
+    url = _QUERY_PASSWORD.sub(r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    userinfo, at, after = rest[:cut].rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{after}{rest[cut:]}"
+
+
+def split_url(url: str, store: str, form: str) -> SplitResult:
+    """``urlsplit(url)``; a URL that does not split is a ``ValueError`` naming it."""
+    try:
+        return urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL", …
+        raise ValueError(f"{redacted(url)!r} is not a {store} URL ({form}): {exc}") from None
 
 
 @functools.cache
@@ -47,11 +75,13 @@ def known_schemes() -> list[str]:
 def scheme_of(url: object) -> str:
     """The URL's scheme, lower-cased; ``ValueError``/``TypeError`` if it has none."""
     if not isinstance(url, str):
-        raise TypeError(f"url must be a str such as 'sqlite:///path/locks.db', not {url!r}")
+        raise TypeError(
+            f"url must be a str such as 'sqlite:///path/locks.db', not {type(url).__name__}"
+        )
     match = _SCHEME.match(url)
     if match is None:
         raise ValueError(
-            f"url {url!r} does not parse as a store URL: expected scheme://…,"
+            f"url {redacted(url)!r} does not parse as a store URL: expected scheme://…,"
             f" with a scheme among {', '.join(known_schemes())}"
         )
     return match.group(1).lower()

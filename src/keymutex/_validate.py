@@ -6,12 +6,14 @@ message that names the argument and says what is accepted.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import sys
 from typing import Any, TypeVar
 
 __all__ = [
+    "LOCK_SERVER_MAX_TTL",
     "MAX_INFO_BYTES",
     "MAX_KEY_BYTES",
     "MAX_TTL",
@@ -33,6 +35,7 @@ MAX_KEY_BYTES = 1024
 MAX_INFO_BYTES = 4096
 MAX_TOKEN_CHARS = 256
 MAX_TTL = 10.0 * 365 * 24 * 3600  # ten years: beyond that a lease is a configuration error
+LOCK_SERVER_MAX_TTL = 86400.0  # a day: a lease held over HTTP longer than that is a mistake
 # A millisecond: the finest unit every store counts in (Redis PEXPIRE, SQL intervals),
 # and far above the clocks' resolution. Below it, ``now + ttl`` may equal ``now``: the
 # lease would be granted already expired (and some stores refuse such a grant midway).
@@ -144,6 +147,7 @@ def check_info(info: object) -> dict[str, Any] | None:
         return None
     if not isinstance(info, dict):
         raise TypeError(f"info must be a dict or None, not {type(info).__name__}")
+    _check_keys_are_text(info)
     try:
         encoded = json.dumps(info, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
@@ -159,6 +163,25 @@ def check_info(info: object) -> dict[str, Any] | None:
     except RecursionError:
         raise ValueError("info is nested too deeply to be stored as JSON") from None
     return decoded
+
+
+def _check_keys_are_text(info: dict[Any, Any]) -> None:
+    """JSON keys are strings: ``{1: "a", "1": "b"}`` would silently lose an entry."""
+    pending: list[object] = [info]
+    for _ in range(100_000):  # bounded: the JSON size limit is checked after this
+        if not pending:
+            return
+        value = pending.pop()
+        if isinstance(value, dict):
+            for name, item in value.items():
+                if not isinstance(name, str):
+                    raise TypeError(
+                        f"info keys must be str (JSON object keys are strings), not"
+                        f" {type(name).__name__} {name!r}"
+                    )
+                pending.append(item)
+        elif isinstance(value, list | tuple):
+            pending.extend(value)
 
 
 def check_token(token: object) -> str:
@@ -179,7 +202,13 @@ def check_bool(value: object, name: str) -> bool:
     return value
 
 
-def check_callback(value: T | None, name: str) -> T | None:
+def check_callback(value: T | None, name: str, *, awaited: bool = True) -> T | None:
+    """``None`` or a callable; an ``async def`` one only where it is awaited."""
     if value is not None and not callable(value):
         raise TypeError(f"{name} must be a callable or None, not {type(value).__name__}")
+    if not awaited and inspect.iscoroutinefunction(value):
+        raise TypeError(
+            f"{name} must be a plain function for Locks: an async one would never be"
+            " awaited (use AsyncLocks, or call asyncio.run_coroutine_threadsafe from it)"
+        )
     return value

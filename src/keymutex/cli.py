@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote
 
 import click
 import platformdirs
@@ -49,6 +49,8 @@ from click.core import ParameterSource
 
 from keymutex import AsyncLease, AsyncLocks, Holder, Locked, LockLost, Locks, StoreError
 from keymutex._client import MAX_NAMESPACE_BYTES
+from keymutex._store import max_ttl_of
+from keymutex._urls import driver_for, redacted
 from keymutex._validate import (
     check_info,
     check_key,
@@ -108,26 +110,13 @@ class _NotAcquired(_Failure):
     exit_code = EX_TEMPFAIL
 
 
-def _redact(url: str) -> str:
-    """The URL without its password, fit for messages."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        netloc = parts.netloc.rsplit("@", 1)[1]
-        user = parts.username or ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
-    except ValueError:
-        return url
-
-
 @contextlib.contextmanager
 def _store_errors(url: str) -> Iterator[None]:
     """Turn ``StoreError`` into exit status 69 with the store named."""
     try:
         yield
     except StoreError as exc:
-        raise _Unavailable(f"store {_redact(url)} failed: {exc}") from exc
+        raise _Unavailable(f"store {redacted(url)} failed: {exc}") from exc
 
 
 # -- argument types ------------------------------------------------------------------
@@ -261,6 +250,22 @@ def _bad_store(ctx: click.Context, exc: Exception) -> NoReturn:
     raise click.BadParameter(str(exc), ctx, param_hint=f"'--store'{where}")
 
 
+def _check_ttl_for(ctx: click.Context, url: str, ttl: float) -> None:
+    """``--ttl`` within the range of the store's ``ttl`` (the lock server's is a day)."""
+    try:
+        limit = max_ttl_of(driver_for(url))
+    except (TypeError, ValueError) as exc:
+        _bad_store(ctx, exc)
+    except ImportError:
+        return  # opening the store says which extra to install
+    if ttl > limit:
+        raise click.BadParameter(
+            f"{ttl:g} s is longer than this store's leases may be: at most {limit:g} s",
+            ctx,
+            param_hint="'--ttl'",
+        )
+
+
 def _open(ctx: click.Context, kind: type[AnyLocks], url: str, namespace: str) -> AnyLocks:
     """``Locks`` or ``AsyncLocks`` on the store; a bad URL is a usage error.
 
@@ -272,6 +277,8 @@ def _open(ctx: click.Context, kind: type[AnyLocks], url: str, namespace: str) ->
             return kind(url, namespace=namespace)
         except (TypeError, ValueError) as exc:
             _bad_store(ctx, exc)
+        except ImportError as exc:  # the store's client library is an extra
+            raise _Unavailable(str(exc)) from exc
 
 
 def _store_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -516,7 +523,7 @@ def release_command(
         lease = locks.acquire(key, ttl=RELEASE_TTL, timeout=0, steal=True, info=info)
         lease.release()
     click.echo(f"released {_shown(key)}: displaced {_describe(holder)}")
-    click.echo(f"{key} is free; its next holder gets a fence above {lease.fence}")
+    click.echo(f"{_shown(key)} is free; its next holder gets a fence above {lease.fence}")
 
 
 # -- serve ---------------------------------------------------------------------------
@@ -630,13 +637,18 @@ def serve_command(
             app = create_app(url, token_file=token_file)
         except (TypeError, ValueError) as exc:
             _bad_store(ctx, exc)
+        except ImportError as exc:
+            raise _Unavailable(str(exc)) from exc
     try:
         sock = _listen(host, port)
     except OSError as exc:
-        raise _Unavailable(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+        raise _Unavailable(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another with"
+            " --port, or --port 0 for any free one; make serve PORT=…)"
+        ) from exc
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-    click.echo(f"keymutex server on http://{shown}:{bound_port}/ (store {_redact(url)})")
+    click.echo(f"keymutex server on http://{shown}:{bound_port}/ (store {redacted(url)})")
     config = uvicorn.Config(
         app,
         log_level="info",
@@ -656,8 +668,14 @@ def serve_command(
     # that full collections (pauses of tens of ms under load) have less to walk.
     gc.collect()
     gc.freeze()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.keymutex.shutting_down()  # no request left waiting at shutdown
+            super().handle_exit(sig, frame)
+
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
     except _Stopped:
         pass
     finally:
@@ -977,6 +995,8 @@ def run_command(
     except ValueError as exc:
         raise click.BadParameter(str(exc), ctx, param_hint="'--info'") from None
     url = _store_url(store)
+    if ttl is not None:
+        _check_ttl_for(ctx, url, ttl)
     with _store_errors(url):
         status = asyncio.run(
             _Run(key, command, quiet=quiet, info=info).main(

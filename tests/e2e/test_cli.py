@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+import keymutex as keymutex_lib
+
 KEYMUTEX = [sys.executable, "-m", "keymutex"]
 WAIT = 20.0  # seconds before a helper gives up waiting for a file or a line
 
@@ -434,6 +436,18 @@ def test_show_and_release_a_free_key(store: str, env: dict[str, str]) -> None:
     assert "free is free" in released.stdout
     assert keymutex("ls", "--store", store, env=env).stdout == "no locks are held\n"
     assert keymutex("ls", "--store", store, "--json", env=env).stdout == "[]\n"
+
+
+def test_release_force_shows_an_odd_key_escaped_on_every_line(
+    store: str, env: dict[str, str]
+) -> None:
+    key = "evil\x1b[31m\nforged line"
+    with keymutex_lib.Locks(store) as locks:
+        locks.acquire(key, ttl=30)
+    released = keymutex("release", key, "--force", "--store", store, env=env).stdout
+    assert not any(line.startswith("forged") for line in released.splitlines()), released
+    assert "\x1b" not in released
+    assert released.count("evil\\x1b[31m\\nforged line") == 2, released
 
 
 # -- the default store ---------------------------------------------------------------

@@ -34,7 +34,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -111,6 +111,14 @@ def _leave(lease: Any) -> object:
     if isinstance(lease, keymutex.AsyncLease):
         return lease.__aexit__(None, None, None)
     return lease.__exit__(None, None, None)
+
+
+def _generator(name: str) -> Iterator[str]:
+    yield name
+
+
+async def _async_generator(name: str) -> AsyncIterator[str]:
+    yield name
 
 
 def _deeply_nested() -> dict[str, Any]:
@@ -236,7 +244,7 @@ BAD_INFOS: list[tuple[str, object, type[Exception], str, str | None]] = [
     ("set-value", {"s": {1}}, ValueError, NOT_JSON + "Object of type set is not JSON serializable", None),
     ("object-value", {"o": object()}, ValueError, NOT_JSON + "Object of type object is not JSON serializable", None),
     ("bytes-value", {"b": b"x"}, ValueError, NOT_JSON + "Object of type bytes is not JSON serializable", None),
-    ("tuple-key", {(1, 2): 1}, ValueError, NOT_JSON + "keys must be str, int, float, bool or None", None),
+    ("tuple-key", {(1, 2): 1}, TypeError, "info keys must be str (JSON object keys are strings), not tuple (1, 2)", None),
     ("nan-value", {"f": math.nan}, ValueError, NOT_JSON + "Out of range float values are not JSON compliant", None),
     ("inf-value", {"f": math.inf}, ValueError, NOT_JSON + "Out of range float values are not JSON compliant", None),
     ("circular", _circular(), ValueError, NOT_JSON + "Circular reference detected", None),
@@ -245,6 +253,8 @@ BAD_INFOS: list[tuple[str, object, type[Exception], str, str | None]] = [
     ("huge", {"blob": "x" * 1_000_000}, ValueError, "info is 1000011 bytes as JSON; at most 4096 are accepted", None),
     ("4097-utf8-bytes", {"b": "é" * 2044 + "a"}, ValueError, "info is 4097 bytes as JSON; at most 4096 are accepted", None),  # UTF-8, as sent over HTTP
     ("lone-surrogate", {"name": "\ud800"}, ValueError, "info must be valid Unicode text; it contains a lone surrogate", None),
+    ("int-key", {1: "one", "1": "un"}, TypeError, "info keys must be str (JSON object keys are strings), not int 1", None),  # JSON would keep one of the two
+    ("nested-none-key", {"a": [{"b": {None: 1}}]}, TypeError, "info keys must be str (JSON object keys are strings), not NoneType None", None),
     ("lone-surrogate-in-a-name", {"\udc80": 1}, ValueError, "info must be valid Unicode text; it contains a lone surrogate", None),
 ]
 CORE_INFOS = {"list", "set-value", "nan-value", "4097-bytes", "lone-surrogate"}
@@ -406,7 +416,8 @@ MISC_ROWS = [
     bad("locked-template-unbalanced-brace", lambda c, x: c.locked("order:{name")(x.function), ValueError, "key template 'order:{name' is malformed: expected '}' before end of string (write {{ and }} for literal braces)"),
     bad("locked-template-stray-closing-brace", lambda c, x: c.locked("order:}{name}")(x.function), ValueError, "key template 'order:}{name}' is malformed: Single '}' encountered in format string"),
     bad("locked-template-bad-conversion", lambda c, x: c.locked("order:{name!x}")(x.function), ValueError, "key template 'order:{name!x}' is malformed: unknown conversion !x (use !s, !r or !a)"),
-    bad("locked-not-callable", lambda c, x: c.locked("k")(42), TypeError, {"Locks": "42 is not a callable object", "AsyncLocks": "AsyncLocks.locked decorates async functions; 42 is not a callable object"}),
+    bad("locked-not-callable", lambda c, x: c.locked("k")(42), TypeError, {"Locks": "Locks.locked decorates functions; 42 is not a callable object", "AsyncLocks": "AsyncLocks.locked decorates async functions; 42 is not a callable object"}),
+    bad("locked-generator-function", lambda c, x: c.locked("k:{name}")(_generator if isinstance(c, keymutex.Locks) else _async_generator), TypeError, {"Locks": "Locks.locked cannot decorate generator function _generator: the lock would be held only while the generator is created", "AsyncLocks": "AsyncLocks.locked cannot decorate generator function _async_generator: the lock would be held only while the generator is created"}),
     bad("locked-wrong-kind-of-function", lambda c, x: c.locked("k")(x.wrong_function), TypeError, {"Locks": "Locks.locked decorates plain functions; use AsyncLocks.locked", "AsyncLocks": "AsyncLocks.locked decorates async functions; use Locks.locked"}),
     bad("locked-call-missing-argument", lambda c, x: c.locked("k:{name}")(x.function)(), TypeError, "missing a required argument: 'name'"),
     bad("locked-call-unknown-argument", lambda c, x: c.locked("k:{name}")(x.function)("a", extra=1), TypeError, "got an unexpected keyword argument 'extra'"),
@@ -774,9 +785,9 @@ HTTP = "http://127.0.0.1:7420"
 # (id, URL with {tmp} for the test's directory, options, error, message, bug)
 BAD_URLS: list[tuple[str, object, dict[str, object], type[Exception], str, str | None]] = [
     # Not a string, no scheme, an unknown scheme.
-    ("int", 42, {}, TypeError, "url must be a str such as 'sqlite:///path/locks.db', not 42", None),
+    ("int", 42, {}, TypeError, "url must be a str such as 'sqlite:///path/locks.db', not int", None),
     ("none", None, {}, TypeError, "url must be a str such as 'sqlite:///path/locks.db', not None", None),
-    ("bytes", b"memory://", {}, TypeError, "url must be a str such as 'sqlite:///path/locks.db', not b'memory://'", None),
+    ("bytes", b"memory://", {}, TypeError, "url must be a str such as 'sqlite:///path/locks.db', not bytes", None),
     ("path", Path("locks.db"), {}, TypeError, "url must be a str such as 'sqlite:///path/locks.db', not PosixPath", None),
     ("empty", "", {}, ValueError, "url '' " + PARSE, None),
     ("blank", "   ", {}, ValueError, "url '   ' " + PARSE, None),
@@ -828,7 +839,7 @@ BAD_URLS: list[tuple[str, object, dict[str, object], type[Exception], str, str |
     ("http-api-token-int", HTTP, {"api_token": 42}, TypeError, "api_token must be a str of ASCII characters", None),
     ("http-api-token-non-ascii", HTTP, {"api_token": "tökén"}, TypeError, "api_token must be a str of ASCII characters", None),
     ("http-timeout-zero", HTTP, {"timeout": 0}, ValueError, "timeout must be seconds > 0, not 0", None),
-    ("http-timeout-bool", HTTP, {"timeout": True}, ValueError, "timeout must be seconds > 0, not True", None),
+    ("http-timeout-bool", HTTP, {"timeout": True}, TypeError, "timeout must be seconds > 0 (a number), not True", None),
     ("http-timeout-inf", HTTP, {"timeout": math.inf}, ValueError, "timeout must be seconds > 0, not inf", None),
     ("http-unknown-option", HTTP, {"retries": 3}, TypeError, "unknown http store option(s) ['retries']; accepted: api_token, timeout", None),
     ("http-lone-surrogate-host", "http://h\ud800st:7420", {}, ValueError, "'http://h\\ud800st:7420' is not a usable lock server URL: Invalid IDNA hostname: 'h\\ud800st'", None),
@@ -877,6 +888,22 @@ BAD_URLS: list[tuple[str, object, dict[str, object], type[Exception], str, str |
     ("mongodb-port-not-a-number", "mongodb://127.0.0.1:abc", {}, ValueError, "'mongodb://127.0.0.1:abc' is not a usable MongoDB URL: Port contains non-digit characters", None),
     ("mongodb-unknown-query", "mongodb://127.0.0.1/?colour=blue", {}, ValueError, "'mongodb://127.0.0.1/?colour=blue' is not a usable MongoDB URL: Unknown option: colour", None),
     ("mongodb-bad-query-value", "mongodb://127.0.0.1/?serverSelectionTimeoutMS=soon", {}, ValueError, "is not a usable MongoDB URL:", None),
+    # URLs that do not split at all, for every store
+    ("redis-bad-ipv6", "redis://[::1", {}, ValueError, "'redis://[::1' is not a Redis URL (redis://host:port/db, rediss://…, unix://…, redis+cluster://…, redis+sentinel://…): Invalid IPv6 URL", None),
+    ("postgresql-bad-ipv6", "postgresql://[::1/db", {}, ValueError, "'postgresql://[::1/db' is not a PostgreSQL URL (postgresql://[user[:password]@]host[:port]/dbname): Invalid IPv6 URL", None),
+    ("memcached-bad-ipv6", "memcached://[::1", {}, ValueError, "'memcached://[::1' is not a memcached URL (memcached://host[:port][,host[:port]…]): Invalid IPv6 URL", None),
+    ("mongodb-bad-ipv6", "mongodb://[::1", {}, ValueError, "'mongodb://[::1' is not a MongoDB URL (mongodb://… or mongodb+srv://…): Invalid IPv6 URL", None),
+    ("http-bad-ipv6", "http://[::1", {}, ValueError, "'http://[::1' is not a lock server URL (http://host:port[/base] or https://…): Invalid IPv6 URL", None),
+    ("memory-bad-ipv6", "memory://[::1", {}, ValueError, "'memory://[::1' is not a memory URL (memory:// or memory://NAME): Invalid IPv6 URL", None),
+    ("sqlite-bad-ipv6", "sqlite://[::1/x", {}, ValueError, "'sqlite://[::1/x' is not a SQLite URL (sqlite:///path/to/locks.db): Invalid IPv6 URL", None),
+    # Redis client options: checked when the client is made, not at the first command
+    ("redis-socket-timeout-word", "redis://127.0.0.1:1/0", {"socket_timeout": "x"}, TypeError, "Redis store option socket_timeout must be seconds (a number), not 'x'", None),
+    ("redis-socket-timeout-negative", "redis://127.0.0.1:1/0", {"socket_timeout": -1}, ValueError, "Redis store option socket_timeout must be finite seconds > 0, not -1", None),
+    ("redis-health-check-word", "redis://127.0.0.1:1/0", {"health_check_interval": "x"}, TypeError, "Redis store option health_check_interval must be seconds (a number), not 'x'", None),
+    ("redis-max-connections-zero", "redis://127.0.0.1:1/0", {"max_connections": 0}, ValueError, "Redis store option max_connections must be an int > 0, not 0", None),
+    ("redis-password-not-text", "redis://127.0.0.1:1/0", {"password": 1234}, TypeError, "Redis store option password must be a str, not a value", None),
+    # The lock server's range of ttl, refused before anything is sent
+    ("http-ttl-above-a-day", "http://127.0.0.1:1", {"ttl": 86401}, ValueError, "ttl must be greater than 0 and at most 86400 s, not 86401", None),
 ]
 # fmt: on
 
@@ -1141,3 +1168,116 @@ def test_keyed_lock_takes_any_hashable_key(key: object) -> None:
     with kl(key, timeout=0):
         assert kl.locked(key)
     assert len(kl) == 0
+
+
+# -- found by an audit against API.md (2026-11-22) -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://u:s3cret@localhost:abc",
+        "redis+cluster://u:s3cret@localhost:abc",
+        "postgresql://u:s3cret@h:abc/db",
+        "postgresql://h/db?user=u&password=s3cret&port=abc",
+        "mongodb://u:s3cret@h:abc",
+        "memcached://u:s3cret@h:11211",
+        "http://u:s3cret@h:abc",
+        "etcd://u:s3cret@h:abc",
+        "zookeeper://u:s3cret@h:abc",
+        "redis://u:s3cret@[::1",
+        "nosuch://u:s3cret@h",
+    ],
+)
+def test_no_error_about_a_url_shows_its_password(url: str) -> None:
+    with pytest.raises((TypeError, ValueError)) as refused:
+        keymutex.Locks(url).close()
+    assert "s3cret" not in str(refused.value)
+    assert "***" in str(refused.value) or "u:" not in str(refused.value)
+
+
+def test_an_async_on_lost_is_refused_where_nothing_would_await_it(tmp_path: Path) -> None:
+    async def on_lost(lease: object) -> None:  # pragma: no cover - must never be called
+        pass
+
+    with keymutex.Locks(f"sqlite:///{tmp_path}/locks.db") as locks:
+        for call in (
+            lambda: locks.acquire(KEY, on_lost=on_lost),
+            lambda: locks.lock(KEY, on_lost=on_lost),
+            lambda: locks.locked("k", on_lost=on_lost),
+        ):
+            with pytest.raises(TypeError, match="on_lost must be a plain function for Locks"):
+                call()
+        assert locks.holder(KEY) is None
+
+    async def main() -> None:  # AsyncLocks awaits it: accepted
+        async with keymutex.AsyncLocks(f"sqlite:///{tmp_path}/locks.db") as alocks:
+            await (await alocks.acquire(KEY, on_lost=on_lost)).release()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("url", ["memory://", "sqlite:///{tmp}/locks.db"])
+def test_a_holder_s_info_is_a_copy_nobody_else_sees_changed(url: str, tmp_path: Path) -> None:
+    with keymutex.Locks(url.replace("{tmp}", str(tmp_path)), namespace=_namespace()) as locks:
+        lease = locks.acquire(KEY, info={"user": "bob"})
+        lease.info["user"] = "mallory"  # type: ignore[index]
+        seen = locks.holder(KEY)
+        assert seen is not None
+        assert seen.info == {"user": "bob"}
+        seen.info["user"] = "eve"  # type: ignore[index]
+        assert [h.info for h in locks.holders("")] == [{"user": "bob"}]
+        lease.release()
+
+
+def test_a_grant_that_lands_on_a_closed_client_is_given_back() -> None:
+    """``close()`` while an acquire is on its way: the caller gets ``RuntimeError`` and
+    no lease is left held (it would otherwise stay until its TTL, with no token)."""
+    namespace = _namespace()
+    with keymutex.Locks("memory://audit", namespace=namespace) as other:
+        locks = keymutex.Locks("memory://audit", namespace=namespace)
+        store = locks._store  # type: ignore[attr-defined]
+        granting = store.try_acquire
+
+        def try_acquire(*args: Any, **kwargs: Any) -> Any:
+            outcome = granting(*args, **kwargs)
+            locks.close()  # another thread closes the client meanwhile
+            return outcome
+
+        store.try_acquire = try_acquire
+        with pytest.raises(RuntimeError, match="closed"):
+            locks.acquire(KEY, renew=True)
+        assert other.holder(KEY) is None
+
+    async def main() -> None:
+        async with keymutex.AsyncLocks("memory://audit", namespace=namespace) as other:
+            alocks = keymutex.AsyncLocks("memory://audit", namespace=namespace)
+            astore = alocks._store  # type: ignore[attr-defined]
+            agranting = astore.try_acquire
+
+            async def atry_acquire(*args: Any, **kwargs: Any) -> Any:
+                outcome = await agranting(*args, **kwargs)
+                await alocks.aclose()
+                return outcome
+
+            astore.try_acquire = atry_acquire
+            with pytest.raises(RuntimeError, match="closed"):
+                await alocks.acquire(KEY, renew=True)
+            await asyncio.sleep(0.05)  # the give-back runs in the background
+            assert await other.holder(KEY) is None
+
+    asyncio.run(main())
+
+
+def test_a_missing_directory_for_the_sqlite_file_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir"
+    with pytest.raises(keymutex.StoreError, match=r"its directory .*no-such-dir' does not exist"):
+        keymutex.Locks(f"sqlite:///{missing}/locks.db")
+    assert not missing.exists()
+
+
+def test_a_client_shows_its_store_without_the_password() -> None:
+    locks = keymutex.Locks("redis://me:s3cret@127.0.0.1:1/0", namespace="shop")
+    assert repr(locks) == "Locks('redis://me:***@127.0.0.1:1/0', namespace='shop')"
+    locks.close()
+    assert repr(locks).endswith(", closed)")

@@ -114,6 +114,7 @@ ROWS = [
     cli("run-ttl-true", ["run", KEY, "--ttl", "true", "--store", S, "--", CHILD], "Error: Invalid value for '--ttl': 'true' is not a number of seconds"),
     cli("run-ttl-missing-value", ["run", KEY, "--store", S, "--ttl"], "Error: Option '--ttl' requires an argument.", usage=False),
     cli("run-ttl-below-clock-resolution", ["run", KEY, "--ttl", "1e-300", "--store", S, "--", CHILD], "Error: Invalid value for '--ttl': ttl must be at least 0.001 s (1 ms), not 1e-300"),
+    cli("run-ttl-above-the-lock-servers-day", ["run", KEY, "--ttl", "100000", "--store", "http://127.0.0.1:9", "--", CHILD], "Error: Invalid value for '--ttl': 100000 s is longer than this store's leases may be: at most 86400 s"),
     cli("run-ttl-below-a-millisecond", ["run", KEY, "--ttl", "0.0005", "--store", S, "--", CHILD], "Error: Invalid value for '--ttl': ttl must be at least 0.001 s (1 ms), not 0.0005"),
     cli("run-info-not-json", ["run", KEY, "--info", "job=nightly", "--store", S, "--", CHILD], "Error: Invalid value for '--info': 'job=nightly' is not a JSON object: Expecting value: line 1 column 1 (char 0)"),
     cli("run-info-not-an-object", ["run", KEY, "--info", "[1]", "--store", S, "--", CHILD], "Error: Invalid value for '--info': '[1]' is not a JSON object ({\"name\": value, ...})"),
@@ -142,6 +143,8 @@ ROWS = [
     cli("ls-extra-argument", ["ls", "a", "b", "--store", S], "Error: Got unexpected extra argument (b)"),
     cli("ls-unknown-option", ["ls", "--all", "--store", S], "Error: No such option '--all'"),
     cli("ls-store-unknown-scheme", ["ls", "--store", "nosuch://x"], UNKNOWN_SCHEME),
+    cli("ls-store-bad-ipv6", ["ls", "--store", "redis://[::1"], "Error: Invalid value for '--store': 'redis://[::1' is not a Redis URL (redis://host:port/db, rediss://…, unix://…, redis+cluster://…, redis+sentinel://…): Invalid IPv6 URL"),
+    cli("ls-store-password-hidden", ["ls", "--store", "redis://me:s3cret@localhost:abc"], "Error: Invalid value for '--store': 'redis://me:***@localhost:abc' is not a Redis URL"),
     cli("ls-store-memory-path", ["ls", "--store", "memory:///x"], "Error: Invalid value for '--store': memory URLs are memory:// or memory://NAME, not 'memory:///x'"),
     cli("ls-namespace-surrogate", ["ls", "--namespace", b"n\xff", "--store", S], "Error: Invalid value for '--namespace': namespace " + LONE),
     # show

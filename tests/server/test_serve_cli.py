@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,3 +138,66 @@ def test_the_access_log_is_off_unless_asked_for(tmp_path: Path, logged: bool) ->
         process.send_signal(signal.SIGTERM)
         assert process.wait(WAIT) == 0, log.read_text()
     assert ("GET /healthz" in log.read_text()) is logged, log.read_text()
+
+
+def test_requests_waiting_at_shutdown_are_answered_and_streams_end(tmp_path: Path) -> None:
+    """A stop answers long polls with a 503 ``shutting_down`` (JSON, not uvicorn's
+    plain-text 500 after its graceful timeout) and ends event streams."""
+    log = tmp_path / "out.log"
+    with _running("--store", f"sqlite:///{tmp_path}/locks.db", log=log) as (process, url):
+        held = httpx.post(f"{url}/v1/acquire", json={"key": "w"}).json()
+        answers: dict[str, httpx.Response] = {}
+        streamed: list[str] = []
+
+        def ask(name: str, path: str, body: dict[str, object]) -> None:
+            answers[name] = httpx.post(f"{url}{path}", json=body, timeout=WAIT)
+
+        def listen() -> None:
+            with httpx.stream("GET", f"{url}/v1/events", timeout=WAIT) as events:
+                streamed.extend(events.iter_lines())
+
+        threads = [
+            threading.Thread(
+                target=ask, args=("acquire", "/v1/acquire", {"key": "w", "timeout": 25})
+            ),
+            threading.Thread(
+                target=ask,
+                args=("wait", "/v1/wait", {"key": "w", "timeout": 25, "fence": held["fence"]}),
+            ),
+            threading.Thread(target=listen),
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + WAIT
+        while not streamed or httpx.get(f"{url}/metrics").text.count('kind="') < 2:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(WAIT)
+            assert not thread.is_alive()
+        assert process.wait(WAIT) == 0, log.read_text()
+    for name in ("acquire", "wait"):
+        assert answers[name].status_code == 503, answers[name].text
+        assert answers[name].json()["error"] == "shutting_down"
+    assert any(line.startswith("event: holders") for line in streamed)  # then it ended
+    assert "Traceback" not in log.read_text()
+    assert "ERROR" not in log.read_text()
+
+
+def test_a_store_whose_extra_is_missing_is_named_without_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "redis").mkdir()  # as if redis-py were not installed
+    (tmp_path / "redis" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'redis'\", name='redis')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for args in (
+        ["ls", "--store", "redis://127.0.0.1:1/0"],
+        ["serve", "--store", "redis://127.0.0.1:1/0"],
+    ):
+        done = subprocess.run(
+            [*KEYMUTEX, *args], capture_output=True, text=True, timeout=WAIT, env=env, cwd=tmp_path
+        )
+        assert done.returncode == 69, done.stderr
+        assert "the redis:// store needs 'redis': pip install 'keymutex[redis]'" in done.stderr
+        assert "Traceback" not in done.stderr

@@ -11,7 +11,9 @@ says when it is not).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import functools
 import inspect
 import os
 import re
@@ -308,6 +310,30 @@ def test_the_database_comes_from_the_url_else_keymutex() -> None:
             assert store._collection.name == "keymutex_locks"
         finally:
             store.close()
+
+
+@pytest.mark.parametrize(
+    ("info", "message"),
+    [
+        ({"n": 2**64}, "8-byte ints"),
+        ({"a\x00b": 1}, "NULL byte"),
+        ({"deep": functools.reduce(lambda inner, _: {"x": inner}, range(100), {})}, "deeper"),
+    ],
+)
+def test_info_that_bson_cannot_hold_is_refused_before_anything_is_sent(
+    info: dict[str, Any], message: str
+) -> None:
+    # Nothing listens on port 9: a request sent would fail with StoreError instead.
+    url = "mongodb://127.0.0.1:9/?serverSelectionTimeoutMS=100"
+    with keymutex.Locks(url) as locks, pytest.raises(ValueError, match=message):
+        locks.acquire("k", timeout=0, info=info)
+
+    async def main() -> None:
+        async with keymutex.AsyncLocks(url) as alocks:
+            with pytest.raises(ValueError, match=message):
+                await alocks.acquire("k", timeout=0, info=info)
+
+    asyncio.run(main())
 
 
 def test_sync_and_async_shells_have_the_same_steps() -> None:

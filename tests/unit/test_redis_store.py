@@ -245,6 +245,57 @@ async def test_async_waiters_are_woken_by_release(redis_url: str, namespace: str
         await granted.release()
 
 
+def _wait_for_subscribers(server: redis.Redis, channel: str, wanted: int) -> int:
+    deadline = time.monotonic() + 10
+    while True:
+        ((_, count),) = server.pubsub_numsub(channel)
+        if count == wanted or time.monotonic() > deadline:
+            return int(count)
+        time.sleep(0.02)
+
+
+def test_a_channel_nobody_waits_on_is_unsubscribed_after_lingering(
+    server: redis.Redis, redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("keymutex.stores.redis.LINGER", 0.3)
+    with (
+        keymutex.Locks(redis_url, namespace=namespace) as holder,
+        keymutex.Locks(redis_url, namespace=namespace) as waiting,
+    ):
+        channel = waiting._store._layout.channel("k")  # type: ignore[attr-defined]
+        for _ in range(2):  # and subscribed again by the next waiter
+            lease = holder.acquire("k", timeout=0)
+            got = threading.Thread(target=lambda: waiting.acquire("k", timeout=10).release())
+            got.start()
+            assert _wait_for_subscribers(server, channel, 1) == 1
+            lease.release()
+            got.join(10)
+            assert not got.is_alive()
+            # Nobody waits any more: the tending thread drops the channel.
+            assert _wait_for_subscribers(server, channel, 0) == 0
+
+
+@pytest.mark.asyncio
+async def test_async_a_channel_nobody_waits_on_is_unsubscribed_after_lingering(
+    server: redis.Redis, redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("keymutex.stores.redis.LINGER", 0.3)
+    async with (
+        keymutex.AsyncLocks(redis_url, namespace=namespace) as holder,
+        keymutex.AsyncLocks(redis_url, namespace=namespace) as waiting,
+    ):
+        channel = waiting._store._layout.channel("k")  # type: ignore[attr-defined]
+        for _ in range(2):
+            lease = await holder.acquire("k", timeout=0)
+            got = asyncio.ensure_future(waiting.acquire("k", timeout=10))
+            count = await asyncio.to_thread(_wait_for_subscribers, server, channel, 1)
+            assert count == 1
+            await lease.release()
+            await (await got).release()
+            count = await asyncio.to_thread(_wait_for_subscribers, server, channel, 0)
+            assert count == 0
+
+
 @pytest.mark.parametrize(
     ("url", "message"),
     [

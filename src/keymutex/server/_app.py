@@ -185,22 +185,33 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; cancel it if the caller goes away first (``ClientDisconnect``).
+SHUTTING_DOWN = ApiError(
+    503,
+    "shutting_down",
+    "the lock server is shutting down: nothing was acquired or changed; try again",
+)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T], stopping: asyncio.Event) -> T:
+    """Await ``work``; cancel it if the caller goes away first (``ClientDisconnect``), or
+    if the server starts shutting down (a 503 ``shutting_down``).
 
     A waiting acquire that is cancelled gives back a grant landing meanwhile
     (``AsyncLocks``), so a caller that hangs up leaves no lease behind.
     """
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request.receive))
+    stop = asyncio.ensure_future(stopping.wait())
     try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((task, gone, stop), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for future in (task, gone):
+        for future in (task, gone, stop):
             if not future.done():
                 future.cancel()
-        results = await asyncio.gather(task, gone, return_exceptions=True)
+        results = await asyncio.gather(task, gone, stop, return_exceptions=True)
     if task.cancelled() or isinstance(results[0], asyncio.CancelledError):
+        if stop.done() and not stop.cancelled():
+            raise SHUTTING_DOWN
         raise ClientDisconnect()
     return task.result()
 
@@ -212,6 +223,17 @@ async def _park(event: asyncio.Event, store_wait: Awaitable[bool] | None, second
         waits.append(asyncio.ensure_future(store_wait))
     try:
         await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in waits:
+            future.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Until one of ``events`` is set."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for future in waits:
             future.cancel()
@@ -256,6 +278,9 @@ class _Server:
         self.metrics = Metrics()
         self.changes = Changes(self.metrics.waiting.set)
         self.namespaces = Namespaces(store_url, max_namespaces)
+        # Set when shutdown starts: requests waiting are answered, event streams end.
+        self.stopping = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.namespaces.add("", default)
 
     # -- request plumbing
@@ -271,6 +296,18 @@ class _Server:
                 415,
                 "unsupported_media_type",
                 "send the body as JSON with 'Content-Type: application/json'",
+            )
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            raise ApiError(
+                415,
+                "unsupported_media_type",
+                f"send the body unencoded: Content-Encoding {encoding!r} is not accepted",
+            )
+        if request.scope["query_string"]:
+            raise invalid(
+                f"{request.method} {request.url.path} takes no query parameters: send every"
+                " field in the JSON body"
             )
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -301,7 +338,7 @@ class _Server:
         started = _clock.monotonic()
         try:
             with self.changes.waiting_on(namespace, key):
-                return await _unless_disconnected(request, work)
+                return await _unless_disconnected(request, work, self.stopping)
         finally:
             self.metrics.wait_seconds.labels(namespace, kind).observe(_clock.monotonic() - started)
 
@@ -606,10 +643,12 @@ class _Server:
             yield _sse("holders", {**snapshot, "server_time": time.time()})
             try:
                 async with asyncio.timeout(HEARTBEAT):
-                    await changed.wait()
+                    await _first(changed, self.stopping)
             except TimeoutError:
                 yield ": ping\n\n"
             else:
+                if self.stopping.is_set():
+                    return  # the page reconnects to whichever server comes up
                 await asyncio.sleep(COALESCE)
             changed = self.changes.namespaces.event(namespace)
             while True:
@@ -677,6 +716,16 @@ class _Server:
             return Response(cached[1], media_type="text/html", headers=headers)
 
         return serve
+
+    def shutting_down(self) -> None:
+        """Answer the requests that wait (503 ``shutting_down``) and end event streams.
+
+        Safe from any thread, and from a signal handler: call it when shutdown starts,
+        before the server waits for its connections to close.
+        """
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.stopping.set)
 
     def routes(self) -> list[BaseRoute]:
         post, get = ["POST"], ["GET"]
@@ -760,6 +809,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         _log_runtime()
+        server.loop = asyncio.get_running_loop()
         try:
             yield
         finally:

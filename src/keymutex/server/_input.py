@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl
 from keymutex._client import MAX_NAMESPACE_BYTES, MAX_OWNER_BYTES
 from keymutex._lease import Holder
 from keymutex._validate import (
+    LOCK_SERVER_MAX_TTL,
     check_bool,
     check_info,
     check_key,
@@ -42,7 +43,7 @@ __all__ = [
 T = TypeVar("T")
 
 MAX_BODY_BYTES = 16 * 1024
-MAX_TTL = 86400.0  # a day: a lease held over HTTP longer than that is a mistake
+MAX_TTL = LOCK_SERVER_MAX_TTL  # a day: a lease held over HTTP longer than that is a mistake
 DEFAULT_TTL = 30.0
 MAX_RENEWALS = 1000  # leases in one renew-many request
 MAX_REASON_CHARS = 500

@@ -135,6 +135,7 @@ SCHEMAS: dict[str, Any] = {
                     "payload_too_large",
                     "unsupported_media_type",
                     "store_unavailable",
+                    "shutting_down",
                     "internal_error",
                 ],
             },
@@ -244,7 +245,8 @@ _ERRORS = {
     "403": "The API token has no such permission here (forbidden).",
     "413": "The body is over 16 KiB (payload_too_large).",
     "415": "The body is not application/json (unsupported_media_type).",
-    "503": "The server's store failed (store_unavailable).",
+    "503": "The server's store failed (store_unavailable), or the server was stopped while"
+    " the request waited (shutting_down).",
 }
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
+from keymutex._urls import redacted
+
 __all__ = [
     "TLS_OPTIONS",
     "Settings",
@@ -29,16 +31,6 @@ __all__ = [
 
 TLS_OPTIONS = ("ca_file", "cert_file", "key_file")
 _CREDENTIALS = ("username", "password")
-
-
-def redacted(url: str) -> str:
-    """``url`` without its password, fit for an error message."""
-    head, at, tail = url.rpartition("@")
-    if not at:
-        return url
-    scheme, sep, userinfo = head.partition("://")
-    user = userinfo.partition(":")[0]
-    return f"{scheme}{sep}{user}:***@{tail}" if sep else f"***@{tail}"
 
 
 def seconds(store: str, name: str, value: object) -> float:

@@ -51,6 +51,8 @@ from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex._urls import redacted, split_url
+from keymutex._validate import LOCK_SERVER_MAX_TTL
 from keymutex._version import __version__
 
 __all__ = ["AsyncHttpStore", "HttpStore", "driver"]
@@ -615,27 +617,29 @@ class AsyncHttpStore:
 
 def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, float]:
     """(base URL, API token, timeout) from the URL and the store options."""
-    parts = urlsplit(url)
+    parts = split_url(url, "lock server", "http://host:port[/base] or https://…")
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"lock server URLs are http://host:port[/base] or https://…, not {url!r}")
+        raise ValueError(
+            f"lock server URLs are http://host:port[/base] or https://…, not {redacted(url)!r}"
+        )
     try:
         parts.port  # noqa: B018 - raises ValueError for a port that does not parse
     except ValueError as exc:
-        raise ValueError(f"{exc} (lock server URL {url!r})") from None
+        raise ValueError(f"{exc} (lock server URL {redacted(url)!r})") from None
     if parts.username is not None or parts.password is not None:
         raise ValueError(
             f"lock server URL {parts.hostname!r} must not carry credentials: pass"
             f" api_token=… or set ${TOKEN_ENVVAR}"
         )
     if parts.query or parts.fragment:
-        raise ValueError(f"lock server URL must have no query or fragment, not {url!r}")
+        raise ValueError(f"lock server URL must have no query or fragment, not {redacted(url)!r}")
     base = urlunsplit((parts.scheme.lower(), parts.netloc, parts.path.rstrip("/"), "", ""))
     try:
         httpx.URL(base)  # what the client will do with it: IDNA for the host, …
     except httpx.InvalidURL as exc:
         # httpx quotes the host as it is: a lone surrogate would reach the message.
         reason = str(exc).encode("utf-8", "backslashreplace").decode("utf-8")
-        raise ValueError(f"{url!r} is not a usable lock server URL: {reason}") from None
+        raise ValueError(f"{redacted(url)!r} is not a usable lock server URL: {reason}") from None
     merged = dict(options)
     api_token = merged.pop("api_token", None)
     if api_token is None:
@@ -643,11 +647,9 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, 
     if api_token is not None and (not isinstance(api_token, str) or not api_token.isascii()):
         raise TypeError("api_token must be a str of ASCII characters")
     timeout = merged.pop("timeout", DEFAULT_TIMEOUT)
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not 0 < timeout < float("inf")
-    ):
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout must be seconds > 0 (a number), not {timeout!r}")
+    if not 0 < timeout < float("inf"):
         raise ValueError(f"timeout must be seconds > 0, not {timeout!r}")
     if merged:
         raise TypeError(
@@ -657,6 +659,8 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, 
 
 
 class HttpDriver:
+    max_ttl = LOCK_SERVER_MAX_TTL  # the lock server's range
+
     def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> HttpStore:
         base, api_token, timeout = _options(url, options)
         return HttpStore(base, namespace, api_token=api_token, timeout=timeout)

@@ -178,7 +178,6 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import urlsplit
 
 from pymemcache.client.rendezvous import RendezvousHash  # type: ignore[import-untyped]
 
@@ -191,6 +190,7 @@ from keymutex._store import (
     ThreadedAsyncStore,
     translate_errors,
 )
+from keymutex._urls import redacted, split_url
 
 __all__ = ["MemcachedStore", "Place", "QueuedWaiter", "Record", "Tombstone", "decode", "driver"]
 
@@ -1424,9 +1424,11 @@ def _server(part: str, url: str) -> str:
     if not colon or host.endswith(":") or (part.startswith("[") and part.endswith("]")):
         host, port = part, str(DEFAULT_PORT)  # no port: an IPv4 name or a bracketed IPv6
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{url!r}: expected memcached://host[:port][,host[:port]…], got {part!r}")
+        raise ValueError(
+            f"{redacted(url)!r}: expected memcached://host[:port][,host[:port]…], got {part!r}"
+        )
     if not host.startswith("[") and ":" in host:
-        raise ValueError(f"{url!r}: write an IPv6 address in brackets, e.g. [::1]:11211")
+        raise ValueError(f"{redacted(url)!r}: write an IPv6 address in brackets, e.g. [::1]:11211")
     return f"{host}:{int(port)}"
 
 
@@ -1437,28 +1439,28 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
         raise TypeError(
             f"unknown memcached store options {sorted(unknown)}; accepted: {sorted(OPTIONS)}"
         )
-    parts = urlsplit(url)
+    parts = split_url(url, "memcached", "memcached://host[:port][,host[:port]…]")
     if parts.scheme.lower() != "memcached":
-        raise ValueError(f"{url!r} is not a memcached:// URL")
+        raise ValueError(f"{redacted(url)!r} is not a memcached:// URL")
     if parts.query or parts.fragment:
         raise ValueError(
-            f"{url!r}: memcached URLs take no query; pass options as keyword arguments,"
+            f"{redacted(url)!r}: memcached URLs take no query; pass options as keyword arguments,"
             " e.g. Locks(url, socket_timeout=2.0)"
         )
     if "@" in parts.netloc:
         raise ValueError(
-            f"{url!r}: memcached's text protocol has no authentication; remove the user name"
+            f"{redacted(url)!r}: memcached's text protocol has no authentication; remove the user name"
         )
     if parts.netloc:
         if parts.path not in ("", "/"):
-            raise ValueError(f"{url!r}: memcached has no databases; remove the path")
+            raise ValueError(f"{redacted(url)!r}: memcached has no databases; remove the path")
         servers = tuple(_server(part, url) for part in parts.netloc.split(","))
     elif parts.path not in ("", "/"):
         servers = (parts.path,)  # memcached:///run/memcached.sock: a Unix socket
     else:
-        raise ValueError(f"{url!r} names no server: use memcached://host:port")
+        raise ValueError(f"{redacted(url)!r} names no server: use memcached://host:port")
     if len(set(servers)) != len(servers):
-        raise ValueError(f"{url!r} names a server twice")
+        raise ValueError(f"{redacted(url)!r} names a server twice")
     pool = options.get("max_connections")
     if pool is not None and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
         raise ValueError(f"max_connections must be an int >= 1 or None, not {pool!r}")

@@ -9,6 +9,7 @@ fences start again at 1 in a new process.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -16,7 +17,6 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from keymutex import _clock
 from keymutex._lease import Holder, Outcome
@@ -26,6 +26,7 @@ from keymutex._store import (
     RenewRequest,
     ThreadedAsyncStore,
 )
+from keymutex._urls import redacted, split_url
 from keymutex.stores._doorbell import Doorbell
 
 __all__ = ["MemoryStore", "driver"]
@@ -39,7 +40,7 @@ CAPABILITIES = Capabilities(
 class _Lease:
     token: str
     owner: str
-    info: dict[str, Any] | None
+    info: str | None  # as JSON: each Holder gets a dict of its own, as from other stores
     fence: int
     acquired_at: float
     expires: float  # on _clock.monotonic
@@ -135,7 +136,7 @@ def _holder(key: str, lease: _Lease, now: float) -> Holder:
     return Holder(
         key=key,
         owner=lease.owner,
-        info=lease.info,
+        info=None if lease.info is None else json.loads(lease.info),
         fence=lease.fence,
         acquired_at=lease.acquired_at,
         expires_at=time.time() + (lease.expires - now),
@@ -169,6 +170,7 @@ class MemoryStore:
     ) -> Outcome:
         table, full_key = self._table, (self._namespace, key)
         assert waiter is None or isinstance(waiter, _MemoryWaiter)
+        info_json = None if info is None else json.dumps(info, separators=(",", ":"))
         with table.mutex:
             now = _clock.monotonic()
             current = table.live(full_key, now)
@@ -180,7 +182,7 @@ class MemoryStore:
             if waiter is not None:
                 table.dequeue(waiter)
             table.fence += 1
-            lease = _Lease(token, owner, info, table.fence, time.time(), now + ttl)
+            lease = _Lease(token, owner, info_json, table.fence, time.time(), now + ttl)
             table.leases[full_key] = lease
             table.sweep(now)
             return self._outcome(True, key, lease, now)
@@ -239,9 +241,9 @@ class MemoryStore:
 
 
 def _table_name(url: str) -> str:
-    parts = urlsplit(url)
+    parts = split_url(url, "memory", "memory:// or memory://NAME")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"memory URLs are memory:// or memory://NAME, not {url!r}")
+        raise ValueError(f"memory URLs are memory:// or memory://NAME, not {redacted(url)!r}")
     return parts.netloc
 
 

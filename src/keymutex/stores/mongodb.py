@@ -68,8 +68,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
+import bson
+import bson.errors
 import pymongo
 import pymongo.asynchronous.collection
 import pymongo.collection
@@ -80,6 +82,7 @@ from pymongo.uri_parser import split_options
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex._urls import redacted, split_url
 from keymutex.stores._doorbell import Doorbell
 
 __all__ = ["AsyncMongoStore", "MongoStore", "driver"]
@@ -123,14 +126,45 @@ def acquire_filter(doc_id: str) -> dict[str, Any]:
     return {"_id": doc_id}
 
 
+# MongoDB refuses documents nested deeper than 100 levels; a lease document and the
+# update pipeline around its info take a few of them.
+MAX_INFO_DEPTH = 90
+
+
+def check_bson_info(info: dict[str, Any]) -> None:
+    """``ValueError`` unless BSON can hold ``info`` (JSON allows what BSON does not:
+    integers beyond 64 bits, NUL in a key, deeper nesting than MongoDB accepts)."""
+    depth = 0
+    level: list[Any] = [info]
+    while level:
+        depth += 1
+        if depth > MAX_INFO_DEPTH:
+            raise ValueError(
+                f"info is nested deeper than MongoDB accepts ({MAX_INFO_DEPTH} levels)"
+            )
+        level = [
+            child
+            for value in level
+            for child in (value.values() if isinstance(value, dict) else value)
+            if isinstance(child, dict | list)
+        ]
+    try:
+        bson.encode({"i": info})
+    except (OverflowError, bson.errors.InvalidDocument) as exc:
+        raise ValueError(f"info cannot be stored in MongoDB: {exc}") from None
+
+
 def acquire_pipeline(
     key: str, token: str, ttl: float, owner: str, info: dict[str, Any] | None, steal: bool
 ) -> list[dict[str, Any]]:
     """Grant if no live lease (or ``steal``), else leave every field as it is.
 
     User values are wrapped in ``$literal``: an owner or an info value that starts
-    with ``$`` is data, never a field path or an operator.
+    with ``$`` is data, never a field path or an operator. ``info`` that BSON cannot
+    hold is a ``ValueError`` here, before anything is sent.
     """
+    if info is not None:
+        check_bson_info(info)
     grant: Any = True if steal else {"$not": [_LIVE]}
     fence = {
         "$max": [
@@ -308,15 +342,15 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
             f"unknown MongoDB store options {sorted(unknown)}; accepted: {sorted(OPTIONS)}"
             " (client options such as replicaSet or tls go in the URL's query)"
         )
-    parts = urlsplit(url)
+    parts = split_url(url, "MongoDB", "mongodb://… or mongodb+srv://…")
     if parts.scheme.lower() not in ("mongodb", "mongodb+srv"):
-        raise ValueError(f"{url!r} is not a mongodb:// or mongodb+srv:// URL")
+        raise ValueError(f"{redacted(url)!r} is not a mongodb:// or mongodb+srv:// URL")
     if parts.query:
         try:
             # pymongo only warns about an unknown option, and then ignores it.
             split_options(parts.query, validate=True, warn=False)
         except (ConfigurationError, ValueError) as exc:
-            raise ValueError(f"{url!r} is not a usable MongoDB URL: {exc}") from None
+            raise ValueError(f"{redacted(url)!r} is not a usable MongoDB URL: {exc}") from None
     given = {name.lower() for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
     client_options: dict[str, Any] = {
         name: value for name, value in DEFAULT_TIMEOUTS_MS.items() if name.lower() not in given
@@ -468,9 +502,9 @@ class MongoStore:
         steal: bool,
         waiter: Any,
     ) -> Outcome:
+        pipeline = acquire_pipeline(key, token, ttl, owner, info, steal)  # checks info first
         self._prepare()
         doc_id = document_id(self._namespace, key)
-        pipeline = acquire_pipeline(key, token, ttl, owner, info, steal)
         with translate_errors(PyMongoError, what=f"MongoDB acquire of {key!r}"):
             for attempt in range(2):
                 try:
@@ -687,9 +721,9 @@ class AsyncMongoStore:
         steal: bool,
         waiter: Any,
     ) -> Outcome:
+        pipeline = acquire_pipeline(key, token, ttl, owner, info, steal)  # checks info first
         await self._prepare()
         doc_id = document_id(self._namespace, key)
-        pipeline = acquire_pipeline(key, token, ttl, owner, info, steal)
         with translate_errors(PyMongoError, what=f"MongoDB acquire of {key!r}"):
             for attempt in range(2):
                 try:
@@ -773,7 +807,7 @@ class MongoDriver:
         try:
             client: MongoClient[Any] = MongoClient(target.url, **target.client_options)
         except (ConfigurationError, ValueError) as exc:  # InvalidURI, bad ports among them
-            raise ValueError(f"{url!r} is not a usable MongoDB URL: {exc}") from None
+            raise ValueError(f"{redacted(url)!r} is not a usable MongoDB URL: {exc}") from None
         try:
             return MongoStore(client, target, namespace)
         except BaseException:
@@ -787,7 +821,7 @@ class MongoDriver:
         try:
             client: AsyncMongoClient[Any] = AsyncMongoClient(target.url, **target.client_options)
         except (ConfigurationError, ValueError) as exc:
-            raise ValueError(f"{url!r} is not a usable MongoDB URL: {exc}") from None
+            raise ValueError(f"{redacted(url)!r} is not a usable MongoDB URL: {exc}") from None
         return AsyncMongoStore(client, target, namespace)
 
 

@@ -90,7 +90,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlunsplit
 
 import psycopg
 import psycopg.conninfo
@@ -100,6 +100,7 @@ from psycopg import pq
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex._urls import redacted, split_url
 from keymutex.stores._doorbell import Doorbell
 
 __all__ = ["AsyncPostgresStore", "PostgresStore", "driver"]
@@ -1984,12 +1985,14 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
             f"unknown PostgreSQL store option(s) {sorted(unknown)}; accepted: {', '.join(OPTIONS)}"
             " (connection settings such as sslmode go in the URL)"
         )
-    parts = urlsplit(url)
+    parts = split_url(url, "PostgreSQL", "postgresql://[user[:password]@]host[:port]/dbname")
     query = parse_qsl(parts.query, keep_blank_values=True)
     ours = {name: value for name, value in query if name in OPTIONS}
     twice = set(ours) & set(options)
     if twice:
-        raise ValueError(f"{url!r}: {sorted(twice)} given both in the URL and as arguments")
+        raise ValueError(
+            f"{redacted(url)!r}: {sorted(twice)} given both in the URL and as arguments"
+        )
     merged: dict[str, object] = {**ours, **options}
     conninfo = urlunsplit(
         parts._replace(query=urlencode([(n, v) for n, v in query if n not in OPTIONS]))
@@ -1997,12 +2000,12 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
     try:
         params = psycopg.conninfo.conninfo_to_dict(conninfo)
     except psycopg.Error as exc:
-        raise ValueError(f"{url!r} is not a PostgreSQL URL: {exc}") from None
+        raise ValueError(f"{redacted(url)!r} is not a PostgreSQL URL: {exc}") from None
     # libpq would only find out when connecting; one port per host, empty: the default.
     for port in str(params.get("port", "")).split(","):
         if port and not (port.isdigit() and 1 <= int(port) <= 65535):
             raise ValueError(
-                f"{url!r} is not a PostgreSQL URL: port must be a number from 1 to 65535,"
+                f"{redacted(url)!r} is not a PostgreSQL URL: port must be a number from 1 to 65535,"
                 f" not {port!r}"
             )
 

@@ -47,13 +47,14 @@ import logging
 import math
 import os
 import secrets
+import ssl
 import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote
 
 import redis
 import redis.asyncio
@@ -69,6 +70,7 @@ from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex._urls import redacted, split_url
 
 __all__ = ["AsyncRedisStore", "RedisStore", "driver"]
 
@@ -1664,9 +1666,9 @@ def _nodes(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
     for part in hosts.split(","):
         host, _, port = part.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"{url!r}: expected host:port[,host:port…], got {part!r}")
+            raise ValueError(f"{redacted(url)!r}: expected host:port[,host:port…], got {part!r}")
         if not 0 < int(port) <= 65535:
-            raise ValueError(f"{url!r}: port {port} of {part!r} is out of range 1-65535")
+            raise ValueError(f"{redacted(url)!r}: port {port} of {part!r} is out of range 1-65535")
         nodes.append((host.strip("[]"), int(port)))
     return tuple(nodes)
 
@@ -1681,21 +1683,23 @@ def _check_single(url: str, parts: SplitResult) -> None:
     try:
         redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:
-        raise ValueError(f"{url!r} is not a Redis URL: {exc}") from None
+        raise ValueError(f"{redacted(url)!r} is not a Redis URL: {exc}") from None
     names = [name for name, _ in parse_qsl(parts.query, keep_blank_values=True)]
     unknown = sorted(set(names) - URL_OPTIONS)
     if unknown:
         raise ValueError(
-            f"{url!r} is not a Redis URL: unknown query option(s) {unknown}; accepted:"
+            f"{redacted(url)!r} is not a Redis URL: unknown query option(s) {unknown}; accepted:"
             f" {sorted(URL_OPTIONS)}"
         )
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
-        raise ValueError(f"{url!r} is not a Redis URL: query option(s) {repeated} given twice")
+        raise ValueError(
+            f"{redacted(url)!r} is not a Redis URL: query option(s) {repeated} given twice"
+        )
     database = unquote(parts.path).strip("/")
     if parts.scheme.lower() != "unix" and database and not database.isdigit():
         raise ValueError(
-            f"{url!r} is not a Redis URL: the database must be a number (/0, /1, …),"
+            f"{redacted(url)!r} is not a Redis URL: the database must be a number (/0, /1, …),"
             f" not {database!r}"
         )
 
@@ -1713,43 +1717,93 @@ def _credentials(netloc: str) -> dict[str, Any]:
     return found
 
 
+def _seconds_option(name: str, value: object, *, zero: str | None = None) -> None:
+    """Seconds > 0 (or >= 0, when ``zero`` says what 0 means)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"Redis store option {name} must be seconds (a number), not {value!r}")
+    low_ok = value >= 0 if zero else value > 0
+    if not low_ok or not math.isfinite(value):
+        low = f">= 0 (0: {zero})" if zero else "> 0"
+        raise ValueError(f"Redis store option {name} must be finite seconds {low}, not {value!r}")
+
+
+def _typed_option(name: str, value: object, kind: type, shown: str) -> None:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        what = "a value" if name == "password" else repr(value)
+        raise TypeError(f"Redis store option {name} must be {shown}, not {what}")
+
+
+_CERT_REQS = ("none", "optional", "required")
+
+
+def _check_options(options: Mapping[str, object]) -> None:
+    """The keyword options' values, checked before any connection is made (redis-py
+    would only find out at the first command, with a message that names no option)."""
+    for name, value in options.items():
+        if value is None:
+            continue  # redis-py's default
+        if name in ("socket_timeout", "socket_connect_timeout"):
+            _seconds_option(name, value)
+        elif name == "health_check_interval":
+            _seconds_option(name, value, zero="never")
+        elif name == "max_connections":
+            _typed_option(name, value, int, "an int > 0")
+            if value <= 0:  # type: ignore[operator]
+                raise ValueError(f"Redis store option {name} must be an int > 0, not {value!r}")
+        elif name in ("socket_keepalive", "ssl_check_hostname"):
+            _typed_option(name, value, bool, "True or False")
+        elif name == "ssl_cert_reqs":
+            if value not in _CERT_REQS and not isinstance(value, ssl.VerifyMode):
+                raise ValueError(
+                    f"Redis store option ssl_cert_reqs must be one of {list(_CERT_REQS)} or"
+                    f" an ssl.VerifyMode, not {value!r}"
+                )
+        else:  # user names, passwords, client name, certificate files
+            _typed_option(name, value, str, "a str")
+
+
 def _parse(url: str, options: Mapping[str, object]) -> _Target:
     unknown = set(options) - CLIENT_OPTIONS
     if unknown:
         raise TypeError(
             f"unknown Redis store options {sorted(unknown)}; accepted: {sorted(CLIENT_OPTIONS)}"
         )
+    _check_options(options)
     client_options: dict[str, Any] = {
         "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
         "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
         **options,
         "decode_responses": True,
     }
-    parts = urlsplit(url)
+    parts = split_url(
+        url,
+        "Redis",
+        "redis://host:port/db, rediss://…, unix://…, redis+cluster://…, redis+sentinel://…",
+    )
     scheme = parts.scheme.lower()
     if scheme in ("redis", "rediss", "unix"):
         _check_single(url, parts)
         return _Target("single", url, (), "", 0, client_options)
     if parts.query:
         raise ValueError(
-            f"{url!r}: query parameters are not accepted for {scheme}; pass options"
+            f"{redacted(url)!r}: query parameters are not accepted for {scheme}; pass options"
             " as keyword arguments, e.g. Locks(url, password=…)"
         )
     nodes = _nodes(parts.netloc, url)
     client_options = {**_credentials(parts.netloc), **client_options}
     if scheme == "redis+cluster":
         if parts.path not in ("", "/", "/0"):
-            raise ValueError(f"{url!r}: a Redis cluster has only database 0")
+            raise ValueError(f"{redacted(url)!r}: a Redis cluster has only database 0")
         return _Target("cluster", url, nodes, "", 0, client_options)
     if scheme == "redis+sentinel":
         segments = [s for s in parts.path.split("/") if s]
         if not segments or len(segments) > 2 or (len(segments) == 2 and not segments[1].isdigit()):
             raise ValueError(
-                f"{url!r}: expected redis+sentinel://host:port[,host:port…]/SERVICE[/DB]"
+                f"{redacted(url)!r}: expected redis+sentinel://host:port[,host:port…]/SERVICE[/DB]"
             )
         db = int(segments[1]) if len(segments) == 2 else 0
         return _Target("sentinel", url, nodes, unquote(segments[0]), db, client_options)
-    raise ValueError(f"{url!r} is not a Redis URL")
+    raise ValueError(f"{redacted(url)!r} is not a Redis URL")
 
 
 class RedisDriver:

@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
 from keymutex import _clock
 from keymutex._errors import StoreError
@@ -52,6 +52,7 @@ from keymutex._store import (
     ThreadedAsyncStore,
     translate_errors,
 )
+from keymutex._urls import redacted, split_url
 from keymutex._validate import shown_number
 
 __all__ = ["SqliteStore", "driver"]
@@ -371,6 +372,12 @@ class SqliteStore:
     # -- connection and transactions -----------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
+        directory = os.path.dirname(os.path.abspath(self._path))
+        if not os.path.isdir(directory):  # SQLite would only say "unable to open database file"
+            raise StoreError(
+                f"cannot open SQLite database {self._path!r}: its directory {directory!r} does"
+                " not exist (keymutex creates the file, not its directory)"
+            )
         with translate_errors(sqlite3.Error, what=f"cannot open SQLite database {self._path!r}"):
             conn = sqlite3.connect(
                 self._path, isolation_level=None, check_same_thread=False, timeout=0
@@ -493,6 +500,10 @@ class SqliteStore:
         """Tell the waiter it was handed the key; if it is gone, take the lease back."""
         while handoff is not None and self._sender is not None:
             if _ring(self._sender, handoff.address, handoff.message):
+                # Let the waiter we just woke run now, if it was queued on this CPU:
+                # otherwise it often waits for the releaser's next step (4 processes on
+                # one key, 2 cores: handoff p50 0.20 -> 0.16 ms).
+                os.sched_yield()
                 return
             handoff = self._write_locked(functools.partial(self._take_back, handoff))
 
@@ -717,15 +728,15 @@ def _path(url: str, encoded: str) -> str:
         path = unquote(encoded, errors="strict")
     except UnicodeDecodeError:
         raise ValueError(
-            f"SQLite URL {url!r}: the path's percent-escapes (such as %FF) must encode UTF-8"
+            f"SQLite URL {redacted(url)!r}: the path's percent-escapes (such as %FF) must encode UTF-8"
         ) from None
     if "\x00" in path:
-        raise ValueError(f"SQLite URL {url!r}: the path must not contain NUL characters")
+        raise ValueError(f"SQLite URL {redacted(url)!r}: the path must not contain NUL characters")
     try:
         os.fsencode(path)
     except UnicodeEncodeError:
         raise ValueError(
-            f"SQLite URL {url!r}: the path cannot be encoded for the file system"
+            f"SQLite URL {redacted(url)!r}: the path cannot be encoded for the file system"
             " (it contains a lone surrogate)"
         ) from None
     return path
@@ -744,19 +755,23 @@ def _busy_timeout(value: object) -> float:
 
 
 def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
-    parts = urlsplit(url)
+    parts = split_url(url, "SQLite", "sqlite:///path/to/locks.db")
     if parts.netloc:
         raise ValueError(
             f"SQLite URLs have no host: use sqlite:///absolute/path.db or"
-            f" sqlite:relative/path.db, not {url!r}"
+            f" sqlite:relative/path.db, not {redacted(url)!r}"
         )
     path = _path(url, parts.path)
     if not path or path == "/":
-        raise ValueError(f"SQLite URL {url!r} names no file: use sqlite:///path/to/locks.db")
+        raise ValueError(
+            f"SQLite URL {redacted(url)!r} names no file: use sqlite:///path/to/locks.db"
+        )
     merged: dict[str, object] = {}
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name in merged:
-            raise ValueError(f"SQLite URL {url!r} gives the option {name!r} more than once")
+            raise ValueError(
+                f"SQLite URL {redacted(url)!r} gives the option {name!r} more than once"
+            )
         merged[name] = value
     merged.update(options)
     synchronous = merged.pop("synchronous", "normal")
