@@ -137,6 +137,11 @@ class _Config:
             else check_text(owner, "owner", allow_empty=False, max_bytes=MAX_OWNER_BYTES)
         )
 
+    def shown(self, kind: str, *, closed: bool) -> str:
+        """The client's ``repr``: its store (password hidden) and namespace."""
+        state = ", closed" if closed else ""
+        return f"{kind}({redacted(self.url)!r}, namespace={self.namespace!r}{state})"
+
     def check_ttl(self, ttl: object) -> float:
         """A ``ttl`` argument, within the store's range."""
         return check_ttl(ttl, at_most=self.max_ttl)
@@ -202,14 +207,14 @@ def _key_template(template: object, function: Callable[..., Any]) -> inspect.Sig
     return signature
 
 
-def _refuse_generator(function: Callable[..., Any], decorator: str, instead: str) -> None:
+def _refuse_generator(function: Callable[..., Any], *, asynchronous: bool) -> None:
     """A generator runs after the call that makes it returns: no lock would cover it."""
-    asynchronous = decorator.startswith("Async")
     if (inspect.isasyncgenfunction if asynchronous else inspect.isgeneratorfunction)(function):
+        decorator, block = ("AsyncLocks", "async with") if asynchronous else ("Locks", "with")
         raise TypeError(
-            f"{decorator} cannot decorate generator function {function.__qualname__}: the lock"
-            f" would be held only while the generator is created, not while it runs;"
-            f" take it inside the generator ({instead})"
+            f"{decorator}.locked cannot decorate generator function {function.__qualname__}:"
+            " the lock would be held only while the generator is created, not while it"
+            f" runs; take it inside the generator ({block} locks.lock(…))"
         )
 
 
@@ -589,11 +594,7 @@ class Locks:
         _CLIENTS.add(self)
 
     def __repr__(self) -> str:
-        closed = ", closed" if self._closed else ""
-        return (
-            f"{type(self).__name__}({redacted(self._config.url)!r},"
-            f" namespace={self._config.namespace!r}{closed})"
-        )
+        return self._config.shown(type(self).__name__, closed=self._closed)
 
     @property
     def url(self) -> str:
@@ -711,7 +712,7 @@ class Locks:
                 )
             if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
                 raise TypeError("Locks.locked decorates plain functions; use AsyncLocks.locked")
-            _refuse_generator(function, "Locks.locked", "with locks.lock(…)")
+            _refuse_generator(function, asynchronous=False)
             signature = _key_template(key, function)
 
             @functools.wraps(function)
@@ -1092,11 +1093,7 @@ class AsyncLocks:
         self._background: set[asyncio.Task[Any]] = set()
 
     def __repr__(self) -> str:
-        closed = ", closed" if self._closed else ""
-        return (
-            f"{type(self).__name__}({redacted(self._config.url)!r},"
-            f" namespace={self._config.namespace!r}{closed})"
-        )
+        return self._config.shown(type(self).__name__, closed=self._closed)
 
     @property
     def url(self) -> str:
@@ -1218,7 +1215,7 @@ class AsyncLocks:
                     f"AsyncLocks.locked decorates async functions; {function!r} is not a"
                     " callable object"
                 )
-            _refuse_generator(function, "AsyncLocks.locked", "async with locks.lock(…)")
+            _refuse_generator(function, asynchronous=True)
             if not inspect.iscoroutinefunction(function):
                 raise TypeError("AsyncLocks.locked decorates async functions; use Locks.locked")
             signature = _key_template(key, function)

@@ -258,12 +258,10 @@ def _check_ttl_for(ctx: click.Context, url: str, ttl: float) -> None:
         _bad_store(ctx, exc)
     except ImportError:
         return  # opening the store says which extra to install
-    if ttl > limit:
-        raise click.BadParameter(
-            f"{ttl:g} s is longer than this store's leases may be: at most {limit:g} s",
-            ctx,
-            param_hint="'--ttl'",
-        )
+    try:
+        check_ttl(ttl, at_most=limit)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param_hint="'--ttl'") from None
 
 
 def _open(ctx: click.Context, kind: type[AnyLocks], url: str, namespace: str) -> AnyLocks:

@@ -897,9 +897,10 @@ BAD_URLS: list[tuple[str, object, dict[str, object], type[Exception], str, str |
     ("memory-bad-ipv6", "memory://[::1", {}, ValueError, "'memory://[::1' is not a memory URL (memory:// or memory://NAME): Invalid IPv6 URL", None),
     ("sqlite-bad-ipv6", "sqlite://[::1/x", {}, ValueError, "'sqlite://[::1/x' is not a SQLite URL (sqlite:///path/to/locks.db): Invalid IPv6 URL", None),
     # Redis client options: checked when the client is made, not at the first command
-    ("redis-socket-timeout-word", "redis://127.0.0.1:1/0", {"socket_timeout": "x"}, TypeError, "Redis store option socket_timeout must be seconds (a number), not 'x'", None),
-    ("redis-socket-timeout-negative", "redis://127.0.0.1:1/0", {"socket_timeout": -1}, ValueError, "Redis store option socket_timeout must be finite seconds > 0, not -1", None),
-    ("redis-health-check-word", "redis://127.0.0.1:1/0", {"health_check_interval": "x"}, TypeError, "Redis store option health_check_interval must be seconds (a number), not 'x'", None),
+    ("redis-socket-timeout-word", "redis://127.0.0.1:1/0", {"socket_timeout": "x"}, TypeError, "Redis option socket_timeout must be seconds (a number), not 'x'", None),
+    ("redis-socket-timeout-negative", "redis://127.0.0.1:1/0", {"socket_timeout": -1}, ValueError, "Redis option socket_timeout must be positive finite seconds, not -1", None),
+    ("redis-health-check-list", "redis://127.0.0.1:1/0", {"health_check_interval": [1]}, TypeError, "Redis option health_check_interval must be seconds (a number), not [1]", None),
+    ("redis-health-check-negative", "redis://127.0.0.1:1/0", {"health_check_interval": -1}, ValueError, "Redis option health_check_interval must be finite seconds >= 0 (0: never), not -1", None),
     ("redis-max-connections-zero", "redis://127.0.0.1:1/0", {"max_connections": 0}, ValueError, "Redis store option max_connections must be an int > 0, not 0", None),
     ("redis-password-not-text", "redis://127.0.0.1:1/0", {"password": 1234}, TypeError, "Redis store option password must be a str, not a value", None),
     # The lock server's range of ttl, refused before anything is sent

@@ -114,7 +114,7 @@ ROWS = [
     cli("run-ttl-true", ["run", KEY, "--ttl", "true", "--store", S, "--", CHILD], "Error: Invalid value for '--ttl': 'true' is not a number of seconds"),
     cli("run-ttl-missing-value", ["run", KEY, "--store", S, "--ttl"], "Error: Option '--ttl' requires an argument.", usage=False),
     cli("run-ttl-below-clock-resolution", ["run", KEY, "--ttl", "1e-300", "--store", S, "--", CHILD], "Error: Invalid value for '--ttl': ttl must be at least 0.001 s (1 ms), not 1e-300"),
-    cli("run-ttl-above-the-lock-servers-day", ["run", KEY, "--ttl", "100000", "--store", "http://127.0.0.1:9", "--", CHILD], "Error: Invalid value for '--ttl': 100000 s is longer than this store's leases may be: at most 86400 s"),
+    cli("run-ttl-above-the-lock-servers-day", ["run", KEY, "--ttl", "100000", "--store", "http://127.0.0.1:9", "--", CHILD], "Error: Invalid value for '--ttl': ttl must be greater than 0 and at most 86400 s, not 100000.0"),
     cli("run-ttl-below-a-millisecond", ["run", KEY, "--ttl", "0.0005", "--store", S, "--", CHILD], "Error: Invalid value for '--ttl': ttl must be at least 0.001 s (1 ms), not 0.0005"),
     cli("run-info-not-json", ["run", KEY, "--info", "job=nightly", "--store", S, "--", CHILD], "Error: Invalid value for '--info': 'job=nightly' is not a JSON object: Expecting value: line 1 column 1 (char 0)"),
     cli("run-info-not-an-object", ["run", KEY, "--info", "[1]", "--store", S, "--", CHILD], "Error: Invalid value for '--info': '[1]' is not a JSON object ({\"name\": value, ...})"),

@@ -216,28 +216,15 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], stopping: a
     return task.result()
 
 
-async def _park(event: asyncio.Event, store_wait: Awaitable[bool] | None, seconds: float) -> None:
-    """Until ``event`` is set, the store's waiter rings, or ``seconds`` pass."""
-    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(event.wait())]
-    if store_wait is not None:
-        waits.append(asyncio.ensure_future(store_wait))
+async def _first(*waits: Awaitable[Any], timeout: float | None = None) -> None:
+    """Until one of ``waits`` is done, or ``timeout`` seconds pass; cancels the others."""
+    futures = [asyncio.ensure_future(wait) for wait in waits]
     try:
-        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for future in waits:
+        for future in futures:
             future.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
-
-
-async def _first(*events: asyncio.Event) -> None:
-    """Until one of ``events`` is set."""
-    waits = [asyncio.ensure_future(event.wait()) for event in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for future in waits:
-            future.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
+        await asyncio.gather(*futures, return_exceptions=True)
 
 
 def _ttl_from(received: float, ttl: float) -> float:
@@ -537,7 +524,9 @@ class _Server:
                     return False, holder
                 until_expiry = max(0.0, holder.expires_at - time.time()) + EXPIRY_MARGIN
                 park = min(left, RECHECK_INTERVAL, until_expiry)
-                await _park(event, None if waiter is None else waiter.wait(park), park)
+                # Until a change here, the store's waiter rings, or the recheck is due.
+                rings = [] if waiter is None else [waiter.wait(park)]
+                await _first(event.wait(), *rings, timeout=park)
         finally:
             if waiter is not None:
                 await waiter.aclose()
@@ -643,7 +632,7 @@ class _Server:
             yield _sse("holders", {**snapshot, "server_time": time.time()})
             try:
                 async with asyncio.timeout(HEARTBEAT):
-                    await _first(changed, self.stopping)
+                    await _first(changed.wait(), self.stopping.wait())
             except TimeoutError:
                 yield ": ping\n\n"
             else:

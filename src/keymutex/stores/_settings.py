@@ -14,9 +14,9 @@ import ssl
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
-from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote
 
-from keymutex._urls import redacted
+from keymutex._urls import redacted, split_url
 
 __all__ = [
     "TLS_OPTIONS",
@@ -33,17 +33,22 @@ TLS_OPTIONS = ("ca_file", "cert_file", "key_file")
 _CREDENTIALS = ("username", "password")
 
 
-def seconds(store: str, name: str, value: object) -> float:
-    """A positive, finite number of seconds (a str when it came from the query)."""
-    if isinstance(value, str):
+def seconds(
+    store: str, name: str, value: object, *, zero: str | None = None, text: bool = True
+) -> float:
+    """A positive, finite number of seconds; also 0 when ``zero`` says what 0 means. A
+    str is read as a number when ``text`` (a value from a URL's query), else refused."""
+    if isinstance(value, str) and text:
         try:
             value = float(value)
         except ValueError:
             raise ValueError(f"{store} option {name} must be seconds, not {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{store} option {name} must be seconds (a number), not {value!r}")
-    if not 0 < value < math.inf:
-        raise ValueError(f"{store} option {name} must be positive finite seconds, not {value!r}")
+    low_ok = value >= 0 if zero else value > 0
+    if not low_ok or not math.isfinite(value):
+        accepted = f"finite seconds >= 0 (0: {zero})" if zero else "positive finite seconds"
+        raise ValueError(f"{store} option {name} must be {accepted}, not {value!r}")
     return float(value)
 
 
@@ -118,11 +123,8 @@ def settings_of(
             f"unknown {store} store options {sorted(unknown)}; accepted: {sorted(accepted)}"
         )
     shown = redacted(url)
-    try:
-        parts = urlsplit(url)
-        username, password = parts.username, parts.password
-    except ValueError as exc:
-        raise ValueError(f"{shown!r} is not a {store} URL ({form}): {exc}") from None
+    parts = split_url(url, store, form)
+    username, password = parts.username, parts.password
     scheme = parts.scheme.lower()
     if scheme not in schemes:
         raise ValueError(f"{shown!r} is not a {store} URL ({form})")

@@ -191,6 +191,7 @@ from keymutex._store import (
     translate_errors,
 )
 from keymutex._urls import redacted, split_url
+from keymutex.stores._settings import seconds
 
 __all__ = ["MemcachedStore", "Place", "QueuedWaiter", "Record", "Tombstone", "decode", "driver"]
 
@@ -1411,14 +1412,6 @@ class Target:
     patience: float = PATIENCE_SECONDS
 
 
-def _seconds(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be seconds (a number > 0), not {value!r}")
-    if not 0 < value < math.inf:
-        raise ValueError(f"{name} must be seconds > 0, not {value!r}")
-    return float(value)
-
-
 def _server(part: str, url: str) -> str:
     host, colon, port = part.rpartition(":")
     if not colon or host.endswith(":") or (part.startswith("[") and part.endswith("]")):
@@ -1464,20 +1457,16 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
     pool = options.get("max_connections")
     if pool is not None and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
         raise ValueError(f"max_connections must be an int >= 1 or None, not {pool!r}")
-    patience = options.get("patience", PATIENCE_SECONDS)
-    if isinstance(patience, bool) or not isinstance(patience, int | float):
-        raise TypeError(f"patience must be seconds (a number >= 0), not {patience!r}")
-    if not 0 <= patience < math.inf:
-        raise ValueError(f"patience must be seconds >= 0, not {patience!r}")
+
+    def option(name: str, default: float, zero: str | None = None) -> float:
+        return seconds("memcached", name, options.get(name, default), zero=zero, text=False)
+
     return Target(
         servers,
-        _seconds(options.get("socket_timeout", DEFAULT_SOCKET_TIMEOUT), "socket_timeout"),
-        _seconds(
-            options.get("socket_connect_timeout", DEFAULT_SOCKET_TIMEOUT),
-            "socket_connect_timeout",
-        ),
+        option("socket_timeout", DEFAULT_SOCKET_TIMEOUT),
+        option("socket_connect_timeout", DEFAULT_SOCKET_TIMEOUT),
         pool,
-        float(patience),
+        option("patience", PATIENCE_SECONDS, zero="strict hand-over"),
     )
 
 

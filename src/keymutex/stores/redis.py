@@ -71,6 +71,7 @@ from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
+from keymutex.stores._settings import seconds
 
 __all__ = ["AsyncRedisStore", "RedisStore", "driver"]
 
@@ -1717,16 +1718,6 @@ def _credentials(netloc: str) -> dict[str, Any]:
     return found
 
 
-def _seconds_option(name: str, value: object, *, zero: str | None = None) -> None:
-    """Seconds > 0 (or >= 0, when ``zero`` says what 0 means)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"Redis store option {name} must be seconds (a number), not {value!r}")
-    low_ok = value >= 0 if zero else value > 0
-    if not low_ok or not math.isfinite(value):
-        low = f">= 0 (0: {zero})" if zero else "> 0"
-        raise ValueError(f"Redis store option {name} must be finite seconds {low}, not {value!r}")
-
-
 def _typed_option(name: str, value: object, kind: type, shown: str) -> None:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         what = "a value" if name == "password" else repr(value)
@@ -1736,16 +1727,18 @@ def _typed_option(name: str, value: object, kind: type, shown: str) -> None:
 _CERT_REQS = ("none", "optional", "required")
 
 
-def _check_options(options: Mapping[str, object]) -> None:
-    """The keyword options' values, checked before any connection is made (redis-py
-    would only find out at the first command, with a message that names no option)."""
+def _checked_options(options: Mapping[str, object]) -> dict[str, object]:
+    """The keyword options, checked before any connection is made (redis-py would only
+    find out at the first command, with a message that names no option); seconds given
+    as text are numbers afterwards."""
+    checked = dict(options)
     for name, value in options.items():
         if value is None:
             continue  # redis-py's default
         if name in ("socket_timeout", "socket_connect_timeout"):
-            _seconds_option(name, value)
+            checked[name] = seconds("Redis", name, value, text=False)
         elif name == "health_check_interval":
-            _seconds_option(name, value, zero="never")
+            checked[name] = seconds("Redis", name, value, zero="never", text=False)
         elif name == "max_connections":
             _typed_option(name, value, int, "an int > 0")
             if value <= 0:  # type: ignore[operator]
@@ -1760,6 +1753,7 @@ def _check_options(options: Mapping[str, object]) -> None:
                 )
         else:  # user names, passwords, client name, certificate files
             _typed_option(name, value, str, "a str")
+    return checked
 
 
 def _parse(url: str, options: Mapping[str, object]) -> _Target:
@@ -1768,11 +1762,10 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
         raise TypeError(
             f"unknown Redis store options {sorted(unknown)}; accepted: {sorted(CLIENT_OPTIONS)}"
         )
-    _check_options(options)
     client_options: dict[str, Any] = {
         "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
         "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
-        **options,
+        **_checked_options(options),
         "decode_responses": True,
     }
     parts = split_url(
