@@ -22,10 +22,10 @@ translated by ``translate_errors`` in the store module, never leaked.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 from keymutex._errors import StoreError
@@ -179,13 +179,33 @@ def max_ttl_of(driver: StoreDriver) -> float:
     return float(getattr(driver, "max_ttl", MAX_TTL))
 
 
-@contextlib.contextmanager
-def translate_errors(*driver_errors: type[BaseException], what: str) -> Iterator[None]:
+class _Translation:
+    """What ``translate_errors`` returns: a context manager as a class, not a
+    ``contextlib.contextmanager`` generator, which costs several times more to enter
+    and leave (it wraps every store step)."""
+
+    __slots__ = ("_driver_errors", "_what")
+
+    def __init__(self, driver_errors: tuple[type[BaseException], ...], what: str) -> None:
+        self._driver_errors = driver_errors
+        self._what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc is not None and isinstance(exc, self._driver_errors):
+            raise StoreError(f"{self._what}: {str(exc) or type(exc).__name__}") from exc
+
+
+def translate_errors(*driver_errors: type[BaseException], what: str) -> _Translation:
     """Turn the driver's own exceptions into ``StoreError`` (the original as cause)."""
-    try:
-        yield
-    except driver_errors as exc:
-        raise StoreError(f"{what}: {str(exc) or type(exc).__name__}") from exc
+    return _Translation(driver_errors, what)
 
 
 def _settle(step: asyncio.Future[Any]) -> None:

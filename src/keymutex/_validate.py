@@ -204,7 +204,9 @@ def check_bool(value: object, name: str) -> bool:
 
 def check_callback(value: T | None, name: str, *, awaited: bool = True) -> T | None:
     """``None`` or a callable; an ``async def`` one only where it is awaited."""
-    if value is not None and not callable(value):
+    if value is None:
+        return None
+    if not callable(value):
         raise TypeError(f"{name} must be a callable or None, not {type(value).__name__}")
     if not awaited and inspect.iscoroutinefunction(value):
         raise TypeError(

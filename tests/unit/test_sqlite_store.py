@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
 import threading
 import time
@@ -75,6 +76,33 @@ def test_a_releaser_that_loops_does_not_starve_a_queued_waiter(tmp_path: Path) -
     # At most one grant may go back to the releaser before the queued waiter's turn.
     assert "theirs" in order[:2], order
     assert order.count("mine") == 6
+
+
+def test_a_lease_that_expires_goes_to_the_queued_waiter_not_to_a_newcomer(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    with (
+        keymutex.Locks(url) as holding,
+        keymutex.Locks(url) as waiting,
+        keymutex.Locks(url) as newcomer,
+    ):
+        holding.acquire("doc", ttl=0.2)
+        # The waiter's steps by hand: refused (and queued), then silent until it looks
+        # again, as a waiter parked until the holder's expiry is.
+        store = waiting._store
+        waiter = store.waiter("doc")
+        request = {"token": secrets.token_urlsafe(18), "ttl": 5.0, "owner": "w", "info": None}
+        try:
+            assert not store.try_acquire("doc", **request, steal=False, waiter=waiter).ok
+            time.sleep(0.3)
+            assert holding.holder("doc") is None  # expired: the key is free, but kept
+            with pytest.raises(keymutex.Locked):
+                newcomer.acquire("doc", timeout=0)
+            assert store.try_acquire("doc", **request, steal=False, waiter=waiter).ok
+        finally:
+            waiter.close()
+        assert newcomer.holder("doc").owner == "w"
 
 
 def test_a_missing_directory_is_a_store_error(tmp_path: Path) -> None:

@@ -125,6 +125,18 @@ _GRANT = (
     + " SELECT ?, ?, ?, ?, ?, value + 1, ?, ?, NULL FROM keymutex_meta WHERE name = 'fence'"
     " RETURNING fence"
 )
+# Grant to the caller if the key is free and nobody waits for it: the common case, in
+# one statement. ?1 = namespace, ?2 = key, then token, owner, info, acquired_at,
+# expires, ?8 = now. No row: held, or waited for; the step then looks closer.
+_GRANT_IF_FREE = (
+    "INSERT OR REPLACE INTO keymutex_leases"
+    + _LEASE_COLUMNS
+    + " SELECT ?1, ?2, ?3, ?4, ?5, value + 1, ?6, ?7, NULL FROM keymutex_meta"
+    " WHERE name = 'fence' AND NOT EXISTS (SELECT 1 FROM keymutex_leases"
+    " WHERE namespace = ?1 AND key = ?2 AND expires > ?8) AND NOT EXISTS (SELECT 1"
+    " FROM keymutex_waiters WHERE namespace = ?1 AND key = ?2 AND expires > ?8)"
+    " RETURNING fence"
+)
 # Grant to the first live waiter that can be woken: ? = acquired_at, now, namespace, key,
 # now. Returns the lease and where to send the news.
 _HAND_OFF = (
@@ -200,6 +212,8 @@ class _SqliteWaiter:
 
     ``granted`` is (fence, acquired_at, expires) when a release said it handed us
     the key: the datagram carries those and our token (owner and info are ours).
+    The socket is taken when the waiter first queues (``bind``): most first tries
+    are granted, and never need one.
     """
 
     def __init__(self, store: SqliteStore, key: str) -> None:
@@ -210,8 +224,11 @@ class _SqliteWaiter:
         self.granted: tuple[int, float, float] | None = None
         self.address: bytes | None = None
         self._socket: socket.socket | None = None
-        if NOTIFIES:
-            self._socket, self.address = store._sockets.take()
+
+    def bind(self) -> None:
+        """Take a socket to be woken on (where the host has them), before queueing."""
+        if NOTIFIES and self._socket is None:
+            self._socket, self.address = self._store._sockets.take()
             self._drain()  # wake-ups meant for the socket's previous user
 
     def _drain(self) -> bool:
@@ -523,6 +540,7 @@ class SqliteStore:
         now: float,
     ) -> None:
         expires = now + WAITER_TTL
+        waiter.bind()
         if waiter.seq is not None:
             updated = conn.execute(
                 "UPDATE keymutex_waiters SET expires = ?"
@@ -589,6 +607,20 @@ class SqliteStore:
         namespace = self._namespace
 
         def step(conn: sqlite3.Connection, now: float) -> Outcome:
+            if not steal and (waiter is None or waiter.seq is None):
+                acquired_at, expires = time.time(), now + ttl
+                granted = conn.execute(
+                    _GRANT_IF_FREE,
+                    (namespace, key, token, owner, info_json, acquired_at, expires, now),
+                ).fetchone()
+                if granted is not None:
+                    return self._granted(
+                        conn,
+                        waiter,
+                        key,
+                        now,
+                        (token, owner, info_json, granted[0], acquired_at, expires),
+                    )
             row = conn.execute(_SELECT_LEASE, (namespace, key)).fetchone()
             live = row is not None and row[5] > now
             if live and row[0] == token and not steal:
@@ -610,14 +642,9 @@ class SqliteStore:
             (fence,) = conn.execute(
                 _GRANT, (namespace, key, token, owner, info_json, acquired_at, expires)
             ).fetchone()
-            if waiter is not None:  # the trigger took our row out of the queue
-                waiter.seq = None
-                waiter.token = None
-            self._grants += 1
-            if self._grants % SWEEP_EVERY == 0:
-                self._sweep(conn, now)
-            granted = (token, owner, info_json, fence, acquired_at, expires)
-            return _outcome(True, key, granted, now)
+            return self._granted(
+                conn, waiter, key, now, (token, owner, info_json, fence, acquired_at, expires)
+            )
 
         if waiter is None:
             return self._write(step)
@@ -629,6 +656,23 @@ class SqliteStore:
         except BaseException:
             waiter.seq, waiter.token = noted
             raise
+
+    def _granted(
+        self,
+        conn: sqlite3.Connection,
+        waiter: _SqliteWaiter | None,
+        key: str,
+        now: float,
+        lease: tuple[str, str, str | None, int, float, float],
+    ) -> Outcome:
+        """A grant to the caller just written (``lease``, as _SELECT_LEASE reads it)."""
+        if waiter is not None:  # the trigger took our row out of the queue
+            waiter.seq = None
+            waiter.token = None
+        self._grants += 1
+        if self._grants % SWEEP_EVERY == 0:
+            self._sweep(conn, now)
+        return _outcome(True, key, lease, now)
 
     def _sweep(self, conn: sqlite3.Connection, now: float) -> None:
         """Delete expired leases and stale waiters, a bounded slice per call.
