@@ -614,6 +614,7 @@ def serve_command(
 
         from keymutex.server import create_app
         from keymutex.server._auth import load_token_file
+        from keymutex.server._protocol import http_protocol
     except ImportError as exc:
         raise _Unavailable(
             f"the lock server needs {exc.name or 'its packages'}: pip install 'keymutex[server]'"
@@ -651,6 +652,7 @@ def serve_command(
         app,
         log_level="info",
         access_log=access_log,
+        http=http_protocol(),  # uvicorn's own, answering what it cannot parse in JSON
         timeout_graceful_shutdown=3,
         lifespan="on",
         proxy_headers=False,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -126,6 +128,46 @@ def test_serves_with_and_without_uvloop_and_httptools(tmp_path: Path, fast: bool
         assert "event loop asyncio." in text
         assert "HTTP parser h11; without uvloop and httptools" in text
         assert "pip install 'keymutex[server]'" in text
+
+
+MALFORMED = {
+    "a header name with a space": b"POST /v1/acquire HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+    "TLS to the plain-HTTP port": bytes.fromhex("16030100a5010000a10303") + bytes(32),
+    "no request line": b"\x00\x01\x02 hello\r\n\r\n",
+}
+
+
+def _raw_exchange(url: str, request: bytes) -> bytes:
+    """Send ``request`` as is and read the answer until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT) as conn:
+        conn.sendall(request)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["uvloop+httptools", "asyncio+h11"])
+def test_a_request_that_is_not_http_gets_a_json_400(tmp_path: Path, fast: bool) -> None:
+    log = tmp_path / "out.log"
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    env = None if fast else _hide_packages(hidden, "uvloop", "httptools")
+    with _running("--store", "memory://", log=log, env=env) as (process, url):
+        for name, request in MALFORMED.items():
+            head, _, body = _raw_exchange(url, request).partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").lower().split("\r\n")
+            assert lines[0].startswith("http/1.1 400"), (name, head)
+            assert "content-type: application/json" in lines, (name, head)
+            error = json.loads(body)
+            assert error["error"] == "invalid_argument", (name, error)
+            assert "malformed HTTP request" in error["message"], (name, error)
+        # And the server goes on serving.
+        assert httpx.get(f"{url}/healthz", timeout=WAIT).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT) == 0, log.read_text()
+    assert "Traceback" not in log.read_text()
 
 
 @pytest.mark.parametrize("logged", [False, True], ids=["default", "--access-log"])
