@@ -26,7 +26,7 @@ import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
@@ -41,6 +41,7 @@ __all__ = [
     "StoreDriver",
     "ThreadedAsyncStore",
     "Waiter",
+    "WouldBlock",
     "translate_errors",
 ]
 
@@ -228,6 +229,11 @@ class _AdaptedWaiter:
         await self._call(self._inner.close)
 
 
+class WouldBlock(Exception):
+    """An inline attempt (``ThreadedAsyncStore``'s ``attempt``) would have to wait: it
+    was given up before it changed anything, and the step runs in a thread instead."""
+
+
 class ThreadedAsyncStore:
     """An ``AsyncStore`` over a sync ``Store``.
 
@@ -235,12 +241,22 @@ class ThreadedAsyncStore:
     future (``run_in_executor``: no task and no context copy, which cost about a
     tenth of a step's round trip to the thread), or inline when ``inline`` is set
     because the store's steps never block (the memory store).
+
+    ``attempt``, for a store whose steps are short unless they must wait for a lock
+    (SQLite): ``attempt(step, *args)`` runs a step in the loop's thread, never waiting,
+    and raises ``WouldBlock`` (having changed nothing) where it would have to; only
+    then does the step go to a thread. A round trip to a thread costs several times
+    such a step.
+
     Waiting never holds a thread: it uses the waiter's ``wait_async``.
     """
 
-    def __init__(self, store: Store, *, inline: bool) -> None:
+    def __init__(
+        self, store: Store, *, inline: bool, attempt: Callable[..., Any] | None = None
+    ) -> None:
         self._store = store
         self._inline = inline
+        self._attempt = attempt
         self.capabilities = store.capabilities
         # Steps running in threads: a cancelled caller stops waiting, the thread goes
         # on, and ``aclose`` lets it finish before it closes the store under it.
@@ -249,6 +265,11 @@ class ThreadedAsyncStore:
     async def _call(self, function: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         if self._inline:
             return function(*args, **kwargs)
+        if self._attempt is not None:
+            try:
+                return cast(R, self._attempt(function, *args, **kwargs))
+            except WouldBlock:
+                pass
         step = asyncio.get_running_loop().run_in_executor(
             None, functools.partial(function, *args, **kwargs)
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import sqlite3
 import threading
@@ -103,6 +104,37 @@ def test_a_lease_that_expires_goes_to_the_queued_waiter_not_to_a_newcomer(
         finally:
             waiter.close()
         assert newcomer.holder("doc").owner == "w"
+
+
+@pytest.mark.asyncio
+async def test_async_steps_never_hold_the_event_loop_while_the_database_is_busy(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "locks.db"
+    async with keymutex.AsyncLocks(f"sqlite:///{db}") as locks:
+        await (await locks.acquire("warm-up", timeout=0)).release()
+        # Another process's long write transaction: SQLite's write lock is taken.
+        other = sqlite3.connect(db, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        acquire = asyncio.create_task(locks.acquire("doc", timeout=0))
+        await asyncio.sleep(0.3)
+        assert not acquire.done()  # the step waits for the write lock...
+        assert ticks > 0  # ...in a worker thread: the loop went on
+        other.execute("COMMIT")
+        other.close()
+        lease = await acquire
+        ticker.cancel()
+        assert (await locks.holder("doc")) is not None
+        await lease.release()
 
 
 def test_a_missing_directory_is_a_store_error(tmp_path: Path) -> None:
