@@ -211,7 +211,8 @@ def main() -> None:
             for mine, theirs in zip(runs[kind], runs["filelock"], strict=True)
         )
         lines.append(f"{kind} / filelock acquires/s: **{ratio:.2f} ×** (goal ≥ 1.0)  ")
-    lines += ["", f"Command: `.venv/bin/python {' '.join(sys.argv)}`", ""]
+    command = " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    lines += ["", f"Command: `.venv/bin/python {command}`", ""]
     text = "\n".join(lines)
     print(text)
     output = Path(args.output)
