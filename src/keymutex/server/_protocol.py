@@ -33,27 +33,30 @@ def malformed_request(message: str) -> bytes:
     return head % len(body) + body
 
 
+class _JsonErrors:
+    """Put before uvicorn's protocol class: its 400 answer, in JSON."""
+
+    transport: asyncio.Transport
+
+    def send_400_response(self, msg: str) -> None:
+        self.transport.write(malformed_request(msg))
+        self.transport.close()
+
+
 def http_protocol() -> type[asyncio.Protocol]:
     """The protocol class to give uvicorn (``uvicorn.Config(http=...)``)."""
     try:  # as uvicorn's http="auto" decides
         import httptools  # noqa: F401
     except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        class H11JsonErrors(_JsonErrors, H11Protocol):
+            pass
+
+        return H11JsonErrors
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HttpToolsJsonErrors(_JsonErrors, HttpToolsProtocol):
         pass
-    else:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-        class HttpToolsJsonErrors(HttpToolsProtocol):
-            def send_400_response(self, msg: str) -> None:
-                self.transport.write(malformed_request(msg))
-                self.transport.close()
-
-        return HttpToolsJsonErrors
-
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class H11JsonErrors(H11Protocol):
-        def send_400_response(self, msg: str) -> None:
-            self.transport.write(malformed_request(msg))
-            self.transport.close()
-
-    return H11JsonErrors
+    return HttpToolsJsonErrors
