@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from keymutex.server._app import STATIC
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.asyncio
 
@@ -245,6 +248,11 @@ async def test_pages_and_static_files(api: httpx.AsyncClient) -> None:
             assert stale.content == reply.content
         else:
             assert reply.json()["error"] == "not_found"
+    # The JavaScript client the pages import is the one in clients/js (what npm packs).
+    client = await api.get("/static/keymutex.js")
+    assert client.status_code == 200
+    assert client.headers["content-type"].startswith(("text/javascript", "application/javascript"))
+    assert client.content == (ROOT / "clients" / "js" / "keymutex.js").read_bytes()
     missing = await api.get("/static/no-such-file.js")
     assert missing.status_code == 404
     assert missing.json()["error"] == "not_found"

@@ -733,7 +733,13 @@ class _Server:
             Route("/openapi.json", self.openapi, methods=get),
             Route("/", self.page("index.html"), methods=get),
             Route("/demo/edit/{key:path}", self.page("edit.html"), methods=get),
-            Mount("/static", app=StaticFiles(directory=STATIC, check_dir=False), name="static"),
+            Mount(
+                "/static",
+                # keymutex.js links to clients/js/keymutex.js in a checkout (a wheel has
+                # the file itself); a path still cannot leave the directory.
+                app=StaticFiles(directory=STATIC, check_dir=False, follow_symlink=True),
+                name="static",
+            ),
         ]
 
 
