@@ -539,6 +539,7 @@ def test_a_waiter_granted_by_a_release_takes_the_lease_without_a_round_trip(
     server: redis.Redis, two_locks: tuple[keymutex.Locks, keymutex.Locks]
 ) -> None:
     holder, waiting = two_locks
+    holder.acquire("warm-up", timeout=0).release()  # the release script is loaded now
     lease = holder.acquire("k", timeout=0)
     thread, got = _wait_in_thread(server, waiting, queued=1)
     before = _commands(server)
