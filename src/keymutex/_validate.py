@@ -23,6 +23,7 @@ __all__ = [
     "check_info",
     "check_key",
     "check_prefix",
+    "check_reason",
     "check_text",
     "check_timeout",
     "check_token",
@@ -40,6 +41,7 @@ LOCK_SERVER_MAX_TTL = 86400.0  # a day: a lease held over HTTP longer than that 
 # and far above the clocks' resolution. Below it, ``now + ttl`` may equal ``now``: the
 # lease would be granted already expired (and some stores refuse such a grant midway).
 MIN_TTL = 0.001
+MAX_REASON_CHARS = 500  # why a key was force-released, as logged
 _TOKEN_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 T = TypeVar("T")
@@ -76,6 +78,14 @@ def check_key(key: object, name: str = "key") -> str:
 def check_prefix(prefix: object) -> str:
     """A key prefix: like a key, but may be empty (every key)."""
     return check_text(prefix, "prefix", allow_empty=True, max_bytes=MAX_KEY_BYTES)
+
+
+def check_reason(value: object, name: str = "reason") -> str:
+    """Why a lock is force-released (logged): 1 to ``MAX_REASON_CHARS`` characters."""
+    text = check_text(value, name, allow_empty=False, max_bytes=4 * MAX_REASON_CHARS)
+    if len(text) > MAX_REASON_CHARS:
+        raise ValueError(f"{name} must be 1 to {MAX_REASON_CHARS} characters, not {len(text)}")
+    return text
 
 
 def shown_number(value: object) -> str:

@@ -4,7 +4,7 @@
     keymutex run KEY [--store URL] [--ttl S] [--timeout S] -- COMMAND [ARG...]
     keymutex ls [PREFIX] [--store URL] [--json]
     keymutex show KEY [--store URL] [--json]
-    keymutex release KEY --force [--store URL]
+    keymutex release KEY --force [--store URL] [--reason TEXT]
 
 Exit statuses (``sysexits.h`` where one fits):
 
@@ -55,6 +55,7 @@ from keymutex._validate import (
     check_info,
     check_key,
     check_prefix,
+    check_reason,
     check_text,
     check_timeout,
     check_ttl,
@@ -220,6 +221,7 @@ NAMESPACE = _Checked(
     lambda value, name: check_text(value, name, allow_empty=True, max_bytes=MAX_NAMESPACE_BYTES),
 )
 PREFIX = _Checked("prefix", lambda value, _name: check_prefix(value))
+REASON = _Checked("reason", check_reason)
 TTL = _Seconds("ttl", check_ttl)
 TIMEOUT = _Seconds("timeout", check_timeout)
 
@@ -494,9 +496,22 @@ def show_command(
     is_flag=True,
     help="Required: release whatever lease holds KEY, whoever holds it.",
 )
+@click.option(
+    "--reason",
+    type=REASON,
+    metavar="TEXT",
+    help="Why (1 to 500 characters). A lock server (http/https store) logs it with the"
+    " API token's name; other stores keep it in the info of the lease that takes the"
+    " key over. Default for a lock server: 'keymutex release --force by USER on HOST'.",
+)
 @click.pass_context
 def release_command(
-    ctx: click.Context, key: str, store: str | None, namespace: str, force: bool
+    ctx: click.Context,
+    key: str,
+    store: str | None,
+    namespace: str,
+    force: bool,
+    reason: str | None,
 ) -> None:
     """Force-release KEY, displacing whoever holds it.
 
@@ -504,6 +519,10 @@ def release_command(
     displaced holder's token stops working at once, its renewals fail (a `keymutex
     run` holding it terminates its command), and resources that check fences reject
     its late writes. Prints who was displaced. A free key is left as it is.
+
+    On a lock server (an http or https store) this is the server's admin
+    force-release: the API token needs the admin permission, and the server logs who
+    released the key and why.
     """
     if not force:
         raise click.UsageError(
@@ -514,14 +533,34 @@ def release_command(
     url = _store_url(store)
     info = {"cmd": "keymutex release --force", "host": socket.gethostname(), "pid": os.getpid()}
     with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
-        holder = locks.holder(key)
-        if holder is None:
-            click.echo(f"{_shown(key)} is free; nothing to release")
-            return
-        lease = locks.acquire(key, ttl=RELEASE_TTL, timeout=0, steal=True, info=info)
-        lease.release()
+        force_release = getattr(locks._store, "force_release", None)
+        if force_release is not None:  # a lock server: its admin step, logged there
+            if reason is None:
+                reason = f"keymutex release --force by {_user() or '?'} on {info['host']}"
+            holder = force_release(key, reason)
+            fence = None if holder is None else holder.fence
+        else:
+            holder = locks.holder(key)
+            if holder is not None:
+                extra = {} if reason is None else {"reason": reason}
+                lease = locks.acquire(
+                    key, ttl=RELEASE_TTL, timeout=0, steal=True, info={**info, **extra}
+                )
+                lease.release()
+                fence = lease.fence
+    if holder is None:
+        click.echo(f"{_shown(key)} is free; nothing to release")
+        return
     click.echo(f"released {_shown(key)}: displaced {_describe(holder)}")
-    click.echo(f"{_shown(key)} is free; its next holder gets a fence above {lease.fence}")
+    click.echo(f"{_shown(key)} is free; its next holder gets a fence above {fence}")
+
+
+def _user() -> str | None:
+    """The login name, or ``None`` where there is none (a container's bare uid)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return None
 
 
 # -- serve ---------------------------------------------------------------------------
@@ -719,8 +758,9 @@ def _lease_info(
         cmd = cmd[: MAX_CMD_CHARS - 1] + "…"
     info: dict[str, Any] = {**(extra or {}), "cmd": cmd}
     info.update(host=socket.gethostname(), pid=os.getpid())
-    with contextlib.suppress(KeyError, OSError):
-        info["user"] = getpass.getuser()
+    user = _user()
+    if user is not None:
+        info["user"] = user
     return info
 
 

@@ -7,6 +7,7 @@ never through sleeps: every assertion holds however slow the machine is.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import os
 import shlex
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _server import serve
 
 import keymutex as keymutex_lib
 
@@ -448,6 +450,51 @@ def test_release_force_shows_an_odd_key_escaped_on_every_line(
     assert not any(line.startswith("forged") for line in released.splitlines()), released
     assert "\x1b" not in released
     assert released.count("evil\\x1b[31m\\nforged line") == 2, released
+
+
+def test_release_force_on_a_lock_server_is_its_logged_admin_force_release(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    writer, admin = "w" * 40, "a" * 40
+    tokens = [
+        {"name": "app", "token": writer, "grants": [{"namespace": "*", "prefix": "", "allow": ["lock", "read"]}]},
+        {"name": "ops", "token": admin, "grants": [{"namespace": "*", "prefix": "", "allow": ["lock", "read", "admin"]}]},
+    ]  # fmt: skip
+    with serve(tmp_path, tokens=tokens) as server:
+        with keymutex_lib.Locks(server.url, api_token=writer) as locks:
+            lease = locks.acquire("deploy:web", ttl=60, info={"job": "deploy"})
+            before = locks.holder("deploy:web")
+            assert before is not None
+
+            # Without the admin permission the server refuses, and the lease stays.
+            refused = keymutex(
+                "release", "deploy:web", "--force", "--store", server.url,
+                env={**env, "KEYMUTEX_API_TOKEN": writer}, check=69,
+            )  # fmt: skip
+            assert "403 forbidden" in refused.stderr
+            assert lease.renew()
+
+            released = keymutex(
+                "release", "deploy:web", "--force", "--reason", "stuck deploy",
+                "--store", server.url, env={**env, "KEYMUTEX_API_TOKEN": admin},
+            ).stdout  # fmt: skip
+            assert f"displaced {before.owner}" in released
+            assert f"fence {lease.fence}" in released
+            assert locks.holder("deploy:web") is None
+            with pytest.raises(keymutex_lib.LockLost):
+                lease.renew()
+
+            # Without --reason the server logs who ran the command, and where.
+            locks.acquire("deploy:api", ttl=60)
+            keymutex(
+                "release", "deploy:api", "--force", "--store", server.url,
+                env={**env, "KEYMUTEX_API_TOKEN": admin},
+            )  # fmt: skip
+        log = server.output()
+    assert "force-release of 'deploy:web' in namespace '' by ops, reason 'stuck deploy'" in log
+    assert f"by ops, reason 'keymutex release --force by {getpass.getuser()} on " in log
+    assert writer not in log
+    assert admin not in log
 
 
 # -- the default store ---------------------------------------------------------------

@@ -22,6 +22,7 @@ from keymutex._validate import (
     check_info,
     check_key,
     check_prefix,
+    check_reason,
     check_text,
     check_token,
     check_ttl,
@@ -46,10 +47,11 @@ MAX_BODY_BYTES = 16 * 1024
 MAX_TTL = LOCK_SERVER_MAX_TTL  # a day: a lease held over HTTP longer than that is a mistake
 DEFAULT_TTL = 30.0
 MAX_RENEWALS = 1000  # leases in one renew-many request
-MAX_REASON_CHARS = 500
 # A caller-chosen lease token must be able to carry 128 bits: 22 base64url characters.
 MIN_CALLER_TOKEN_CHARS = 22
 MAX_FENCE = 2**63 - 1  # what every store can count to; JSON readers lose nothing below
+
+reason = check_reason  # why an admin force-releases a key (logged)
 
 
 class ApiError(Exception):
@@ -284,13 +286,6 @@ def fence(value: object, name: str) -> int | None:
     if not 0 <= value <= MAX_FENCE:
         raise ValueError(f"{name} must be between 0 and {MAX_FENCE}, not {value!r}")
     return value
-
-
-def reason(value: object, name: str) -> str:
-    text = check_text(value, name, allow_empty=False, max_bytes=4 * MAX_REASON_CHARS)
-    if len(text) > MAX_REASON_CHARS:
-        raise ValueError(f"{name} must be 1 to {MAX_REASON_CHARS} characters, not {len(text)}")
-    return text
 
 
 def renewals(value: object, name: str) -> list[tuple[str, str, float]]:

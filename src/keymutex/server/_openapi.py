@@ -11,12 +11,11 @@ import functools
 from typing import Any
 
 from keymutex._client import MAX_NAMESPACE_BYTES, MAX_OWNER_BYTES
-from keymutex._validate import MAX_KEY_BYTES, MAX_TOKEN_CHARS, MIN_TTL
+from keymutex._validate import MAX_KEY_BYTES, MAX_REASON_CHARS, MAX_TOKEN_CHARS, MIN_TTL
 from keymutex._version import __version__
 from keymutex.server._input import (
     DEFAULT_TTL,
     MAX_FENCE,
-    MAX_REASON_CHARS,
     MAX_RENEWALS,
     MAX_TTL,
     MIN_CALLER_TOKEN_CHARS,

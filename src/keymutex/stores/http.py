@@ -23,6 +23,8 @@
 - Fences, durability and clock are those of the server's store; ``durable_fences`` is
   read from ``/healthz`` at the first step (``False`` until then). TTLs are measured by
   the server's store; ``remaining`` is counted from before each request was sent.
+- ``HttpStore.force_release(key, reason)`` (what ``keymutex release --force`` uses on
+  this store) is the server's admin ``/v1/force-release``, logged at the server.
 - Errors: an unreachable server, a 5xx or a reply that does not parse raise
   ``StoreError``, as do 401/403 (a missing or insufficient API token); a 400 raises
   ``ValueError`` with the server's message (e.g. a ``ttl`` over the server's limit).
@@ -260,6 +262,16 @@ class _Protocol:
         with _reading("holders"):
             found = [_holder(item) for item in payload["holders"]]
         return sorted((h for h in found if h is not None), key=lambda h: h.key)
+
+    def force_release(self, key: str, reason: str) -> _Call:
+        body = {"namespace": self.namespace, "key": key, "reason": reason}
+        return _Call("POST", "/v1/force-release", body)
+
+    @staticmethod
+    def force_released(status: int, payload: JSONDict) -> Holder | None:
+        _expect("force-release", status, payload)
+        with _reading("force-release"):
+            return _holder(payload["holder"])
 
     @staticmethod
     def health() -> _Call:
@@ -499,6 +511,12 @@ class HttpStore:
 
     def holders(self, prefix: str) -> list[Holder]:
         return _Protocol.listed(*self._send(self._protocol.holders(prefix)))
+
+    def force_release(self, key: str, reason: str) -> Holder | None:
+        """The server's admin force-release (``keymutex release --force``): the key is
+        taken over and given back, logged at the server with the API token's name and
+        ``reason``. Returns the displaced holder, or ``None`` if the key was free."""
+        return _Protocol.force_released(*self._send(self._protocol.force_release(key, reason)))
 
     def waiter(self, key: str) -> _HttpWaiter:
         return _HttpWaiter(self, key)
