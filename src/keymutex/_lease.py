@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +41,8 @@ class Holder:
 
     key: str
     owner: str
-    info: JSONDict | None
+    # Left out of the hash (a dict has none), not out of ==: equal holders hash alike.
+    info: JSONDict | None = field(hash=False)
     fence: int
     acquired_at: float
     expires_at: float

@@ -234,6 +234,23 @@ def test_deeply_nested_info_is_a_value_error() -> None:
 # -- 8. a closed Locks still grants, then fails and leaves the lease held -----------
 
 
+def test_holders_are_hashable_values() -> None:
+    # A frozen value: holders go in sets and dict keys (what changed between two
+    # listings). Its info dict used to make hash() raise TypeError.
+    with keymutex.Locks("memory://") as locks:
+        locks.acquire("a", info={"job": "report"})
+        locks.acquire("b")
+        first = set(locks.holders())
+        assert set(locks.holders()) == first
+        locks.acquire("c", info={"job": ["x"]})
+        (new,) = set(locks.holders()) - first
+    assert new.key == "c"
+    assert new.info == {"job": ["x"]}
+    same = keymutex.Holder("k", "o", {"n": 1}, 5, 1.0, 2.0)
+    assert hash(same) == hash(keymutex.Holder("k", "o", {"n": 1}, 5, 1.0, 2.0))
+    assert same != keymutex.Holder("k", "o", {"n": 2}, 5, 1.0, 2.0)  # info still counts
+
+
 def test_closed_locks_does_not_leave_a_lease_behind() -> None:
     locks = keymutex.Locks("memory://review-8")
     locks.close()

@@ -43,7 +43,8 @@ class _Lease:
     info: str | None  # as JSON: each Holder gets a dict of its own, as from other stores
     fence: int
     acquired_at: float
-    expires: float  # on _clock.monotonic
+    expires: float  # on _clock.monotonic: what decides
+    expires_at: float  # the same moment in wall-clock seconds, for display (as stored)
 
 
 class _MemoryWaiter(Doorbell):
@@ -132,14 +133,14 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def _holder(key: str, lease: _Lease, now: float) -> Holder:
+def _holder(key: str, lease: _Lease) -> Holder:
     return Holder(
         key=key,
         owner=lease.owner,
         info=None if lease.info is None else json.loads(lease.info),
         fence=lease.fence,
         acquired_at=lease.acquired_at,
-        expires_at=time.time() + (lease.expires - now),
+        expires_at=lease.expires_at,
     )
 
 
@@ -155,7 +156,7 @@ class MemoryStore:
     def _outcome(self, ok: bool, key: str, lease: _Lease | None, now: float) -> Outcome:
         if lease is None:
             return Outcome(ok)
-        return Outcome(ok, _holder(key, lease, now), lease.expires - now)
+        return Outcome(ok, _holder(key, lease), lease.expires - now)
 
     def try_acquire(
         self,
@@ -182,7 +183,8 @@ class MemoryStore:
             if waiter is not None:
                 table.dequeue(waiter)
             table.fence += 1
-            lease = _Lease(token, owner, info_json, table.fence, time.time(), now + ttl)
+            wall = time.time()
+            lease = _Lease(token, owner, info_json, table.fence, wall, now + ttl, wall + ttl)
             table.leases[full_key] = lease
             table.sweep(now)
             return self._outcome(True, key, lease, now)
@@ -200,6 +202,7 @@ class MemoryStore:
                     outcomes.append(self._outcome(False, request.key, current, now))
                     continue
                 current.expires = now + request.ttl
+                current.expires_at = time.time() + request.ttl
                 outcomes.append(self._outcome(True, request.key, current, now))
         return outcomes
 
@@ -221,13 +224,13 @@ class MemoryStore:
         with self._table.mutex:
             now = _clock.monotonic()
             lease = self._table.live((self._namespace, key), now)
-            return None if lease is None else _holder(key, lease, now)
+            return None if lease is None else _holder(key, lease)
 
     def holders(self, prefix: str) -> list[Holder]:
         with self._table.mutex:
             now = _clock.monotonic()
             found = [
-                _holder(key, lease, now)
+                _holder(key, lease)
                 for (namespace, key), lease in self._table.leases.items()
                 if namespace == self._namespace and key.startswith(prefix) and lease.expires > now
             ]
