@@ -1,4 +1,5 @@
-"""Store settings shared by the stores that parse their URLs themselves (etcd, ZooKeeper).
+"""Store settings shared by the stores that parse their URLs themselves (etcd, ZooKeeper),
+and the check of every store's duration options (``seconds``).
 
 A store URL says everything the CLI and the lock server need, which take a URL alone:
 credentials before the host (``scheme://user:password@host``, percent-encoded), and
@@ -17,6 +18,7 @@ from typing import NamedTuple
 from urllib.parse import SplitResult, parse_qsl, unquote
 
 from keymutex._urls import redacted, split_url
+from keymutex._validate import shown_number
 
 __all__ = [
     "TLS_OPTIONS",
@@ -34,10 +36,18 @@ _CREDENTIALS = ("username", "password")
 
 
 def seconds(
-    store: str, name: str, value: object, *, zero: str | None = None, text: bool = True
+    store: str,
+    name: str,
+    value: object,
+    *,
+    zero: str | None = None,
+    text: bool = True,
+    maximum: float | None = None,
 ) -> float:
-    """A positive, finite number of seconds; also 0 when ``zero`` says what 0 means. A
-    str is read as a number when ``text`` (a value from a URL's query), else refused."""
+    """A positive, finite number of seconds (at most ``maximum``); also 0 when ``zero``
+    says what 0 means. A str is read as a number when ``text`` (a value from a URL's
+    query), else refused. Every store's duration options go through here."""
+    given = value
     if isinstance(value, str) and text:
         try:
             value = float(value)
@@ -45,11 +55,18 @@ def seconds(
             raise ValueError(f"{store} option {name} must be seconds, not {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{store} option {name} must be seconds (a number), not {value!r}")
-    low_ok = value >= 0 if zero else value > 0
-    if not low_ok or not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        number = math.inf if value > 0 else -math.inf
+    low_ok = number >= 0 if zero else number > 0
+    high_ok = number <= maximum if maximum is not None else math.isfinite(number)
+    if not (low_ok and high_ok):
         accepted = f"finite seconds >= 0 (0: {zero})" if zero else "positive finite seconds"
-        raise ValueError(f"{store} option {name} must be {accepted}, not {value!r}")
-    return float(value)
+        if maximum is not None:
+            accepted += f" up to {maximum:.0f}"
+        raise ValueError(f"{store} option {name} must be {accepted}, not {shown_number(given)}")
+    return number
 
 
 def text(store: str, settings: Mapping[str, object], name: str) -> str | None:

@@ -56,6 +56,7 @@ from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
 from keymutex._validate import LOCK_SERVER_MAX_TTL
 from keymutex._version import __version__
+from keymutex.stores._settings import seconds
 
 __all__ = ["AsyncHttpStore", "HttpStore", "driver"]
 
@@ -664,16 +665,12 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, 
         api_token = os.environ.get(TOKEN_ENVVAR) or None
     if api_token is not None and (not isinstance(api_token, str) or not api_token.isascii()):
         raise TypeError("api_token must be a str of ASCII characters")
-    timeout = merged.pop("timeout", DEFAULT_TIMEOUT)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(f"timeout must be seconds > 0 (a number), not {timeout!r}")
-    if not 0 < timeout < float("inf"):
-        raise ValueError(f"timeout must be seconds > 0, not {timeout!r}")
+    timeout = seconds("http store", "timeout", merged.pop("timeout", DEFAULT_TIMEOUT), text=False)
     if merged:
         raise TypeError(
             f"unknown http store option(s) {sorted(merged)}; accepted: api_token, timeout"
         )
-    return base, api_token, float(timeout)
+    return base, api_token, timeout
 
 
 class HttpDriver:

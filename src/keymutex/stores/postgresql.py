@@ -102,6 +102,7 @@ from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
 from keymutex.stores._doorbell import Doorbell
+from keymutex.stores._settings import seconds
 
 __all__ = ["AsyncPostgresStore", "PostgresStore", "driver"]
 
@@ -114,6 +115,7 @@ SCHEMA_VERSION = 2
 DEFAULT_TABLE = "keymutex_leases"
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_TIMEOUT = 5.0  # seconds a step waits for the server's reply
+MAX_SECONDS = 2_147_483.0  # libpq's and the server's millisecond settings are int32
 DEFAULT_MIN_SIZE = 1
 DEFAULT_MAX_SIZE = 10
 MAX_IDLE = 600.0  # seconds an idle connection beyond min_size stays open
@@ -2010,8 +2012,13 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
             )
 
     table = _check_table(merged.get("table", DEFAULT_TABLE))
-    connect_timeout = _seconds(merged, "connect_timeout", DEFAULT_CONNECT_TIMEOUT)
-    timeout = _seconds(merged, "timeout", DEFAULT_TIMEOUT)
+    connect_timeout, timeout = (
+        seconds("PostgreSQL", name, merged.get(name, default), maximum=MAX_SECONDS)
+        for name, default in (
+            ("connect_timeout", DEFAULT_CONNECT_TIMEOUT),
+            ("timeout", DEFAULT_TIMEOUT),
+        )
+    )
     min_size = int(_number(merged.get("min_size", DEFAULT_MIN_SIZE), "min_size", integer=True))
     max_size = int(
         _number(merged.get("max_size", max(DEFAULT_MAX_SIZE, min_size)), "max_size", integer=True)
@@ -2038,18 +2045,6 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
     }
     connect_kwargs.update({name: value for name, value in defaults.items() if name not in params})
     return _Target(conninfo, connect_kwargs, table, min_size, max_size, connect_timeout, timeout)
-
-
-MAX_SECONDS = 2_147_483.0  # libpq's and the server's millisecond settings are int32
-
-
-def _seconds(options: Mapping[str, object], name: str, default: float) -> float:
-    value = _number(options.get(name, default), name, integer=False)
-    if not 0 < value <= MAX_SECONDS:
-        raise ValueError(
-            f"{name} must be seconds > 0 and at most {MAX_SECONDS:.0f} (24 days), not {value!r}"
-        )
-    return value
 
 
 class PostgresDriver:

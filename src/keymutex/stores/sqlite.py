@@ -59,7 +59,7 @@ from keymutex._store import (
     translate_errors,
 )
 from keymutex._urls import redacted, split_url
-from keymutex._validate import shown_number
+from keymutex.stores._settings import seconds
 
 __all__ = ["SqliteStore", "driver"]
 
@@ -837,18 +837,6 @@ def _path(url: str, encoded: str) -> str:
     return path
 
 
-def _busy_timeout(value: object) -> float:
-    if isinstance(value, bool):  # float(True) would be one second
-        raise TypeError(f"busy_timeout must be seconds > 0 (a number), not {value!r}")
-    try:
-        busy = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):
-        busy = -1.0
-    if not 0 < busy < float("inf"):
-        raise ValueError(f"busy_timeout must be seconds > 0, not {shown_number(value)}")
-    return busy
-
-
 def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
     parts = split_url(url, "SQLite", "sqlite:///path/to/locks.db")
     if parts.netloc:
@@ -872,7 +860,7 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
     synchronous = merged.pop("synchronous", "normal")
     if synchronous not in ("normal", "full"):
         raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
-    busy = _busy_timeout(merged.pop("busy_timeout", 10.0))
+    busy = seconds("SQLite", "busy_timeout", merged.pop("busy_timeout", 10.0))
     if merged:
         raise TypeError(
             f"unknown SQLite store option(s) {sorted(merged)}; accepted: synchronous, busy_timeout"
