@@ -1158,9 +1158,9 @@ def test_an_unreachable_server_is_a_store_error(namespace: str) -> None:
         ({"connect_timeout": 0}, ValueError, "connect_timeout"),
         ({"connect_timeout": float("nan")}, ValueError, "connect_timeout"),
         ({"connect_timeout": True}, TypeError, "connect_timeout"),
-        ({"timeout": 0}, ValueError, "option timeout must be positive finite seconds"),
-        ({"timeout": float("inf")}, ValueError, "option timeout must be positive finite seconds"),
-        ({"timeout": 30 * 86400}, ValueError, "up to 2147483, not 2592000"),
+        ({"timeout": 0}, ValueError, "option timeout must be seconds > 0 and at most 2147483"),
+        ({"timeout": float("inf")}, ValueError, "at most 2147483, not inf"),
+        ({"timeout": 30 * 86400}, ValueError, "at most 2147483, not 2592000"),
         ({"timeout": 10**400}, ValueError, "not an integer of about 401 digits"),
         ({"timeout": "soon"}, ValueError, "option timeout must be seconds, not 'soon'"),
     ],
@@ -1179,7 +1179,7 @@ def test_bad_urls_are_refused() -> None:
         keymutex.Locks("postgresql://127.0.0.1/db?no_such_parameter=1")
     with pytest.raises(ValueError, match="both in the URL and as arguments"):
         keymutex.Locks("postgresql://127.0.0.1/db?table=a", table="b")
-    with pytest.raises(ValueError, match="min_size must be a number"):
+    with pytest.raises(ValueError, match="min_size must be an int, not 'many'"):
         keymutex.Locks("postgres://127.0.0.1/db?min_size=many")
     for port in ("abc", "99999", "0"):
         with pytest.raises(

@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import math
 import ssl
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 from urllib.parse import SplitResult, parse_qsl, unquote
 
 from keymutex._urls import redacted, split_url
 from keymutex._validate import shown_number
 
 __all__ = [
+    "MAX_COUNT",
+    "MAX_SECONDS",
     "TLS_OPTIONS",
     "Settings",
     "TlsFiles",
+    "count",
     "redacted",
     "seconds",
     "settings_of",
@@ -32,7 +35,21 @@ __all__ = [
 ]
 
 TLS_OPTIONS = ("ca_file", "cert_file", "key_file")
+# Durations: up to 2**31 - 1 milliseconds (about 24.8 days), what every client library
+# and socket here takes (libpq, redis-py, kazoo, etcd's gateway, socket timeouts).
+MAX_SECONDS = 2_147_483.0
+MAX_COUNT = 10_000  # connections in a pool
+
+T = TypeVar("T")
 _CREDENTIALS = ("username", "password")
+
+
+def _from_text(store: str, name: str, value: str, parse: Callable[[str], T], kind: str) -> T:
+    """A URL query's ``value`` read by ``parse``; what it must be, if it does not parse."""
+    try:
+        return parse(value)
+    except ValueError:
+        raise ValueError(f"{store} option {name} must be {kind}, not {value!r}") from None
 
 
 def seconds(
@@ -42,17 +59,14 @@ def seconds(
     *,
     zero: str | None = None,
     text: bool = True,
-    maximum: float | None = None,
+    maximum: float = MAX_SECONDS,
 ) -> float:
-    """A positive, finite number of seconds (at most ``maximum``); also 0 when ``zero``
-    says what 0 means. A str is read as a number when ``text`` (a value from a URL's
-    query), else refused. Every store's duration options go through here."""
+    """A number of seconds > 0 and at most ``maximum``; also 0 when ``zero`` says what 0
+    means. A str is read as a number when ``text`` (a value from a URL's query), else
+    refused. Every store's durations (timeouts, intervals) go through here."""
     given = value
     if isinstance(value, str) and text:
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"{store} option {name} must be seconds, not {value!r}") from None
+        value = _from_text(store, name, value, float, "seconds")
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{store} option {name} must be seconds (a number), not {value!r}")
     try:
@@ -60,13 +74,29 @@ def seconds(
     except OverflowError:  # an int beyond any float
         number = math.inf if value > 0 else -math.inf
     low_ok = number >= 0 if zero else number > 0
-    high_ok = number <= maximum if maximum is not None else math.isfinite(number)
-    if not (low_ok and high_ok):
-        accepted = f"finite seconds >= 0 (0: {zero})" if zero else "positive finite seconds"
-        if maximum is not None:
-            accepted += f" up to {maximum:.0f}"
-        raise ValueError(f"{store} option {name} must be {accepted}, not {shown_number(given)}")
+    if not (low_ok and number <= maximum):  # also refuses NaN
+        accepted = f"seconds >= 0 (0: {zero})" if zero else "seconds > 0"
+        raise ValueError(
+            f"{store} option {name} must be {accepted} and at most {maximum:.0f},"
+            f" not {shown_number(given)}"
+        )
     return number
+
+
+def count(store: str, name: str, value: object, *, minimum: int = 1, text: bool = True) -> int:
+    """A whole number from ``minimum`` to ``MAX_COUNT`` (connections in a pool); a str
+    is read as one when ``text`` (a value from a URL's query)."""
+    given = value
+    if isinstance(value, str) and text:
+        value = _from_text(store, name, value, int, "an int")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{store} option {name} must be an int, not {value!r}")
+    if not minimum <= value <= MAX_COUNT:
+        raise ValueError(
+            f"{store} option {name} must be an int from {minimum} to {MAX_COUNT},"
+            f" not {shown_number(given)}"
+        )
+    return value
 
 
 def text(store: str, settings: Mapping[str, object], name: str) -> str | None:

@@ -191,7 +191,7 @@ from keymutex._store import (
     translate_errors,
 )
 from keymutex._urls import redacted, split_url
-from keymutex.stores._settings import seconds
+from keymutex.stores._settings import count, seconds
 
 __all__ = ["MemcachedStore", "Place", "QueuedWaiter", "Record", "Tombstone", "decode", "driver"]
 
@@ -1455,8 +1455,8 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
     if len(set(servers)) != len(servers):
         raise ValueError(f"{redacted(url)!r} names a server twice")
     pool = options.get("max_connections")
-    if pool is not None and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
-        raise ValueError(f"max_connections must be an int >= 1 or None, not {pool!r}")
+    if pool is not None:
+        pool = count("memcached", "max_connections", pool, text=False)
 
     def option(name: str, default: float, zero: str | None = None) -> float:
         return seconds("memcached", name, options.get(name, default), zero=zero, text=False)

@@ -102,7 +102,7 @@ from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
 from keymutex.stores._doorbell import Doorbell
-from keymutex.stores._settings import seconds
+from keymutex.stores._settings import count, seconds
 
 __all__ = ["AsyncPostgresStore", "PostgresStore", "driver"]
 
@@ -115,7 +115,6 @@ SCHEMA_VERSION = 2
 DEFAULT_TABLE = "keymutex_leases"
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_TIMEOUT = 5.0  # seconds a step waits for the server's reply
-MAX_SECONDS = 2_147_483.0  # libpq's and the server's millisecond settings are int32
 DEFAULT_MIN_SIZE = 1
 DEFAULT_MAX_SIZE = 10
 MAX_IDLE = 600.0  # seconds an idle connection beyond min_size stays open
@@ -1964,22 +1963,6 @@ class AsyncPostgresStore:
 OPTIONS = ("table", "min_size", "max_size", "connect_timeout", "timeout")
 
 
-def _number(value: object, name: str, *, integer: bool) -> float:
-    """An option's value as a number; strings come from the URL's query string."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, not {value!r}")
-    if isinstance(value, str):
-        try:
-            return int(value) if integer else float(value)
-        except ValueError:
-            raise ValueError(f"{name} must be a number, not {value!r}") from None
-    if integer and not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {value!r}")
-    if not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, not {value!r}")
-    return value
-
-
 def _parse(url: str, options: Mapping[str, object]) -> _Target:
     unknown = set(options) - set(OPTIONS)
     if unknown:
@@ -2013,20 +1996,20 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
 
     table = _check_table(merged.get("table", DEFAULT_TABLE))
     connect_timeout, timeout = (
-        seconds("PostgreSQL", name, merged.get(name, default), maximum=MAX_SECONDS)
+        seconds("PostgreSQL", name, merged.get(name, default))
         for name, default in (
             ("connect_timeout", DEFAULT_CONNECT_TIMEOUT),
             ("timeout", DEFAULT_TIMEOUT),
         )
     )
-    min_size = int(_number(merged.get("min_size", DEFAULT_MIN_SIZE), "min_size", integer=True))
-    max_size = int(
-        _number(merged.get("max_size", max(DEFAULT_MAX_SIZE, min_size)), "max_size", integer=True)
+    min_size = count("PostgreSQL", "min_size", merged.get("min_size", DEFAULT_MIN_SIZE), minimum=0)
+    max_size = count(
+        "PostgreSQL", "max_size", merged.get("max_size", max(DEFAULT_MAX_SIZE, min_size))
     )
-    if min_size < 0:
-        raise ValueError(f"min_size must be >= 0, not {min_size}")
-    if max_size < max(1, min_size):
-        raise ValueError(f"max_size must be >= 1 and >= min_size ({min_size}), not {max_size}")
+    if max_size < min_size:
+        raise ValueError(
+            f"PostgreSQL option max_size must be >= min_size ({min_size}), not {max_size}"
+        )
 
     connect_kwargs: dict[str, Any] = {
         # Parameters go out in PostgreSQL's text format, encoded here as UTF-8.

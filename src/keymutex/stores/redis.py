@@ -71,7 +71,7 @@ from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
-from keymutex.stores._settings import seconds
+from keymutex.stores._settings import count, seconds
 
 __all__ = ["AsyncRedisStore", "RedisStore", "driver"]
 
@@ -1682,8 +1682,10 @@ URL_OPTIONS = frozenset(redis.connection.URL_QUERY_ARGUMENT_PARSERS) | CLIENT_OP
 def _check_single(url: str, parts: SplitResult) -> None:
     """What ``redis.connection.parse_url`` lets through: unknown options, a bad database."""
     try:
-        redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
-    except ValueError as exc:
+        parsed = redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+        # redis-py reads the numbers but lets any value through (socket_timeout=-1).
+        _checked_options({k: v for k, v in parsed.items() if k in CLIENT_OPTIONS})
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"{redacted(url)!r} is not a Redis URL: {exc}") from None
     names = [name for name, _ in parse_qsl(parts.query, keep_blank_values=True)]
     unknown = sorted(set(names) - URL_OPTIONS)
@@ -1740,9 +1742,7 @@ def _checked_options(options: Mapping[str, object]) -> dict[str, object]:
         elif name == "health_check_interval":
             checked[name] = seconds("Redis", name, value, zero="never", text=False)
         elif name == "max_connections":
-            _typed_option(name, value, int, "an int > 0")
-            if value <= 0:  # type: ignore[operator]
-                raise ValueError(f"Redis store option {name} must be an int > 0, not {value!r}")
+            checked[name] = count("Redis", name, value, text=False)
         elif name in ("socket_keepalive", "ssl_check_hostname"):
             _typed_option(name, value, bool, "True or False")
         elif name == "ssl_cert_reqs":
