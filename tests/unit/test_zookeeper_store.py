@@ -9,6 +9,7 @@ node left behind, orphans cleaned, leases lost before the session could expire.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -373,14 +374,24 @@ def test_settings_may_be_in_the_url() -> None:
     assert "p@ss" not in repr(target)
 
 
-def test_unreachable_server_is_a_store_error(namespace: str, tmp_path: Path) -> None:
+def test_unreachable_server_is_a_store_error(
+    namespace: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import _zk_servers
 
     port = _zk_servers._free_port()  # nobody listens there
+    caplog.set_level(logging.DEBUG)
     with keymutex.Locks(
         f"zookeeper://127.0.0.1:{port}", namespace=namespace, timeout=0.3
     ) as locks:
         started = time.monotonic()
-        with pytest.raises(keymutex.StoreError, match="not connected"):
+        # Why, in the error itself: kazoo's last warning.
+        with pytest.raises(keymutex.StoreError, match=r"not connected .* \(kazoo: Connection"):
             locks.acquire("job", timeout=0)
         assert time.monotonic() - started < 5
+    # kazoo's line per failed attempt is kept out of the warnings (a CLI would print
+    # each), at DEBUG under keymutex.zookeeper.
+    retries = [r for r in caplog.records if "Connection dropped" in r.getMessage()]
+    assert retries
+    assert {(r.name, r.levelno) for r in retries} == {("keymutex.zookeeper", logging.DEBUG)}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -82,7 +82,9 @@ checked against ``ca_file`` (else the system's CAs) and the host name; ``cert_fi
 still have made its node: the client remembers the token digest and deletes such
 orphans as soon as the connection is back (or the session's end removes them). Watches
 do not survive a reconnection: every waiter is woken to look again, and waiters look
-again every second anyway.
+again every second anyway. kazoo's own log (each connection attempt that fails, every
+reconnection) goes to the logger ``keymutex.zookeeper`` at DEBUG: what it warned of
+last is in the message of a step that finds no connection.
 """
 
 from __future__ import annotations
@@ -137,6 +139,25 @@ _LOG = logging.getLogger("keymutex")
 CAPABILITIES = Capabilities(
     notifies=True, fair=True, cross_process=True, durable_fences=True, clock="server"
 )
+
+
+class _KazooLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The logger a store gives its kazoo client: kazoo warns of every connection
+    attempt that fails (a line each, many while a server is down), which the store
+    reports itself as ``StoreError``; so its records go to ``keymutex.zookeeper`` at
+    DEBUG, and the last warning is kept for that error's message."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("keymutex.zookeeper"), {})
+        self.last_warning: str | None = None
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: Any) -> None:
+        if level >= logging.WARNING:
+            with contextlib.suppress(Exception):  # a message that does not format
+                self.last_warning = str(msg) % args if args else str(msg)
+        super().log(min(level, logging.DEBUG), msg, *args, **kwargs)
+
+
 ROOT = "keymutex"
 DEFAULT_PORT = 2181
 # ZooKeeper's own default maxSessionTimeout (20 ticks of 2 s): the longest a default
@@ -481,9 +502,10 @@ class ZooKeeperStore:
         """One step: connected (waiting up to ``timeout``), driver errors translated."""
         with translate_errors(*_DRIVER_ERRORS, what=f"ZooKeeper: {what}"):
             if not self._connected.is_set() and not self._connected.wait(self._timeout):
+                last = getattr(self._client.logger, "last_warning", None)
                 raise StoreError(
                     f"ZooKeeper: {what}: not connected to {self._client.hosts!r}"
-                    f" after {self._timeout:g} s"
+                    f" after {self._timeout:g} s" + (f" (kazoo: {last})" if last else "")
                 )
             try:
                 if self._orphans:  # nodes of creates whose reply was lost: delete them first
@@ -976,6 +998,7 @@ class ZooKeeperDriver:
             connection_retry=retry,
             command_retry=KazooRetry(max_tries=0),
             default_acl=acl,
+            logger=_KazooLog(),
             **security,
         )
         return ZooKeeperStore(
