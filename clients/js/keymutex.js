@@ -2,7 +2,7 @@
 //
 // One ES module without dependencies, for Node >= 18 and browsers (it only needs
 // fetch, AbortController, TextEncoder and performance.now). The lock server serves
-// this very file as /static/keymutex.js; clients/js/keymutex.js links to it.
+// this very file as /static/keymutex.js (src/keymutex/server/static/ links here).
 //
 //   const locks = new LockClient({url: 'http://127.0.0.1:7420', namespace: 'shop'});
 //   await locks.withLock(`user:${id}`, async (lease) => { ... }, {ttl: 10, timeout: 5});

@@ -53,17 +53,11 @@ def _from_text(store: str, name: str, value: str, parse: Callable[[str], T], kin
 
 
 def seconds(
-    store: str,
-    name: str,
-    value: object,
-    *,
-    zero: str | None = None,
-    text: bool = True,
-    maximum: float = MAX_SECONDS,
+    store: str, name: str, value: object, *, zero: str | None = None, text: bool = True
 ) -> float:
-    """A number of seconds > 0 and at most ``maximum``; also 0 when ``zero`` says what 0
-    means. A str is read as a number when ``text`` (a value from a URL's query), else
-    refused. Every store's durations (timeouts, intervals) go through here."""
+    """A number of seconds > 0 and at most ``MAX_SECONDS``; also 0 when ``zero`` says
+    what 0 means. A str is read as a number when ``text`` (a value from a URL's query),
+    else refused. Every store's durations (timeouts, intervals) go through here."""
     given = value
     if isinstance(value, str) and text:
         value = _from_text(store, name, value, float, "seconds")
@@ -74,10 +68,10 @@ def seconds(
     except OverflowError:  # an int beyond any float
         number = math.inf if value > 0 else -math.inf
     low_ok = number >= 0 if zero else number > 0
-    if not (low_ok and number <= maximum):  # also refuses NaN
+    if not (low_ok and number <= MAX_SECONDS):  # also refuses NaN
         accepted = f"seconds >= 0 (0: {zero})" if zero else "seconds > 0"
         raise ValueError(
-            f"{store} option {name} must be {accepted} and at most {maximum:.0f},"
+            f"{store} option {name} must be {accepted} and at most {MAX_SECONDS:.0f},"
             f" not {shown_number(given)}"
         )
     return number
