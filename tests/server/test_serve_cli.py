@@ -98,20 +98,22 @@ def test_prints_its_url_serves_and_stops_cleanly(tmp_path: Path, stop: signal.Si
     assert "Traceback" not in log.read_text()
 
 
-def _hide_packages(directory: Path, *names: str) -> dict[str, str]:
-    """An environment in which importing ``names`` fails, as if they were not installed."""
-    for name in names:
-        (directory / name).mkdir()
-        (directory / name / "__init__.py").write_text(f"raise ImportError('{name} hidden')\n")
-    return {**os.environ, "PYTHONPATH": str(directory)}
+def _server_env(tmp_path: Path, fast: bool) -> dict[str, str] | None:
+    """The server's environment: as it is (``fast``: uvloop and httptools if installed),
+    or one in which importing them fails, as if they were not installed."""
+    if fast:
+        return None
+    hidden = tmp_path / "hidden"
+    for name in ("uvloop", "httptools"):
+        (hidden / name).mkdir(parents=True)
+        (hidden / name / "__init__.py").write_text(f"raise ImportError('{name} hidden')\n")
+    return {**os.environ, "PYTHONPATH": str(hidden)}
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["uvloop+httptools", "asyncio+h11"])
 def test_serves_with_and_without_uvloop_and_httptools(tmp_path: Path, fast: bool) -> None:
     log = tmp_path / "out.log"
-    hidden = tmp_path / "hidden"
-    hidden.mkdir()
-    env = None if fast else _hide_packages(hidden, "uvloop", "httptools")
+    env = _server_env(tmp_path, fast)
     store = f"sqlite:///{tmp_path}/locks.db"
     with _running("--store", store, log=log, env=env) as (process, url):
         with keymutex.Locks(url, ttl=30.0) as locks:
@@ -151,9 +153,7 @@ def _raw_exchange(url: str, request: bytes) -> bytes:
 @pytest.mark.parametrize("fast", [True, False], ids=["uvloop+httptools", "asyncio+h11"])
 def test_a_request_that_is_not_http_gets_a_json_400(tmp_path: Path, fast: bool) -> None:
     log = tmp_path / "out.log"
-    hidden = tmp_path / "hidden"
-    hidden.mkdir()
-    env = None if fast else _hide_packages(hidden, "uvloop", "httptools")
+    env = _server_env(tmp_path, fast)
     with _running("--store", "memory://", log=log, env=env) as (process, url):
         for name, request in MALFORMED.items():
             head, _, body = _raw_exchange(url, request).partition(b"\r\n\r\n")
