@@ -1,15 +1,20 @@
 """Argument checks that run before anything touches a store.
 
 Each check raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value) with a
-message that names the argument and says what is accepted.
+message that names the argument and says what is accepted. Within ``json_words()`` the
+messages speak of JSON values (a string, an object, ``null``, ``true``), as the lock
+server receives them from clients in any language.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
 import sys
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 __all__ = [
@@ -28,6 +33,8 @@ __all__ = [
     "check_timeout",
     "check_token",
     "check_ttl",
+    "json_words",
+    "received",
     "seconds_of",
     "shown_number",
 ]
@@ -45,6 +52,40 @@ MAX_REASON_CHARS = 500  # why a key was force-released, as logged
 _TOKEN_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 T = TypeVar("T")
+_JSON_WORDS: ContextVar[bool] = ContextVar("keymutex_json_words", default=False)
+_SHOWN_CHARS = 60  # a received value shown in a message is cut after this many characters
+
+
+@contextlib.contextmanager
+def json_words() -> Iterator[None]:
+    """Within: the checks' messages name JSON types and show values as JSON text."""
+    reset = _JSON_WORDS.set(True)
+    try:
+        yield
+    finally:
+        _JSON_WORDS.reset(reset)
+
+
+def _words(python: str, json_: str) -> str:
+    return json_ if _JSON_WORDS.get() else python
+
+
+def received(value: object, *, python: str | None = None) -> str:
+    """How a refused value is shown: ``python`` (default its ``repr``), or its JSON text.
+
+    JSON text is cut to about 60 characters: a message repeats a value, not a body.
+    """
+    if not _JSON_WORDS.get():
+        return repr(value) if python is None else python
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):  # not from JSON: show it as Python does
+        text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 1] + "…"
+
+
+def _type_name(value: object) -> str:
+    return received(value, python=type(value).__name__)
 
 
 def _utf8_length(value: str, name: str) -> int:
@@ -59,7 +100,7 @@ def _utf8_length(value: str, name: str) -> int:
 def check_text(value: object, name: str, *, allow_empty: bool, max_bytes: int) -> str:
     """A ``str`` without NUL or lone surrogates, at most ``max_bytes`` as UTF-8."""
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+        raise TypeError(f"{name} must be {_words('a str', 'a string')}, not {_type_name(value)}")
     if not value and not allow_empty:
         raise ValueError(f"{name} must not be empty")
     if "\x00" in value:
@@ -89,12 +130,12 @@ def check_reason(value: object, name: str = "reason") -> str:
 
 
 def shown_number(value: object) -> str:
-    """``repr(value)``, or a short description of an int too large for a float."""
+    """``value`` as ``received`` shows it, or in words for an int too large for a float."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
         digits = int(value.bit_length() * math.log10(2)) + 1
         article = "a negative" if value < 0 else "an"
         return f"{article} integer of about {digits} digits"  # its repr: 1000s of digits
-    return repr(value)
+    return received(value)
 
 
 def seconds_of(value: object, name: str) -> float:
@@ -104,7 +145,8 @@ def seconds_of(value: object, name: str) -> float:
     message that names ``name``. ``ValueError`` for NaN.
     """
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds (int or float), not {value!r}")
+        kinds = _words(" (int or float)", "")
+        raise TypeError(f"{name} must be a number of seconds{kinds}, not {received(value)}")
     try:
         number = float(value)
     except OverflowError:  # an int beyond 1.8e308
@@ -127,7 +169,7 @@ def check_ttl(ttl: object, name: str = "ttl", *, at_most: float = MAX_TTL) -> fl
         )
     if seconds < MIN_TTL:
         raise ValueError(
-            f"{name} must be at least {MIN_TTL} s (1 ms), not {ttl!r}: a shorter lease"
+            f"{name} must be at least {MIN_TTL} s (1 ms), not {received(ttl)}: a shorter lease"
             " would expire before it could be granted"
         )
     return seconds
@@ -156,7 +198,8 @@ def check_info(info: object) -> dict[str, Any] | None:
     if info is None:
         return None
     if not isinstance(info, dict):
-        raise TypeError(f"info must be a dict or None, not {type(info).__name__}")
+        kinds = _words("a dict or None", "an object or null")
+        raise TypeError(f"info must be {kinds}, not {_type_name(info)}")
     _check_keys_are_text(info)
     try:
         encoded = json.dumps(info, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
@@ -197,18 +240,20 @@ def _check_keys_are_text(info: dict[Any, Any]) -> None:
 def check_token(token: object) -> str:
     """A lease token as keymutex issues them: a non-empty URL-safe ``str``."""
     if not isinstance(token, str):
-        raise TypeError(f"token must be a str, not {type(token).__name__}")
+        raise TypeError(f"token must be {_words('a str', 'a string')}, not {_type_name(token)}")
     if not token or len(token) > MAX_TOKEN_CHARS or not _TOKEN_ALPHABET.issuperset(token):
         raise ValueError(
             f"token must be 1 to {MAX_TOKEN_CHARS} URL-safe characters (A-Z a-z 0-9 - _)"
-            " as returned in Lease.token"
+            f" as returned {_words('in Lease.token', 'by acquire')}"
         )
     return token
 
 
 def check_bool(value: object, name: str) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, not {value!r}")
+        raise TypeError(
+            f"{name} must be {_words('True or False', 'true or false')}, not {received(value)}"
+        )
     return value
 
 

@@ -26,6 +26,8 @@ from keymutex._validate import (
     check_text,
     check_token,
     check_ttl,
+    json_words,
+    received,
     shown_number,
 )
 
@@ -151,7 +153,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except ValueError as exc:  # JSONDecodeError, duplicates, NaN, too many digits
         raise invalid(f"the body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise invalid(f"the body must be a JSON object, not {type(data).__name__}")
+        with json_words():
+            raise invalid(f"the body must be a JSON object, not {received(data)}")
     # json.loads turns "\ud800" escapes into lone surrogates: no store can keep them.
     # Text that decoded as UTF-8 holds none, so only a body with \u escapes is checked.
     if "\\u" in text:
@@ -207,8 +210,10 @@ class Fields:
 
 
 def checked(check: Callable[[object, str], T], value: object, name: str) -> T:
+    """``check(value, name)``; its refusal as a 400 whose message speaks of JSON values."""
     try:
-        return check(value, name)
+        with json_words():
+            return check(value, name)
     except (TypeError, ValueError, OverflowError) as exc:
         raise invalid(str(exc)) from None
 
@@ -236,7 +241,7 @@ def ttl(value: object, name: str) -> float:
 def timeout(value: object, name: str) -> float:
     """Seconds to wait: finite, 0 or more (``null`` is not accepted: the server caps it)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds, 0 or more, not {value!r}")
+        raise TypeError(f"{name} must be a number of seconds, 0 or more, not {received(value)}")
     try:
         seconds = float(value)
     except OverflowError:  # a JSON integer of hundreds of digits
@@ -282,16 +287,18 @@ def fence(value: object, name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer (a lease's fence) or null, not {value!r}")
+        raise TypeError(
+            f"{name} must be an integer (a lease's fence) or null, not {received(value)}"
+        )
     if not 0 <= value <= MAX_FENCE:
-        raise ValueError(f"{name} must be between 0 and {MAX_FENCE}, not {value!r}")
+        raise ValueError(f"{name} must be between 0 and {MAX_FENCE}, not {shown_number(value)}")
     return value
 
 
 def renewals(value: object, name: str) -> list[tuple[str, str, float]]:
     """The ``leases`` of renew-many: (key, token, ttl) for each, at most ``MAX_RENEWALS``."""
     if not isinstance(value, list):
-        raise TypeError(f"{name} must be a list of {{key, token, ttl?}} objects")
+        raise TypeError(f"{name} must be an array of {{key, token, ttl?}} objects")
     if len(value) > MAX_RENEWALS:
         raise ValueError(f"{name} holds {len(value)} leases; at most {MAX_RENEWALS} are accepted")
     result = []
@@ -301,7 +308,8 @@ def renewals(value: object, name: str) -> list[tuple[str, str, float]]:
             raise TypeError(f"{where} must be an object {{key, token, ttl?}}")
         unknown = sorted(set(item) - {"key", "token", "ttl"})
         if unknown:
-            raise ValueError(f"unknown field(s) {unknown} in {where}; accepted: key, token, ttl")
+            names = ", ".join(repr(name) for name in unknown)
+            raise ValueError(f"unknown field(s) {names} in {where}; accepted: key, token, ttl")
         for required in ("key", "token"):
             if required not in item:
                 raise ValueError(f"{where}.{required} is required")
