@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import threading
 
-__all__ = ["Doorbell"]
+__all__ = ["Doorbell", "LoopDoorbell"]
 
 
 class Doorbell:
@@ -33,6 +33,10 @@ class Doorbell:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(loop_event.set)
 
+    def forget(self) -> None:
+        """Drop a ring not yet consumed (it was about an earlier state of the key)."""
+        self._event.clear()  # a wait reports what this says, whatever woke it
+
     def wait(self, timeout: float) -> bool:
         rung = self._event.wait(timeout)
         self._event.clear()
@@ -56,4 +60,34 @@ class Doorbell:
             loop_event.clear()
             rung = self._event.is_set()
             self._event.clear()
+        return rung
+
+
+class LoopDoorbell:
+    """``Doorbell`` for a store whose wake-ups are read by a task on the waiter's loop.
+
+    Rung and waited on in that loop only, so it needs no lock. A ring that comes while
+    nobody waits is kept until the next wait consumes it.
+    """
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def ring(self) -> None:
+        self._event.set()
+
+    def forget(self) -> None:
+        """Drop a ring not yet consumed (it was about an earlier state of the key)."""
+        self._event.clear()
+
+    async def wait(self, timeout: float) -> bool:
+        """``True`` when rung (now or since the last wait) within ``timeout`` seconds."""
+        if not self._event.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
+        rung = self._event.is_set()
+        self._event.clear()
         return rung

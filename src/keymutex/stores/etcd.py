@@ -131,7 +131,7 @@ from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
-from keymutex.stores._doorbell import Doorbell
+from keymutex.stores._doorbell import Doorbell, LoopDoorbell
 from keymutex.stores._settings import TLS_OPTIONS, seconds, settings_of, tls_files
 
 __all__ = ["AsyncEtcdStore", "EtcdDriver", "EtcdStore", "driver"]
@@ -1269,7 +1269,7 @@ class _EtcdWaiter(Doorbell):
 
     def forget_rings(self) -> None:
         """A try is starting: it sees everything a ring until now was about."""
-        self._event.clear()
+        self.forget()
 
     def wait(self, timeout: float) -> bool:
         self.place.rung = super().wait(timeout)
@@ -1428,31 +1428,23 @@ def _shutdown(stream: httpx.Response) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
-class _AsyncEtcdWaiter:
+class _AsyncEtcdWaiter(LoopDoorbell):
     """A waiter of the async store, rung by its watch task when its turn may have come."""
 
-    __slots__ = ("_event", "key", "place", "store", "view")
+    __slots__ = ("key", "place", "store", "view")
 
     def __init__(self, store: AsyncEtcdStore, key: str) -> None:
+        super().__init__()
         self.store = store
         self.key = key
         self.place = _Place()
         self.view = _View(store._layout.name(key))
-        self._event = asyncio.Event()
-
-    def ring(self) -> None:
-        self._event.set()
 
     def forget_rings(self) -> None:
-        self._event.clear()
+        self.forget()
 
     async def wait(self, timeout: float) -> bool:
-        if not self._event.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self._event.wait()
-        self.place.rung = self._event.is_set()
-        self._event.clear()
+        self.place.rung = await super().wait(timeout)
         return self.place.rung
 
     async def aclose(self) -> None:

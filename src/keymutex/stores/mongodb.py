@@ -83,7 +83,7 @@ from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
-from keymutex.stores._doorbell import Doorbell
+from keymutex.stores._doorbell import Doorbell, LoopDoorbell
 
 __all__ = ["AsyncMongoStore", "MongoStore", "driver"]
 
@@ -583,27 +583,13 @@ class MongoStore:
 # -- the asyncio store -------------------------------------------------------------
 
 
-class _AsyncMongoWaiter:
-    __slots__ = ("_event", "_watcher", "doc_id")
+class _AsyncMongoWaiter(LoopDoorbell):
+    __slots__ = ("_watcher", "doc_id")
 
     def __init__(self, watcher: _AsyncWatcher | None, doc_id: str) -> None:
+        super().__init__()
         self._watcher = watcher
         self.doc_id = doc_id
-        self._event = asyncio.Event()
-
-    def ring(self) -> None:
-        self._event.set()
-
-    async def wait(self, timeout: float) -> bool:
-        try:
-            async with asyncio.timeout(timeout):
-                await self._event.wait()
-        except TimeoutError:
-            return False
-        finally:
-            rung = self._event.is_set()
-            self._event.clear()
-        return rung
 
     async def aclose(self) -> None:
         if self._watcher is not None:

@@ -101,7 +101,7 @@ from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
-from keymutex.stores._doorbell import Doorbell
+from keymutex.stores._doorbell import Doorbell, LoopDoorbell
 from keymutex.stores._settings import count, seconds
 
 __all__ = ["AsyncPostgresStore", "PostgresStore", "driver"]
@@ -1529,29 +1529,17 @@ class _Listener:
 # -- waiting: the async store ------------------------------------------------------------
 
 
-class _AsyncPostgresWaiter:
-    __slots__ = ("_event", "id", "key", "listener", "on_close", "queued", "registered")
+class _AsyncPostgresWaiter(LoopDoorbell):
+    __slots__ = ("id", "key", "listener", "on_close", "queued", "registered")
 
     def __init__(self, listener: _AsyncListener, key: str) -> None:
+        super().__init__()
         self.listener = listener
         self.key = key
         self.id = _waiter_id()
         self.registered = False
         self.queued = False
         self.on_close: Callable[[], Awaitable[None]] | None = None
-        self._event = asyncio.Event()
-
-    def ring(self) -> None:
-        self._event.set()
-
-    async def wait(self, timeout: float) -> bool:
-        if not self._event.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self._event.wait()
-        rung = self._event.is_set()
-        self._event.clear()
-        return rung
 
     async def aclose(self) -> None:
         on_close, self.on_close = self.on_close, None

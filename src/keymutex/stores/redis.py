@@ -71,6 +71,7 @@ from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
+from keymutex.stores._doorbell import LoopDoorbell
 from keymutex.stores._settings import count, seconds
 
 __all__ = ["AsyncRedisStore", "RedisStore", "driver"]
@@ -953,27 +954,21 @@ class _Hubs:
 class _AsyncRedisWaiter(_Grantee):
     """A waiter of the async store: rung by the store's pub/sub reader task."""
 
-    __slots__ = ("_event", "hub", "on_close")
+    __slots__ = ("_bell", "hub", "on_close")
 
     def __init__(self, hub: _AsyncSubscriptions, channel: str) -> None:
         super().__init__(channel)
         self.hub = hub
-        self._event = asyncio.Event()
+        self._bell = LoopDoorbell()
         self.on_close: Callable[[], Awaitable[None]] | None = None
 
     def ring(self, grant: tuple[int, int] | None) -> None:
         if grant is not None:
             self.granted = grant
-        self._event.set()
+        self._bell.ring()
 
     async def wait(self, timeout: float) -> bool:
-        if not self._event.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self._event.wait()
-        rung = self._event.is_set()
-        self._event.clear()
-        return rung
+        return await self._bell.wait(timeout)
 
     async def aclose(self) -> None:
         on_close, self.on_close = self.on_close, None
