@@ -30,7 +30,22 @@ def _describe(holder: Holder | None) -> str:
     return f"held by {holder.owner!r} (fence {holder.fence})"
 
 
-class Locked(LockError):
+class _KeyedError(LockError):
+    """An error about one key and its holder: pickled and copied with both.
+
+    The constructor's arguments are not ``args`` (that is the message alone, as for
+    any exception), so ``__reduce__`` says how to build it again: in another process
+    (a ``ProcessPoolExecutor`` job that raised it), or by ``copy``.
+    """
+
+    key: Hashable
+    holder: Holder | None
+
+    def __reduce__(self) -> tuple[type[_KeyedError], tuple[Hashable, Holder | None, str]]:
+        return type(self), (self.key, self.holder, str(self))
+
+
+class Locked(_KeyedError):
     """The key was not acquired within the timeout; ``holder`` is who had it, if known.
 
     ``key`` is a ``str`` for lease locks, any hashable for the in-process ``KeyedLock``.
@@ -42,8 +57,10 @@ class Locked(LockError):
         super().__init__(message or f"{key!r} is locked: {_describe(holder)}")
 
 
-class LockLost(LockError):
+class LockLost(_KeyedError):
     """The lease no longer holds its key; ``holder`` is the new holder, if any."""
+
+    key: str
 
     def __init__(self, key: str, holder: Holder | None, message: str | None = None) -> None:
         self.key = key
