@@ -764,6 +764,18 @@ def _lease_info(
     return info
 
 
+def _signal(process: asyncio.subprocess.Process, signum: int) -> None:
+    """Send ``signum`` to the child, unless it has ended.
+
+    Not ``Process.send_signal``: ``Popen.send_signal`` first polls, and may reap a child
+    that a signal to the whole process group has just killed, behind asyncio's child
+    watcher, which then loses its status ("Unknown child process pid …", status 255).
+    """
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signum)
+
+
 class _Run:
     """One ``keymutex run``: wait for the lock, run the child, forward signals.
 
@@ -804,10 +816,8 @@ class _Run:
 
     def _forward(self, signum: int) -> None:
         assert self.process is not None
-        if _terminal_delivered_to_child(signum):
-            return
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signum)
+        if not _terminal_delivered_to_child(signum):
+            _signal(self.process, signum)
 
     def on_lost(self, lease: object) -> None:
         """The lease is gone: warn, and terminate the child if it runs."""
@@ -820,8 +830,7 @@ class _Run:
             f" sending SIGTERM to it (pid {process.pid})",
             err=True,
         )
-        with contextlib.suppress(ProcessLookupError):
-            process.terminate()
+        _signal(process, signal.SIGTERM)
 
     async def main(
         self, open_locks: Callable[[], AsyncLocks], ttl: float | None, timeout: float | None
@@ -936,8 +945,7 @@ class _Run:
         for signum in self.pending:
             self._forward(signum)
         if self.lost:
-            with contextlib.suppress(ProcessLookupError):
-                process.terminate()
+            _signal(process, signal.SIGTERM)
         returncode = await process.wait()
         return 128 - returncode if returncode < 0 else returncode
 
