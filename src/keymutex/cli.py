@@ -296,7 +296,8 @@ def _store_options(command: Callable[..., Any]) -> Callable[..., Any]:
         "--store",
         envvar=STORE_ENVVAR,
         metavar="URL",
-        help=f"Store URL, e.g. sqlite:///path/locks.db or redis://host:6379/0."
+        help=f"Store URL, e.g. sqlite:///path/locks.db, redis://host:6379/0 or a lock"
+        f" server's http://host:7420 (its API token from $KEYMUTEX_API_TOKEN)."
         f"  [default: ${STORE_ENVVAR}, else sqlite:/// a locks.db in"
         f" {platformdirs.user_data_dir('keymutex', appauthor=False)}]",
     )(command)

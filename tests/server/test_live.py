@@ -185,9 +185,10 @@ def test_http_store_with_api_tokens(make_live: Callable[..., Live], tmp_path: An
     live = make_live(token_file=write_tokens(tmp_path))
     with (
         keymutex.Locks(live.url, namespace="cms") as anonymous,
-        pytest.raises(keymutex.StoreError, match="401"),
+        pytest.raises(keymutex.StoreError, match="401") as refused,
     ):
         anonymous.holder("doc:1")
+    assert "sends the API token of api_token=… or $KEYMUTEX_API_TOKEN" in str(refused.value)
     with (
         keymutex.Locks(live.url, namespace="cms", api_token=EDITOR_TOKEN) as editor,
         httpx.Client(base_url=live.url, headers=bearer(ADMIN_TOKEN)) as admin,

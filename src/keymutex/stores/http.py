@@ -153,6 +153,8 @@ def _expect(what: str, status: int, payload: JSONDict, conflict: str | None = No
         return False
     if status == 400:
         raise ValueError(f"the lock server refused {what}: {message}")
+    if status == 401:
+        message += f" (this client sends the API token of api_token=… or ${TOKEN_ENVVAR})"
     raise StoreError(f"the lock server answered {what} with {status} {error}: {message}")
 
 
