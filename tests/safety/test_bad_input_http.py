@@ -307,6 +307,8 @@ ROWS = [
     # routes and methods
     post("route-unknown", "/v1/nosuch", {}, "no such route: POST /v1/nosuch", status=404, error="not_found"),
     post("route-other-version", "/v2/acquire", with_key(), "no such route: POST /v2/acquire", status=404, error="not_found"),
+    post("route-trailing-slash", "/v1/acquire/", with_key(), "no such route: POST /v1/acquire/", status=404, error="not_found"),
+    get("route-trailing-slash-on-get", "/v1/holders/", "prefix=", "no such route: GET /v1/holders/", status=404, error="not_found"),
     get("method-get-on-acquire", "/v1/acquire", "key=doc", "GET is not allowed here", status=405, error="method_not_allowed"),
     post("method-post-on-holder", "/v1/holder", with_key(), "POST is not allowed here", status=405, error="method_not_allowed"),
     # API tokens (the server has a token file): checked before anything else

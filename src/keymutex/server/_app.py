@@ -820,5 +820,9 @@ def create_app(
         },
         lifespan=lifespan,
     )
+    # A path with a slash too many or too few is not a route: a 404 in JSON, as the
+    # error table says, not Starlette's empty 307 to the other spelling (which a
+    # client's POST would follow without its body, or not at all).
+    app.router.redirect_slashes = False
     app.state.keymutex = server
     return app
