@@ -541,6 +541,15 @@ def _renewed_too_late(batch: Sequence[L], outcomes: Sequence[Outcome]) -> list[L
     return [x for x, o in zip(batch, outcomes, strict=True) if o.ok and x._lost]
 
 
+def _closed_while_waiting(locks: Locks | AsyncLocks, key: str) -> str:
+    return f"this {type(locks).__name__} was closed while an acquire of {key!r} waited"
+
+
+def _quiet_if(closed: bool) -> contextlib.AbstractContextManager[None]:
+    """Suppress a store's errors once its client is closed (nothing more can be done)."""
+    return contextlib.suppress(Exception) if closed else contextlib.nullcontext()
+
+
 class _LockContext:
     """What ``Locks.lock()`` returns: acquires on enter, releases on exit."""
 
@@ -618,7 +627,10 @@ class Locks:
     def close(self) -> None:
         """Stop renewing and close the store connection. Held leases are not released.
 
-        Every method called afterwards raises ``RuntimeError``, before the store.
+        Every method called afterwards raises ``RuntimeError``, before the store. An
+        acquire that waits for a key raises it too, when it next wakes to re-check
+        (within a second, on the lock server within its long poll): a grant that comes
+        after the store is closed stays held until its TTL.
         """
         self._closed = True
         self._renewer.close()
@@ -730,24 +742,35 @@ class Locks:
     def _acquire(self, request: _Request) -> Lease:
         self._check_open()
         token = _new_token() if request.token is None else request.token
-        if request.steal or request.timeout == 0:
-            return self._attempt_once(request, token)
-        deadline = Deadline(request.timeout)
-        if not self._gate.acquire(request.key, timeout=deadline.remaining()):
-            raise Locked(request.key, self._holder_if_known(request.key))
         try:
-            return self._contend(request, token, deadline)
-        finally:
-            self._gate.release(request.key)
+            if request.steal or request.timeout == 0:
+                sent_at, outcome = self._attempt_once(request, token)
+            else:
+                deadline = Deadline(request.timeout)
+                if not self._gate.acquire(request.key, timeout=deadline.remaining()):
+                    raise Locked(request.key, self._holder_if_known(request.key))
+                try:
+                    sent_at, outcome = self._contend(request, token, deadline)
+                finally:
+                    self._gate.release(request.key)
+            return self._granted(request, token, outcome, sent_at)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                # Interrupted (KeyboardInterrupt, SystemExit): the store may have granted
+                # the key in a step whose answer the caller will never see.
+                self._give_back(request.key, token)
+            raise
 
-    def _attempt_once(self, request: _Request, token: str) -> Lease:
+    def _attempt_once(self, request: _Request, token: str) -> tuple[float, Outcome]:
+        """(when the try was sent, its granting outcome); ``Locked`` if refused."""
         sent_at = _clock.monotonic()
         outcome = self._try(request, token, None)
         if not outcome.ok:
             raise Locked(request.key, outcome.holder)
-        return self._granted(request, token, outcome, sent_at)
+        return sent_at, outcome
 
-    def _contend(self, request: _Request, token: str, deadline: Deadline) -> Lease:
+    def _contend(self, request: _Request, token: str, deadline: Deadline) -> tuple[float, Outcome]:
+        """Try, wait, try again until granted: as ``_attempt_once``, by ``deadline``."""
         notifies = self._store.capabilities.notifies
         at_store = self._store.capabilities.waits_at_store
         backoff = None if notifies else Backoff()
@@ -759,15 +782,22 @@ class Locks:
                 sent_at = _clock.monotonic()
                 outcome = self._try(request, token, waiter)
                 if outcome.ok:
-                    return self._granted(request, token, outcome, sent_at)
+                    return sent_at, outcome
                 if deadline.passed():
                     raise Locked(request.key, outcome.holder)
                 if waiter is None:
                     waiter = self._store.waiter(request.key)
                 waiter.wait(park_time(deadline, outcome.remaining, backoff, at_store=at_store))
+                if self._closed:
+                    raise RuntimeError(_closed_while_waiting(self, request.key))
+        except StoreError as exc:
+            if self._closed:  # its store was closed under the call: that is what happened
+                raise RuntimeError(_closed_while_waiting(self, request.key)) from exc
+            raise
         finally:
             if waiter is not None:
-                waiter.close()
+                with _quiet_if(self._closed):  # closed store: its queue entry expires
+                    waiter.close()
 
     def _try(self, request: _Request, token: str, waiter: Waiter | None) -> Outcome:
         return self._store.try_acquire(
@@ -794,10 +824,16 @@ class Locks:
             try:
                 self._renewer.add(lease)
             except RuntimeError:  # closed while the grant was on its way: give it back
-                with contextlib.suppress(Exception):
-                    self._store.release(request.key, token)
+                self._give_back(request.key, token)
                 raise
         return lease
+
+    def _give_back(self, key: str, token: str) -> None:
+        """Release a grant that the caller will never see (by token: nobody else's)."""
+        try:
+            self._store.release(key, token)
+        except Exception as exc:  # the lease will expire by its TTL
+            _LOG.warning("could not give back %r after an interrupted acquire: %s", key, exc)
 
     def _holder_if_known(self, key: str) -> Holder | None:
         try:
@@ -852,7 +888,7 @@ class Locks:
             return
         try:
             self._release_lease(lease)
-        except LockError:
+        except (LockError, RuntimeError):  # RuntimeError: closed before the block ended
             if not block_failed:
                 raise
 
@@ -1117,7 +1153,8 @@ class AsyncLocks:
     async def aclose(self) -> None:
         """Stop renewing and close the store connection. Held leases are not released.
 
-        Every method called afterwards raises ``RuntimeError``, before the store.
+        Every method called afterwards raises ``RuntimeError``, before the store. An
+        acquire that waits for a key raises it too, as ``Locks.close`` says.
         """
         self._closed = True
         await self._renewer.aclose()
@@ -1271,13 +1308,20 @@ class AsyncLocks:
                 await waiting.waiter.wait(
                     park_time(deadline, outcome.remaining, backoff, at_store=at_store)
                 )
+                if self._closed:
+                    raise RuntimeError(_closed_while_waiting(self, request.key))
+        except StoreError as exc:
+            if self._closed:  # its store was closed under the call: that is what happened
+                raise RuntimeError(_closed_while_waiting(self, request.key)) from exc
+            raise
         finally:
             if waiting is not None:
                 try:
                     if waiting.closed:  # by the granted step: nothing left to wait for
                         waiting.raise_close_error()
                     else:
-                        await asyncio.shield(waiting.waiter.aclose())
+                        with _quiet_if(self._closed):  # closed store: its entry expires
+                            await asyncio.shield(waiting.waiter.aclose())
                 except asyncio.CancelledError:
                     if outcome is not None and outcome.ok:  # cancelled with the key in hand
                         self._give_back(request.key, token)
@@ -1413,6 +1457,6 @@ class AsyncLocks:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             await reply
-        except LockError:
+        except (LockError, RuntimeError):  # RuntimeError: closed before the block ended
             if not block_failed:
                 raise
