@@ -424,7 +424,7 @@ async def _refused(row: Req, url: str, tmp_path: Path) -> None:
     app = create_app(url, max_wait=2.0, token_file=token_file)
     try:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as api:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:7420") as api:
             server = Server(api, secured=token_file is not None)
             x = await _prepare(server, row.setup)
             before = await server.state()
@@ -458,7 +458,7 @@ async def _renew_many_refuses_each_wrong_token(url: str) -> None:
     app = create_app(url, max_wait=2.0)
     try:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as api:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:7420") as api:
             server = Server(api, secured=False)
             x = await _prepare(server, None)
             before = await server.state()
@@ -497,7 +497,7 @@ async def _utf8_is_accepted(url: str) -> None:
     app = create_app(url, max_wait=2.0)
     try:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as api:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:7420") as api:
             server = Server(api, secured=False)
             info = {"b": "é" * 2044}  # 4096 bytes as UTF-8 JSON, as the Python API counts
             lease = await server.acquire("clé", info=info)

@@ -72,7 +72,7 @@ async def api() -> AsyncIterator[httpx.AsyncClient]:
     """The app on a fresh memory:// table, without a token file, max_wait 2 s."""
     app = create_app(f"memory://{uuid.uuid4().hex}", max_wait=2.0)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:7420") as client:
         yield client
     await close_app(app)
 
@@ -82,7 +82,7 @@ async def secured(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     """The app with the token file ``TOKENS``."""
     app = create_app(f"memory://{uuid.uuid4().hex}", token_file=write_tokens(tmp_path))
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:7420") as client:
         yield client
     await close_app(app)
 

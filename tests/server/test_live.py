@@ -94,6 +94,15 @@ def test_event_stream_sends_a_snapshot_after_a_change(http: httpx.Client) -> Non
         assert snapshot["holders"][0]["info"] == {"who": "me"}
 
 
+def test_head_of_the_event_stream_is_its_headers_and_ends(http: httpx.Client) -> None:
+    """Before: HEAD started the endless stream and never finished its response, so the
+    connection's next request (keep-alive, pipelined) was never answered."""
+    reply = http.head("/v1/events", timeout=5)
+    assert reply.status_code == 200
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    assert http.get("/healthz", timeout=5).status_code == 200  # the same connection
+
+
 def _next_event(lines: Iterator[str]) -> dict[str, Any]:
     event = None
     for line in lines:

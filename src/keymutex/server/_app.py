@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib
+import ipaddress
 import json
 import logging
 import stat
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
@@ -43,7 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from keymutex import _clock
 from keymutex._client import AsyncLocks
-from keymutex._errors import Locked, LockLost, StoreError
+from keymutex._errors import Locked, LockError, LockLost, StoreError
 from keymutex._lease import AsyncLease, Holder
 from keymutex._store import Capabilities, RenewRequest
 from keymutex._urls import scheme_of
@@ -168,6 +170,51 @@ class _Guard:
                 await response(scope, receive, send)
 
 
+def _is_loopback_host(host: str) -> bool:
+    """Whether a ``Host`` header names this machine's loopback: localhost, 127/8, ::1."""
+    if host.startswith("["):  # [::1]:7420
+        name = host[1 : host.find("]")] if "]" in host else ""
+    else:
+        name, colon, port = host.rpartition(":")
+        if not (colon and port.isdigit()):
+            name = host
+    name = name.rstrip(".").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+class _LoopbackOnly:
+    """Without a token file: answer only requests addressed to a loopback host.
+
+    Such a server binds loopback only, yet a web page can still reach it through its
+    visitor's browser, under a name of its own that it points at 127.0.0.1 (DNS
+    rebinding). The request then says that name in ``Host``: refused, it can neither
+    take nor release a lock. A request without ``Host`` (HTTP/1.0) comes from no browser.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host")
+            if host is not None and not _is_loopback_host(host):
+                refusal = ApiError(
+                    403,
+                    "forbidden",
+                    "this lock server has no token file, so it answers only requests"
+                    " addressed to this machine's loopback (Host: 127.0.0.1, localhost or"
+                    f" [::1]), not {host[:100]!r}",
+                )
+                await error_response(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 @contextlib.contextmanager
 def _arguments() -> Any:
     """A ``TypeError``/``ValueError`` from the library's own checks is a 400."""
@@ -213,7 +260,14 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], stopping: a
         if stop.done() and not stop.cancelled():
             raise SHUTTING_DOWN
         raise ClientDisconnect()
-    return task.result()
+    result = task.result()
+    if gone.done() and not gone.cancelled() and gone.exception() is None:
+        # The grant and the hang-up came together: nobody will ever hold this lease.
+        if isinstance(result, AsyncLease):
+            with contextlib.suppress(LockError):
+                await result.release()
+        raise ClientDisconnect()
+    return result
 
 
 async def _first(*waits: Awaitable[Any], timeout: float | None = None) -> None:
@@ -611,12 +665,15 @@ class _Server:
         visible = self.auth.readable_prefixes(who, namespace, prefix)
         # Taken before the first snapshot, so no change slips in between. The first
         # snapshot is read before answering: a failing store is a plain 503.
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if request.method == "HEAD":  # the headers only: a stream would never end
+            return Response(media_type="text/event-stream", headers=headers)
         changed = self.changes.namespaces.event(namespace)
         first = await self.snapshot(namespace, prefix, visible)
         return StreamingResponse(
             self.stream(namespace, prefix, visible, changed, first),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers=headers,
         )
 
     async def stream(
@@ -784,7 +841,8 @@ def create_app(
     """The lock server as an ASGI app, serving the store at ``store_url``.
 
     - ``token_file``: API tokens and their grants (docs/http-api.md, Auth); without it
-      every request is allowed (bind to loopback only).
+      every request addressed to a loopback host (``Host``) is allowed (bind to
+      loopback only), and others are refused 403.
     - ``max_wait``: the longest a request waits at the server (acquire, wait).
     - ``max_namespaces``: idle namespace clients kept open.
 
@@ -812,7 +870,11 @@ def create_app(
 
     app = Starlette(
         routes=server.routes(),
-        middleware=[Middleware(MetricsMiddleware, metrics=server.metrics), Middleware(_Guard)],
+        middleware=[
+            Middleware(MetricsMiddleware, metrics=server.metrics),
+            Middleware(_Guard),
+            *([Middleware(_LoopbackOnly)] if auth.open else []),
+        ],
         exception_handlers={
             ApiError: _on_api_error,
             StoreError: _on_store_error,

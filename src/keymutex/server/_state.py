@@ -113,10 +113,10 @@ class Namespaces:
 
     @contextlib.asynccontextmanager
     async def using(self, namespace: str) -> AsyncIterator[AsyncLocks]:
-        locks = await self._get(namespace)
+        # Counted before any await: a trim while the client opens must not close it.
         self._users[namespace] += 1
         try:
-            yield locks
+            yield await self._get(namespace)
         finally:
             self._users[namespace] -= 1
             if self._users[namespace] <= 0:
@@ -149,10 +149,15 @@ class Namespaces:
         return locks
 
     async def _trim(self) -> None:
-        idle = [name for name in self._open if not self._users[name]]
         excess = len(self._open) - self._limit
-        for name in idle[: max(0, excess)]:
-            await self._open.pop(name).aclose()
+        if excess <= 0:
+            return
+        # Chosen and taken out with no await in between: a request that comes for one
+        # of them while they close opens a client of its own.
+        idle = [name for name in self._open if not self._users[name]][:excess]
+        closing = [self._open.pop(name) for name in idle]
+        for locks in closing:
+            await locks.aclose()
 
     async def aclose(self) -> None:
         self._closed = True

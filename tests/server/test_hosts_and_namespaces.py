@@ -1,0 +1,116 @@
+"""The server's front door: which Host it answers without a token file, and many namespaces at once."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from keymutex.server import create_app
+
+from .conftest import EDITOR_TOKEN, bearer, close_app, write_tokens
+
+LOOPBACK = [
+    "127.0.0.1:7420",
+    "127.0.0.2",
+    "localhost:7420",
+    "LocalHost.",
+    "app.localhost",
+    "[::1]:7420",
+    "[::1]",
+]
+OTHERS = [
+    "attacker.example:7420",
+    "attacker.example",
+    "10.0.0.1:7420",
+    "[2001:db8::1]:7420",
+    "localhost.attacker.example",
+    "127.0.0.1.nip.io",
+    "",
+]
+
+
+async def _post(
+    app: object, host: str | None, path: str, body: dict[str, object], **headers: str
+) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:7420") as client:
+        if host is not None:
+            headers["Host"] = host
+        return await client.post(path, json=body, headers=headers)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("host", LOOPBACK)
+async def test_without_a_token_file_a_loopback_host_is_answered(tmp_path: Path, host: str) -> None:
+    app = create_app(f"sqlite:///{tmp_path}/locks.db")
+    try:
+        reply = await _post(app, host, "/v1/acquire", {"key": "doc"})
+        assert reply.status_code == 200, reply.text
+    finally:
+        await close_app(app)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("host", OTHERS)
+async def test_without_a_token_file_another_host_is_refused_and_changes_nothing(
+    tmp_path: Path, host: str
+) -> None:
+    """DNS rebinding: a page's own name pointed at 127.0.0.1 is in its requests' Host."""
+    app = create_app(f"sqlite:///{tmp_path}/locks.db")
+    try:
+        for path, body in [
+            ("/v1/acquire", {"key": "doc"}),
+            ("/v1/force-release", {"key": "doc", "reason": "x"}),
+        ]:
+            reply = await _post(app, host, path, body)
+            assert reply.status_code == 403, reply.text
+            assert reply.json()["error"] == "forbidden"
+            assert (
+                "answers only requests addressed to this machine's loopback"
+                in reply.json()["message"]
+            )
+        listing = await _post(app, None, "/v1/acquire", {"key": "doc", "timeout": 0})
+        assert listing.status_code == 200  # the key was never taken
+    finally:
+        await close_app(app)
+
+
+@pytest.mark.asyncio
+async def test_with_a_token_file_any_host_is_answered(tmp_path: Path) -> None:
+    app = create_app(f"sqlite:///{tmp_path}/locks.db", token_file=write_tokens(tmp_path))
+    try:
+        reply = await _post(
+            app,
+            "locks.internal.example:7420",
+            "/v1/acquire",
+            {"namespace": "cms", "key": "doc:1"},
+            **bearer(EDITOR_TOKEN),
+        )
+        assert reply.status_code == 200, reply.text
+    finally:
+        await close_app(app)
+
+
+@pytest.mark.asyncio
+async def test_many_namespaces_at_once_beyond_the_open_client_limit(tmp_path: Path) -> None:
+    """Before: a client still being opened for one request was closed by another's trim,
+    and 1 to 35 of 150 concurrent acquires answered 503 internal_error."""
+    app = create_app(f"sqlite:///{tmp_path}/locks.db", max_namespaces=4)
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://127.0.0.1:7420"
+        ) as client:
+
+            async def acquire(n: int) -> httpx.Response:
+                return await client.post("/v1/acquire", json={"namespace": f"ns{n}", "key": "k"})
+
+            replies = await asyncio.gather(*(acquire(n) for n in range(150)))
+            assert [r.status_code for r in replies if r.status_code != 200] == []
+            again = await asyncio.gather(*(acquire(n) for n in range(150)))
+            assert {r.json()["error"] for r in again} == {"locked"}  # every lease still held
+    finally:
+        await close_app(app)
