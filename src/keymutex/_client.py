@@ -833,7 +833,7 @@ class Locks:
         try:
             self._store.release(key, token)
         except Exception as exc:  # the lease will expire by its TTL
-            _LOG.warning("could not give back %r after an interrupted acquire: %s", key, exc)
+            _LOG.warning("could not give back %r, granted to an acquire that failed: %s", key, exc)
 
     def _holder_if_known(self, key: str) -> Holder | None:
         try:

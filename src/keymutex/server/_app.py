@@ -170,8 +170,9 @@ class _Guard:
                 await response(scope, receive, send)
 
 
-def _is_loopback_host(host: str) -> bool:
-    """Whether a ``Host`` header names this machine's loopback: localhost, 127/8, ::1."""
+def _is_rebinding_proof_host(host: str) -> bool:
+    """Whether a ``Host`` header is an IP address or localhost: no name that DNS, hence
+    a stranger, could point at this machine."""
     if host.startswith("["):  # [::1]:7420
         name = host[1 : host.find("]")] if "]" in host else ""
     else:
@@ -182,18 +183,21 @@ def _is_loopback_host(host: str) -> bool:
     if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        ipaddress.ip_address(name)
     except ValueError:
         return False
+    return True
 
 
-class _LoopbackOnly:
-    """Without a token file: answer only requests addressed to a loopback host.
+class _NoRebinding:
+    """Without a token file: refuse requests addressed by a DNS name other than localhost.
 
     Such a server binds loopback only, yet a web page can still reach it through its
     visitor's browser, under a name of its own that it points at 127.0.0.1 (DNS
     rebinding). The request then says that name in ``Host``: refused, it can neither
-    take nor release a lock. A request without ``Host`` (HTTP/1.0) comes from no browser.
+    take nor release a lock. An IP address in ``Host`` cannot be rebound (a TCP proxy or
+    port forward in front of the server may use one), and a request without ``Host``
+    (HTTP/1.0) comes from no browser.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -202,13 +206,13 @@ class _LoopbackOnly:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             host = Headers(scope=scope).get("host")
-            if host is not None and not _is_loopback_host(host):
+            if host is not None and not _is_rebinding_proof_host(host):
                 refusal = ApiError(
                     403,
                     "forbidden",
                     "this lock server has no token file, so it answers only requests"
-                    " addressed to this machine's loopback (Host: 127.0.0.1, localhost or"
-                    f" [::1]), not {host[:100]!r}",
+                    " addressed to an IP address or localhost (Host: 127.0.0.1:7420,"
+                    f" localhost, [::1]), not to a DNS name such as {host[:100]!r}",
                 )
                 await error_response(refusal)(scope, receive, send)
                 return
@@ -841,8 +845,8 @@ def create_app(
     """The lock server as an ASGI app, serving the store at ``store_url``.
 
     - ``token_file``: API tokens and their grants (docs/http-api.md, Auth); without it
-      every request addressed to a loopback host (``Host``) is allowed (bind to
-      loopback only), and others are refused 403.
+      every request addressed to an IP address or localhost (``Host``) is allowed
+      (bind to loopback only), and one addressed by another DNS name refused 403.
     - ``max_wait``: the longest a request waits at the server (acquire, wait).
     - ``max_namespaces``: idle namespace clients kept open.
 
@@ -873,7 +877,7 @@ def create_app(
         middleware=[
             Middleware(MetricsMiddleware, metrics=server.metrics),
             Middleware(_Guard),
-            *([Middleware(_LoopbackOnly)] if auth.open else []),
+            *([Middleware(_NoRebinding)] if auth.open else []),
         ],
         exception_handlers={
             ApiError: _on_api_error,
