@@ -634,6 +634,15 @@ def _listen(host: str, port: int) -> socket.socket:
     help="Log a line per request (uvicorn's access log). Off by default: it costs a"
     " good part of a lock request's time, and /metrics counts and times every request.",
 )
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(0.1, 3600),
+    default=10.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long a request may take to arrive, from its first byte to its last, before"
+    " it is answered 408 and its connection closed. Waiting for a lock does not count.",
+)
 @click.pass_context
 def serve_command(
     ctx: click.Context,
@@ -642,6 +651,7 @@ def serve_command(
     port: int,
     token_file: Path | None,
     access_log: bool,
+    request_timeout: float,
 ) -> None:
     """Serve the store's locks over HTTP, with a dashboard at / (Ctrl-C stops).
 
@@ -654,7 +664,7 @@ def serve_command(
 
         from keymutex.server import create_app
         from keymutex.server._auth import load_token_file
-        from keymutex.server._protocol import http_protocol
+        from keymutex.server._protocol import HEAD_LIMIT, http_protocol
     except ImportError as exc:
         raise _Unavailable(
             f"the lock server needs {exc.name or 'its packages'}: pip install 'keymutex[server]'"
@@ -692,7 +702,10 @@ def serve_command(
         app,
         log_level="info",
         access_log=access_log,
-        http=http_protocol(),  # uvicorn's own, answering what it cannot parse in JSON
+        # uvicorn's own, answering what it cannot parse in JSON, with bounds on the size
+        # of a request's head and on the time it takes to arrive
+        http=http_protocol(request_timeout),
+        h11_max_incomplete_event_size=HEAD_LIMIT,  # h11's own bound, where it runs
         timeout_graceful_shutdown=3,
         lifespan="on",
         proxy_headers=False,

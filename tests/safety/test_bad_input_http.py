@@ -170,6 +170,7 @@ ROWS = [
     acquire("content-type-missing", b'{"key": "doc"}', "send the body as JSON with 'Content-Type: application/json'", status=415, error="unsupported_media_type"),
     acquire("content-type-text", b'{"key": "doc"}', "send the body as JSON with 'Content-Type: application/json'", headers={"Content-Type": "text/plain"}, status=415, error="unsupported_media_type"),
     acquire("content-type-form", b"key=doc", "send the body as JSON", headers={"Content-Type": "application/x-www-form-urlencoded"}, status=415, error="unsupported_media_type"),
+    acquire("content-type-charset-latin-1", b'{"key": "doc"}', "send the body as UTF-8 JSON: charset 'latin-1' is not accepted", headers={"Content-Type": "application/json; charset=latin-1"}, status=415, error="unsupported_media_type"),
     acquire("content-encoding-gzip", b'{"key": "doc"}', "send the body unencoded: Content-Encoding 'gzip' is not accepted", headers={**JSON_TYPE, "Content-Encoding": "gzip"}, status=415, error="unsupported_media_type"),
     post("acquire-query-parameter", "/v1/acquire?key=other", with_key(), "POST /v1/acquire takes no query parameters: send every field in the JSON body"),
     post("release-query-parameter", "/v1/release?token=x", with_key(token="t" * 24), "POST /v1/release takes no query parameters: send every field in the JSON body"),

@@ -117,3 +117,68 @@ async def test_many_namespaces_at_once_beyond_the_open_client_limit(tmp_path: Pa
             assert {r.json()["error"] for r in again} == {"locked"}  # every lease still held
     finally:
         await close_app(app)
+
+
+@pytest.mark.asyncio
+async def test_two_authorization_headers_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    """Which of two headers counts depends on each proxy on the way: neither does."""
+    app = create_app(f"sqlite:///{tmp_path}/locks.db", token_file=write_tokens(tmp_path))
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://127.0.0.1:7420"
+        ) as client:
+            body = {"namespace": "cms", "key": "doc:1"}
+            twice = [
+                ("Authorization", f"Bearer {EDITOR_TOKEN}"),
+                ("Authorization", "Bearer someone-else-entirely-0000000000"),
+            ]
+            reply = await client.post("/v1/acquire", json=body, headers=twice)
+            assert reply.status_code == 400, reply.text
+            assert reply.json() == {
+                "error": "invalid_argument",
+                "message": "send one Authorization header, not 2",
+            }
+            once = await client.post("/v1/acquire", json=body, headers=bearer(EDITOR_TOKEN))
+            assert once.status_code == 200, once.text  # the key was not taken
+    finally:
+        await close_app(app)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        ("application/json", 200),
+        ("application/json; charset=utf-8", 200),
+        ('Application/JSON; Charset="UTF-8"', 200),
+        ("application/json; charset=latin-1", 415),
+        ("application/json; charset=utf-16", 415),
+    ],
+)
+async def test_a_body_in_another_charset_than_utf_8_is_refused(
+    tmp_path: Path, content_type: str, status: int
+) -> None:
+    """Before: a body declared latin-1 was read as UTF-8, so 'é' in info came out mangled."""
+    app = create_app(f"sqlite:///{tmp_path}/locks.db")
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://127.0.0.1:7420"
+        ) as client:
+            body = '{"key": "doc", "info": {"editor": "Zoé"}}'.encode("latin-1")
+            if "utf" in content_type.lower() or "charset" not in content_type:
+                body = '{"key": "doc", "info": {"editor": "Zoé"}}'.encode()
+            reply = await client.post(
+                "/v1/acquire", content=body, headers={"Content-Type": content_type}
+            )
+            assert reply.status_code == status, reply.text
+            if status == 200:
+                assert reply.json()["info"] == {"editor": "Zoé"}
+            else:
+                assert reply.json()["error"] == "unsupported_media_type"
+                assert "send the body as UTF-8 JSON: charset" in reply.json()["message"]
+                holder = await client.get("/v1/holder", params={"key": "doc"})
+                assert holder.json()["holder"] is None
+    finally:
+        await close_app(app)

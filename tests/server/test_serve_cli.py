@@ -107,7 +107,8 @@ def _server_env(tmp_path: Path, fast: bool) -> dict[str, str] | None:
     for name in ("uvloop", "httptools"):
         (hidden / name).mkdir(parents=True)
         (hidden / name / "__init__.py").write_text(f"raise ImportError('{name} hidden')\n")
-    return {**os.environ, "PYTHONPATH": str(hidden)}
+    path = [str(hidden), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["uvloop+httptools", "asyncio+h11"])
@@ -243,3 +244,118 @@ def test_a_store_whose_extra_is_missing_is_named_without_a_traceback(tmp_path: P
         assert done.returncode == 69, done.stderr
         assert "the redis:// store needs 'redis': pip install 'keymutex[redis]'" in done.stderr
         assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["uvloop+httptools", "asyncio+h11"])
+def test_a_request_head_over_32_kib_is_refused(tmp_path: Path, fast: bool) -> None:
+    """httptools took a head of any size (a client could fill the server's memory);
+    h11 stopped at 16 KiB, which a browser's cookies for localhost can pass."""
+    log = tmp_path / "out.log"
+    with _running("--store", "memory://", log=log, env=_server_env(tmp_path, fast)) as (
+        process,
+        url,
+    ):
+        ask = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        served = _raw_exchange(url, ask + b"Cookie: " + b"c" * 20_000 + b"\r\n\r\n")
+        assert served.startswith(b"HTTP/1.1 200"), served[:200]
+        refused = _raw_exchange(url, ask + b"Cookie: " + b"c" * 40_000 + b"\r\n\r\n")
+        head, _, body = refused.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 431"), head
+        assert b"content-type: application/json" in head.lower()
+        assert json.loads(body) == {
+            "error": "headers_too_large",
+            "message": "the request line and headers are over 32 KiB",
+        }
+        assert httpx.get(f"{url}/healthz", timeout=WAIT).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT) == 0, log.read_text()
+    assert "Traceback" not in log.read_text()
+
+
+def _answer_and_time(url: str, request: bytes) -> tuple[bytes, float]:
+    """Send ``request`` (part of one, maybe) and read until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=15) as conn:
+        sent_at = time.monotonic()
+        conn.sendall(request)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        return answer, time.monotonic() - sent_at
+
+
+def _json_errors(answer: bytes) -> list[tuple[int, str]]:
+    """The status and ``error`` code of each response in ``answer``, in order."""
+    found = []
+    for response in answer.split(b"HTTP/1.1 ")[1:]:
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert b"content-type: application/json" in head.lower(), head
+        found.append((int(head[:3]), json.loads(body)["error"]))
+    return found
+
+
+HOST = b"Host: 127.0.0.1\r\n"
+JSON_HEAD = HOST + b"Content-Type: application/json\r\n"
+
+
+def test_a_request_that_does_not_arrive_in_time_is_answered_408(tmp_path: Path) -> None:
+    """Before: the server waited for the rest for ever (each such connection a slot
+    taken for good); it also kept a connection that never sent anything."""
+    log = tmp_path / "out.log"
+    with _running("--store", "memory://", "--request-timeout", "0.5", log=log) as (
+        process,
+        url,
+    ):
+        half_head = b"POST /v1/acquire HTTP/1.1\r\n" + HOST
+        answer, _ = _answer_and_time(url, half_head)
+        assert _json_errors(answer) == [(408, "request_timeout")]
+        half_body = b'POST /v1/acquire HTTP/1.1\r\n%sContent-Length: 40\r\n\r\n{"key": "doc"' % (
+            JSON_HEAD
+        )
+        answer, _ = _answer_and_time(url, half_body)
+        assert _json_errors(answer) == [(408, "request_timeout")]
+        assert b"nothing was done" in answer
+        # A long poll is not a slow request: the wait is the server's, not the client's.
+        held = httpx.post(f"{url}/v1/acquire", json={"key": "held"}, timeout=WAIT)
+        assert held.status_code == 200
+        poll = b'{"key": "held", "timeout": 1.5}'
+        waiting = b"POST /v1/acquire HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
+            JSON_HEAD,
+            len(poll),
+            poll,
+        )
+        # ... and a half request pipelined behind it is timed from when it can arrive.
+        answer, took = _answer_and_time(url, waiting + half_head)
+        assert _json_errors(answer) == [(409, "locked"), (408, "request_timeout")]
+        assert took >= 1.5
+        assert httpx.get(f"{url}/v1/holder?key=doc", timeout=WAIT).json()["holder"] is None
+        # A connection that sends nothing is closed (after uvicorn's keep-alive timeout).
+        answer, _ = _answer_and_time(url, b"")
+        assert answer == b""
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT) == 0, log.read_text()
+    assert "Traceback" not in log.read_text()
+
+
+def test_shutdown_answers_a_request_whose_body_is_still_coming(tmp_path: Path) -> None:
+    """Before: uvicorn's graceful timeout cancelled the app waiting for the body, logged
+    the traceback, and answered a plain-text 500."""
+    log = tmp_path / "out.log"
+    with _running("--store", "memory://", log=log) as (process, url):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=WAIT) as conn:
+            conn.sendall(
+                b'POST /v1/acquire HTTP/1.1\r\n%sContent-Length: 40\r\n\r\n{"key"' % JSON_HEAD
+            )
+            # Answered on a connection made after those bytes were sent: the server has
+            # read them (its loop takes every socket ready before this one's request).
+            assert httpx.get(f"{url}/healthz", timeout=WAIT).status_code == 200
+            process.send_signal(signal.SIGTERM)
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+        assert process.wait(WAIT) == 0, log.read_text()
+    assert _json_errors(answer) == [(503, "shutting_down")]
+    assert b"nothing was acquired or changed" in answer
+    assert "Traceback" not in log.read_text()
+    assert "Exception in ASGI application" not in log.read_text()

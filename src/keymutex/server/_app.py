@@ -66,6 +66,7 @@ from keymutex.server._input import (
 )
 from keymutex.server._metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
 from keymutex.server._openapi import openapi_document
+from keymutex.server._protocol import HEAD_LIMIT
 from keymutex.server._state import Changes, Namespaces
 
 __all__ = ["create_app"]
@@ -137,7 +138,12 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 
 
 class _Guard:
-    """The last line: an exception no handler took is logged and answered 503 JSON."""
+    """The first and last line: a request head over ``HEAD_LIMIT`` is refused (431),
+    and an exception no handler took is logged and answered 503 JSON.
+
+    (``keymutex serve`` stops a head that large while it arrives; this is for the
+    parsers that read one whole, as h11 does when it comes in one piece.)
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -145,6 +151,11 @@ class _Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        head = len(scope.get("raw_path") or b"") + len(scope["query_string"])
+        head += sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+        if head > HEAD_LIMIT:
+            await HEAD_TOO_LARGE(scope, receive, send)
             return
         started = False
 
@@ -168,6 +179,24 @@ class _Guard:
                     status_code=503,
                 )
                 await response(scope, receive, send)
+
+
+HEAD_TOO_LARGE = JSONResponse(
+    {
+        "error": "headers_too_large",
+        "message": f"the request line and headers are over {HEAD_LIMIT // 1024} KiB",
+    },
+    status_code=431,
+)
+
+
+def _charset(parameters: str) -> str | None:
+    """The ``charset`` of a Content-Type's parameters (after its ``;``), lower-cased."""
+    for parameter in parameters.split(";"):
+        name, _, value = parameter.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"').lower()
+    return None
 
 
 def _is_rebinding_proof_host(host: str) -> bool:
@@ -331,16 +360,27 @@ class _Server:
     # -- request plumbing
 
     def identify(self, request: Request) -> Identity | None:
-        return self.auth.identify(request.headers.get("authorization"))
+        sent = request.headers.getlist("authorization")
+        if len(sent) > 1:  # which one counts would depend on the proxies on the way
+            raise invalid(f"send one Authorization header, not {len(sent)}")
+        return self.auth.identify(sent[0] if sent else None)
 
     @staticmethod
     async def body(request: Request, allowed: Iterable[str]) -> Fields:
         content_type = request.headers.get("content-type", "")
-        if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        media_type, _, parameters = content_type.partition(";")
+        if media_type.strip().lower() != "application/json":
             raise ApiError(
                 415,
                 "unsupported_media_type",
                 "send the body as JSON with 'Content-Type: application/json'",
+            )
+        charset = _charset(parameters)
+        if charset is not None and charset not in ("utf-8", "utf8"):
+            raise ApiError(
+                415,
+                "unsupported_media_type",
+                f"send the body as UTF-8 JSON: charset {charset!r} is not accepted",
             )
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding != "identity":

@@ -242,8 +242,11 @@ _ERRORS = {
     "400": "Bad JSON, an unknown or missing field, or a value out of range (invalid_argument).",
     "401": "Missing or unknown API token (unauthorized).",
     "403": "The API token has no such permission here (forbidden).",
+    "408": "Under keymutex serve: the request had not all arrived --request-timeout seconds"
+    " after its first byte (request_timeout); nothing was done, the connection is closed.",
     "413": "The body is over 16 KiB (payload_too_large).",
-    "415": "The body is not application/json (unsupported_media_type).",
+    "415": "The body is not application/json, or not UTF-8 (unsupported_media_type).",
+    "431": "The request line and headers are over 32 KiB (headers_too_large).",
     "503": "The server's store failed (store_unavailable), or the server was stopped while"
     " the request waited (shutting_down).",
 }
@@ -275,7 +278,7 @@ def _post(
             "summary": summary,
             "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
             "responses": _answers(
-                ok, "400", "401", "403", "413", "415", "503", conflict=conflicts
+                ok, "400", "401", "403", "408", "413", "415", "431", "503", conflict=conflicts
             ),
         }
     }
@@ -285,7 +288,7 @@ def _query(name: str, schema: dict[str, Any], required: bool = False) -> dict[st
     return {"name": name, "in": "query", "required": required, "schema": schema}
 
 
-_ALL_CODES = ("400", "401", "403", "503")
+_ALL_CODES = ("400", "401", "403", "408", "431", "503")
 
 PATHS: dict[str, Any] = {
     "/v1/acquire": _post(

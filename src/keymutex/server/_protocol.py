@@ -1,49 +1,220 @@
-"""uvicorn's HTTP/1.1 protocol for ``keymutex serve``, with JSON for what the app never sees.
+"""uvicorn's HTTP/1.1 protocol for ``keymutex serve``, with JSON for what the app never
+sees, and bounds on how big a request head is and how long a request takes to arrive.
 
-A request uvicorn cannot parse (a malformed request line or header, headers too large,
-an unsupported upgrade) is answered by uvicorn itself, before any ASGI app runs, with a
-``text/plain`` 400. ``keymutex serve`` runs uvicorn's own protocol (httptools when it is
-installed, else h11: what ``http="auto"`` picks) with only that answer replaced: the
-lock server's JSON error, ``invalid_argument``, as every other 4xx it gives.
+A request uvicorn cannot parse (a malformed request line or header, an unsupported
+upgrade) is answered by uvicorn itself, before any ASGI app runs, with a ``text/plain``
+400. ``keymutex serve`` runs uvicorn's own protocol (httptools when it is installed, else
+h11: what ``http="auto"`` picks) with that answer replaced by the lock server's JSON
+error, ``invalid_argument``, as every other 4xx it gives. On top of uvicorn:
+
+- **A bounded head.** httptools takes request lines and headers of any size; a head over
+  ``HEAD_LIMIT`` is answered 431 ``headers_too_large`` and the connection closed (h11
+  stops at the same size with its own 400).
+- **A request must arrive in time.** uvicorn waits for the rest of a request for ever,
+  and for a first request on a new connection too: a client that sends half a request
+  (or nothing) keeps its connection, and its slot in the server, as long as it likes.
+  With httptools, a request that has not wholly arrived ``request_timeout`` seconds
+  after its first byte is answered 408 ``request_timeout`` and the connection closed
+  (nothing was done: the app never acts on half a body), and a new connection that sends
+  nothing is closed after uvicorn's keep-alive timeout, as an idle one is after a
+  response. Time spent waiting for a lock is not counted: the request has arrived.
+- **Shutdown answers a request whose body is still coming** with a 503
+  ``shutting_down`` (JSON), instead of uvicorn's plain-text 500 and a logged traceback
+  when its graceful timeout cancels the app that waits for the body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
+from http import HTTPStatus
+from typing import Any
 
-__all__ = ["http_protocol"]
+__all__ = ["HEAD_LIMIT", "REQUEST_TIMEOUT", "http_protocol"]
+
+HEAD_LIMIT = 32 * 1024  # bytes of request line and headers
+REQUEST_TIMEOUT = 10.0  # seconds from a request's first byte to its last
 
 
-def malformed_request(message: str) -> bytes:
-    """The whole 400 response, connection closed after it, for uvicorn's ``message``."""
-    body = json.dumps(
-        {
-            "error": "invalid_argument",
-            "message": f"malformed HTTP request ({message.rstrip('.')}); send HTTP/1.1"
-            " with a JSON body, as docs/http-api.md describes",
-        }
-    ).encode()
+def error_response(status: HTTPStatus, error: str, message: str) -> bytes:
+    """A whole JSON error response, with the connection closed after it."""
+    body = json.dumps({"error": error, "message": message}).encode()
     head = (
-        b"HTTP/1.1 400 Bad Request\r\n"
+        b"HTTP/1.1 %d %s\r\n"
         b"content-type: application/json\r\n"
         b"content-length: %d\r\n"
         b"connection: close\r\n\r\n"
     )
-    return head % len(body) + body
+    return head % (status.value, status.phrase.encode(), len(body)) + body
+
+
+def malformed_request(message: str) -> bytes:
+    """The whole 400 response for uvicorn's ``message``."""
+    return error_response(
+        HTTPStatus.BAD_REQUEST,
+        "invalid_argument",
+        f"malformed HTTP request ({message.rstrip('.')}); send HTTP/1.1 with a JSON body,"
+        " as docs/http-api.md describes",
+    )
+
+
+HEAD_TOO_LARGE = error_response(
+    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+    "headers_too_large",
+    f"the request line and headers are over {HEAD_LIMIT // 1024} KiB",
+)
+SHUT_DOWN_BEFORE_THE_BODY = error_response(
+    HTTPStatus.SERVICE_UNAVAILABLE,
+    "shutting_down",
+    "the server is shutting down and the request's body had not all arrived: nothing"
+    " was acquired or changed",
+)
+
+
+class _HeadTooLarge(Exception):
+    """Raised in a parser callback: httptools stops, and uvicorn answers 400 (ours: 431)."""
 
 
 class _JsonErrors:
-    """Put before uvicorn's protocol class: its 400 answer, in JSON."""
+    """Put before uvicorn's protocol class (httptools or h11): its 400 answer in JSON, and
+    a shutdown that answers a request whose body has not arrived."""
 
     transport: asyncio.Transport
+    cycle: Any  # uvicorn's RequestResponseCycle, or None
 
     def send_400_response(self, msg: str) -> None:
         self.transport.write(malformed_request(msg))
         self.transport.close()
 
+    def shutdown(self) -> None:
+        cycle = self.cycle
+        if (
+            cycle is not None
+            and cycle.more_body
+            and not cycle.response_started
+            and not getattr(self, "pipeline", None)  # httptools: nothing queued behind it
+        ):
+            self._answer_instead(cycle, SHUT_DOWN_BEFORE_THE_BODY)
+            return
+        super().shutdown()  # type: ignore[misc]
 
-def http_protocol() -> type[asyncio.Protocol]:
+    def _answer_instead(self, cycle: Any, response: bytes) -> None:
+        """Answer ``response`` in place of the app, and close.
+
+        The app, if it runs, is told the client went away (its ``receive()`` says
+        ``http.disconnect``) and what it sends is dropped.
+        """
+        if cycle is not None:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.write(response)
+        self.transport.close()
+
+
+class _Guarded(_JsonErrors):
+    """Put before uvicorn's httptools protocol: the bounds on the head and on arrival."""
+
+    request_timeout = REQUEST_TIMEOUT
+    # uvicorn's, used here:
+    loop: asyncio.AbstractEventLoop
+    pipeline: deque[Any]
+    timeout_keep_alive: int
+    timeout_keep_alive_task: asyncio.TimerHandle | None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._head_bytes = 0
+        self._head_done = False
+        self._head_too_large = False
+        self._arriving: asyncio.TimerHandle | None = None
+        # uvicorn arms its keep-alive timeout after a response only: a connection that
+        # never sends a request would stay open for good.
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive,
+            self.timeout_keep_alive_handler,  # type: ignore[attr-defined]
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_clock()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    # -- httptools' parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()  # type: ignore[misc]
+        self._head_bytes = 0
+        self._head_done = False
+        self._start_clock()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)  # type: ignore[misc]
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)  # type: ignore[misc]
+
+    def on_headers_complete(self) -> None:
+        self._head_done = True
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def on_message_complete(self) -> None:
+        self._stop_clock()
+        super().on_message_complete()  # type: ignore[misc]
+
+    # -- the bounds
+
+    def _count(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > HEAD_LIMIT:
+            self._head_too_large = True
+            raise _HeadTooLarge
+
+    def send_400_response(self, msg: str) -> None:
+        if self._head_too_large:
+            self.transport.write(HEAD_TOO_LARGE)
+            self.transport.close()
+        else:
+            super().send_400_response(msg)
+
+    def _start_clock(self) -> None:
+        self._stop_clock()
+        self._arriving = self.loop.call_later(self.request_timeout, self._not_arrived)
+
+    def _stop_clock(self) -> None:
+        if self._arriving is not None:
+            self._arriving.cancel()
+            self._arriving = None
+
+    def _not_arrived(self) -> None:
+        """``request_timeout`` after a request's first byte, and it has not all come."""
+        self._arriving = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle if self._head_done else None
+        earlier = self.cycle if not self._head_done else None
+        if self.pipeline or (earlier is not None and not earlier.response_complete):
+            # An earlier request is still being answered, and uvicorn reads no more
+            # until it is: this one's time starts when it can arrive.
+            self._start_clock()
+            return
+        if cycle is not None and cycle.response_started:
+            # The app answered without waiting for the body (a refusal): the keep-alive
+            # timeout ends the connection once that answer is out.
+            return
+        self._answer_instead(
+            cycle,
+            error_response(
+                HTTPStatus.REQUEST_TIMEOUT,
+                "request_timeout",
+                f"the request had not all arrived {self.request_timeout:g} s after its"
+                " first byte: nothing was done; send each request whole",
+            ),
+        )
+
+
+def http_protocol(request_timeout: float = REQUEST_TIMEOUT) -> type[asyncio.Protocol]:
     """The protocol class to give uvicorn (``uvicorn.Config(http=...)``)."""
     try:  # as uvicorn's http="auto" decides
         import httptools  # noqa: F401
@@ -56,7 +227,8 @@ def http_protocol() -> type[asyncio.Protocol]:
         return H11JsonErrors
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HttpToolsJsonErrors(_JsonErrors, HttpToolsProtocol):
+    class HttpToolsGuarded(_Guarded, HttpToolsProtocol):
         pass
 
-    return HttpToolsJsonErrors
+    HttpToolsGuarded.request_timeout = request_timeout
+    return HttpToolsGuarded
