@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from keymutex.server._app import STATIC
+from keymutex.server._metrics import NAMESPACE_SERIES
+from keymutex.server._state import Signals
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -231,6 +233,24 @@ async def test_metrics_count_what_happened(api: httpx.AsyncClient) -> None:
     assert 'route="/v1/acquire",status="409"' in text
 
 
+async def test_metrics_keep_a_series_for_the_first_namespaces_only(
+    api: httpx.AsyncClient,
+) -> None:
+    """Before: every namespace a client made up added series for good (memory, scrapes)."""
+    count = NAMESPACE_SERIES + 44
+    for n in range(count):
+        await acquire(api, namespace=f"made-up-{n}")
+    text = (await api.get("/metrics")).text
+    acquires = [line for line in text.splitlines() if line.startswith("keymutex_acquires_total")]
+    assert len(acquires) == NAMESPACE_SERIES + 1
+    assert 'keymutex_acquires_total{namespace="made-up-0"} 1.0' in acquires
+    assert f'keymutex_acquires_total{{namespace="made-up-{count - 45}"}} 1.0' in acquires
+    assert 'keymutex_acquires_total{namespace="*"} 44.0' in acquires
+    held = [line for line in text.splitlines() if line.startswith("keymutex_held_locks{")]
+    assert len(held) <= NAMESPACE_SERIES + 1
+    assert sum(float(line.split()[-1]) for line in held) >= 1  # the open namespaces' leases
+
+
 async def test_pages_and_static_files(api: httpx.AsyncClient) -> None:
     for path, name in [("/", "index.html"), ("/demo/edit/doc%3A42", "edit.html")]:
         reply = await api.get(path)
@@ -269,3 +289,16 @@ async def test_unknown_routes_and_methods_answer_json(api: httpx.AsyncClient) ->
     assert wrong.json()["error"] == "method_not_allowed"
     wrong = await api.post("/v1/holders", json={})
     assert wrong.status_code == 405
+
+
+async def test_change_signals_are_kept_only_while_someone_holds_them() -> None:
+    signals: Signals[str] = Signals()
+    held = signals.event("watched")
+    for n in range(1000):
+        signals.event(f"looked-at-once-{n}")  # a watcher that went away at once
+    assert len(signals) == 1
+    assert signals.event("watched") is held
+    signals.fire("watched")
+    assert held.is_set()
+    assert len(signals) == 0
+    assert not signals.event("watched").is_set()  # a new one for the next change

@@ -103,6 +103,19 @@ def test_head_of_the_event_stream_is_its_headers_and_ends(http: httpx.Client) ->
     assert http.get("/healthz", timeout=5).status_code == 200  # the same connection
 
 
+def test_event_streams_that_ended_leave_nothing_behind(live: Live, http: httpx.Client) -> None:
+    """Before: each namespace an ended stream had watched kept its change signal until
+    a change came there, which in a made-up namespace is never."""
+    signals = live.app.state.keymutex.changes.namespaces
+    for n in range(30):
+        with http.stream("GET", "/v1/events", params={"namespace": f"gone-{n}"}) as stream:
+            assert _next_event(stream.iter_lines())["holders"] == []
+    deadline = time.monotonic() + 20
+    while len(signals) > 0:  # each stream ends once the server sees its client gone
+        assert time.monotonic() < deadline, f"{len(signals)} namespaces still signalled"
+        time.sleep(0.02)
+
+
 def _next_event(lines: Iterator[str]) -> dict[str, Any]:
     event = None
     for line in lines:

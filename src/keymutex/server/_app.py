@@ -419,13 +419,14 @@ class _Server:
         self, request: Request, namespace: str, key: str, kind: str, work: Awaitable[T]
     ) -> T:
         """Run ``work`` as a request waiting on ``key``: counted, timed, cancelled on hang-up."""
-        self.metrics.waits.labels(namespace, kind).inc()
+        label = self.metrics.namespace(namespace)
+        self.metrics.waits.labels(label, kind).inc()
         started = _clock.monotonic()
         try:
             with self.changes.waiting_on(namespace, key):
                 return await _unless_disconnected(request, work, self.stopping)
         finally:
-            self.metrics.wait_seconds.labels(namespace, kind).observe(_clock.monotonic() - started)
+            self.metrics.wait_seconds.labels(label, kind).observe(_clock.monotonic() - started)
 
     @staticmethod
     def lease_json(
@@ -497,7 +498,7 @@ class _Server:
                 else:
                     lease = await locks._acquire(plan)
             except Locked as exc:
-                self.metrics.refusals.labels(namespace).inc()
+                self.metrics.refusals.labels(self.metrics.namespace(namespace)).inc()
                 held = f"held by {exc.holder.owner}" if exc.holder else "not free"
                 raise ApiError(
                     409,
@@ -505,7 +506,7 @@ class _Server:
                     f"{key} is {held}",
                     extra={"holder": holder_json(exc.holder, now=time.time())},
                 ) from None
-        self.metrics.acquires.labels(namespace).inc()
+        self.metrics.acquires.labels(self.metrics.namespace(namespace)).inc()
         self.changes.changed(namespace, key)
         return JSONResponse(self.lease_json(lease, ttl, received, waited=limit > 0))
 
@@ -524,11 +525,11 @@ class _Server:
                     lease = await locks.renew(key, token, _ttl_from(received, ttl))
             except LockLost as exc:
                 raise self.lost(namespace, exc) from None
-        self.metrics.renewals.labels(namespace).inc()
+        self.metrics.renewals.labels(self.metrics.namespace(namespace)).inc()
         return JSONResponse(self.lease_json(lease, ttl, received))
 
     def lost(self, namespace: str, exc: LockLost) -> ApiError:
-        self.metrics.lost.labels(namespace).inc()
+        self.metrics.lost.labels(self.metrics.namespace(namespace)).inc()
         return ApiError(
             409,
             "lock_lost",
@@ -557,9 +558,9 @@ class _Server:
                 if outcome.remaining is not None:  # measured by the store after receipt
                     shown["expires_in"] = min(ttl, outcome.remaining)
                 results.append({**shown, "token": token, "ttl": ttl})
-                self.metrics.renewals.labels(namespace).inc()
+                self.metrics.renewals.labels(self.metrics.namespace(namespace)).inc()
             else:
-                self.metrics.lost.labels(namespace).inc()
+                self.metrics.lost.labels(self.metrics.namespace(namespace)).inc()
                 results.append(
                     {
                         "error": "lock_lost",
@@ -583,7 +584,7 @@ class _Server:
             except LockLost as exc:
                 self.changes.changed(namespace, key)  # an expired lease was cleared
                 raise self.lost(namespace, exc) from None
-        self.metrics.releases.labels(namespace).inc()
+        self.metrics.releases.labels(self.metrics.namespace(namespace)).inc()
         self.changes.changed(namespace, key)
         return JSONResponse({"released": True})
 
@@ -697,7 +698,7 @@ class _Server:
             previous.owner,
             previous.fence,
         )
-        self.metrics.force_releases.labels(namespace).inc()
+        self.metrics.force_releases.labels(self.metrics.namespace(namespace)).inc()
         self.changes.changed(namespace, key)
         return JSONResponse({"released": True, "holder": holder_json(previous, now=time.time())})
 

@@ -1,8 +1,11 @@
 """The server's Prometheus metrics, in a registry of its own (one per app).
 
 Names follow Prometheus conventions (``_total`` for counters, ``_seconds`` for
-durations). Labels are bounded: ``namespace`` (namespaces used through this server),
-``route`` (the route's path template, never the raw path) and ``status``.
+durations). Labels are bounded: ``namespace`` (the first ``NAMESPACE_SERIES``
+namespaces used through this server each have their own series; any later one is
+counted under ``"*"``, so a client that makes up namespaces cannot grow the server's
+memory and its scrapes without end), ``route`` (the route's path template, never the
+raw path) and ``status``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.exposition import generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["CONTENT_TYPE_LATEST", "Metrics", "MetricsMiddleware"]
+__all__ = ["CONTENT_TYPE_LATEST", "NAMESPACE_SERIES", "Metrics", "MetricsMiddleware"]
+
+NAMESPACE_SERIES = 256  # namespaces with series of their own; the rest share "*"
+OTHER_NAMESPACES = "*"  # as in token files, where "*" means every namespace
 
 # Waits last from milliseconds up to the server's max_wait (30 s by default).
 WAIT_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -24,6 +30,7 @@ class Metrics:
     """Every metric the server exports, registered in ``registry``."""
 
     def __init__(self) -> None:
+        self._namespaces: set[str] = set()
         registry = self.registry = CollectorRegistry(auto_describe=True)
         self.acquires = Counter(
             "keymutex_acquires",
@@ -89,10 +96,25 @@ class Metrics:
             registry=registry,
         )
 
+    def namespace(self, namespace: str) -> str:
+        """The ``namespace`` label of ``namespace``: itself, or ``"*"`` once
+        ``NAMESPACE_SERIES`` others have series of their own."""
+        known = self._namespaces
+        if namespace in known:
+            return namespace
+        if len(known) < NAMESPACE_SERIES:
+            known.add(namespace)
+            return namespace
+        return OTHER_NAMESPACES
+
     def set_held(self, counts: Mapping[str, int]) -> None:
-        self.held.clear()
+        by_label: dict[str, int] = {}
         for namespace, count in counts.items():
-            self.held.labels(namespace).set(count)
+            label = self.namespace(namespace)
+            by_label[label] = by_label.get(label, 0) + count
+        self.held.clear()
+        for label, count in by_label.items():
+            self.held.labels(label).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

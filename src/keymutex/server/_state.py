@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from typing import Generic, TypeVar
@@ -23,13 +24,18 @@ class Signals(Generic[K]):
     """One ``asyncio.Event`` per watched name, set and replaced each time it fires.
 
     A watcher takes ``event(name)`` *before* it reads the state it watches, so a change
-    that lands between the read and the wait is never missed. Events exist only while
-    someone watches (``watching``), so nothing grows with the names ever seen.
+    that lands between the read and the wait is never missed. An event is kept only
+    while a watcher holds it (weakly referenced here), so nothing grows with the names
+    ever seen, whichever way a watcher ends: an event stream whose client went away
+    before it began has no ``finally`` to run.
     """
 
     def __init__(self) -> None:
-        self._events: dict[K, asyncio.Event] = {}
-        self._watchers: Counter[K] = Counter()
+        self._events: weakref.WeakValueDictionary[K, asyncio.Event] = weakref.WeakValueDictionary()
+
+    def __len__(self) -> int:
+        """How many names have an event (someone holds it) right now."""
+        return len(self._events)
 
     def event(self, name: K) -> asyncio.Event:
         event = self._events.get(name)
@@ -41,17 +47,6 @@ class Signals(Generic[K]):
         event = self._events.pop(name, None)
         if event is not None:
             event.set()
-
-    @contextlib.contextmanager
-    def watching(self, name: K) -> Iterator[None]:
-        self._watchers[name] += 1
-        try:
-            yield
-        finally:
-            self._watchers[name] -= 1
-            if self._watchers[name] <= 0:
-                del self._watchers[name]
-                self._events.pop(name, None)
 
 
 class Changes:
@@ -79,8 +74,7 @@ class Changes:
         self._on_waiting(self.waiting.total())
         self.namespaces.fire(namespace)
         try:
-            with self.keys.watching(name):
-                yield
+            yield
         finally:
             self.waiting[name] -= 1
             if self.waiting[name] <= 0:
