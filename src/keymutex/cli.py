@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import time
@@ -935,6 +936,17 @@ class _Run:
         )
         return EX_SOFTWARE
 
+    def _key_hint(self) -> str:
+        """When COMMAND is not found and KEY names a program: KEY was likely left out
+        (``keymutex run -- echo hi`` locks 'echo' and runs 'hi')."""
+        if shutil.which(self.key) is None:
+            return ""
+        meant = shlex.join([self.key, *self.command])
+        return (
+            f" (KEY was {self.key!r}, which is also a program: if you meant to run"
+            f" '{meant}', give the key first: keymutex run KEY -- {meant})"
+        )
+
     async def _child(self, lease: AsyncLease) -> int:
         """Run the child with the lease's fence and token; its status as a shell gives it."""
         env = dict(
@@ -946,7 +958,7 @@ class _Run:
         try:
             process = await asyncio.create_subprocess_exec(*self.command, env=env)
         except FileNotFoundError:
-            click.echo(f"keymutex: {self.name}: command not found", err=True)
+            click.echo(f"keymutex: {self.name}: command not found{self._key_hint()}", err=True)
             return EX_NOTFOUND
         except PermissionError:
             click.echo(f"keymutex: {self.name}: permission denied", err=True)

@@ -337,6 +337,19 @@ def test_missing_command_exits_127_and_releases(store: str, env: dict[str, str])
     assert holder_json("job", store, env) is None
 
 
+def test_a_forgotten_key_is_pointed_out(store: str, env: dict[str, str]) -> None:
+    """``keymutex run -- echo hi`` took 'echo' as the key and said only 'hi: command not
+    found'; a key that names a program now gets a hint."""
+    result = keymutex("run", "--store", store, "--", "echo", "hi", env=env, check=127)
+    assert "keymutex: hi: command not found (KEY was 'echo', which is also a program" in (
+        result.stderr
+    )
+    assert "keymutex run KEY -- echo hi" in result.stderr
+    assert holder_json("echo", store, env) is None
+    plain = keymutex("run", "job", "--store", store, "--", "hi-keymutex", env=env, check=127)
+    assert plain.stderr.strip() == "keymutex: hi-keymutex: command not found"
+
+
 def test_non_executable_command_exits_126_and_releases(
     tmp_path: Path, store: str, env: dict[str, str]
 ) -> None:
