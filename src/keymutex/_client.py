@@ -390,6 +390,44 @@ class _CallThread:
             self._calls.put(None)
 
 
+class _Contenders:
+    """The acquires of one client that wait at its store, so that ``close()`` can leave
+    the store open until the last of them has left the store's queue.
+
+    A waiter that ``close()`` ends may have been handed the key meanwhile (SQLite and
+    PostgreSQL hand a released key to the first queued waiter): leaving the queue gives
+    such a grant back, which takes the store. Closed under it, the grant stayed held
+    until its TTL.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._closing = False
+
+    def enter(self) -> bool:
+        """Count a contender in; ``False`` once the client is closing."""
+        with self._lock:
+            if self._closing:
+                return False
+            self._count += 1
+            return True
+
+    def leave(self) -> bool:
+        """Count a contender out; ``True``: it was the last after ``close()``, which
+        left the store for it to close."""
+        with self._lock:
+            self._count -= 1
+            return self._closing and self._count == 0
+
+    def close(self) -> bool:
+        """``True``: the caller closes the store now (nobody waits at it, and it was
+        not closed before)."""
+        with self._lock:
+            first, self._closing = not self._closing, True
+            return first and self._count == 0
+
+
 class _Renewer:
     """One thread that renews every renewing lease of a ``Locks``, in batches."""
 
@@ -599,6 +637,7 @@ class Locks:
         )
         self._gate: KeyedLock = KeyedLock()
         self._renewer = _Renewer(self._store)
+        self._contenders = _Contenders()
         self._closed = False
         _CLIENTS.add(self)
 
@@ -629,12 +668,14 @@ class Locks:
 
         Every method called afterwards raises ``RuntimeError``, before the store. An
         acquire that waits for a key raises it too, when it next wakes to re-check
-        (within a second, on the lock server within its long poll): a grant that comes
-        after the store is closed stays held until its TTL.
+        (within a second, on the lock server within its long poll). The store stays
+        open until such acquires have left its queue, giving back a key handed to them
+        meanwhile; the last of them closes it.
         """
         self._closed = True
         self._renewer.close()
-        self._store.close()
+        if self._contenders.close():
+            self._store.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -771,6 +812,17 @@ class Locks:
 
     def _contend(self, request: _Request, token: str, deadline: Deadline) -> tuple[float, Outcome]:
         """Try, wait, try again until granted: as ``_attempt_once``, by ``deadline``."""
+        if not self._contenders.enter():
+            raise RuntimeError(_closed_while_waiting(self, request.key))
+        try:
+            return self._contend_counted(request, token, deadline)
+        finally:
+            if self._contenders.leave():
+                self._store.close()
+
+    def _contend_counted(
+        self, request: _Request, token: str, deadline: Deadline
+    ) -> tuple[float, Outcome]:
         notifies = self._store.capabilities.notifies
         at_store = self._store.capabilities.waits_at_store
         backoff = None if notifies else Backoff()
@@ -782,6 +834,9 @@ class Locks:
                 sent_at = _clock.monotonic()
                 outcome = self._try(request, token, waiter)
                 if outcome.ok:
+                    if self._closed:  # granted as the client closed: nobody can release it
+                        self._give_back(request.key, token)
+                        raise RuntimeError(_closed_while_waiting(self, request.key))
                     return sent_at, outcome
                 if deadline.passed():
                     raise Locked(request.key, outcome.holder)
@@ -1124,6 +1179,7 @@ class AsyncLocks:
         )
         self._gate: AsyncKeyedLock = AsyncKeyedLock()
         self._renewer = _AsyncRenewer(self._store)
+        self._contenders = _Contenders()
         self._closed = False
         _CLIENTS.add(self)
         self._background: set[asyncio.Task[Any]] = set()
@@ -1160,7 +1216,8 @@ class AsyncLocks:
         await self._renewer.aclose()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        await self._store.aclose()
+        if self._contenders.close():
+            await self._store.aclose()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1290,6 +1347,17 @@ class AsyncLocks:
         return self._granted(request, token, outcome, sent_at)
 
     async def _contend(self, request: _Request, token: str, deadline: Deadline) -> AsyncLease:
+        if not self._contenders.enter():
+            raise RuntimeError(_closed_while_waiting(self, request.key))
+        try:
+            return await self._contend_counted(request, token, deadline)
+        finally:
+            if self._contenders.leave():
+                await asyncio.shield(self._store.aclose())
+
+    async def _contend_counted(
+        self, request: _Request, token: str, deadline: Deadline
+    ) -> AsyncLease:
         notifies = self._store.capabilities.notifies
         at_store = self._store.capabilities.waits_at_store
         backoff = None if notifies else Backoff()
@@ -1326,6 +1394,9 @@ class AsyncLocks:
                     if outcome is not None and outcome.ok:  # cancelled with the key in hand
                         self._give_back(request.key, token)
                     raise
+        if self._closed:  # granted as the client closed: nobody can release it
+            await asyncio.shield(self._release_quietly(request.key, token))
+            raise RuntimeError(_closed_while_waiting(self, request.key))
         return self._granted(request, token, outcome, sent_at)
 
     async def _try(self, request: _Request, token: str, waiting: _Waiting | None) -> Outcome:

@@ -125,6 +125,44 @@ async def test_aclose_ends_an_acquire_that_waits(url: str) -> None:
         assert await holder.holder("doc") is None
 
 
+def test_a_key_handed_to_a_waiter_as_its_client_closes_is_given_back(url: str) -> None:
+    """Before: close() closed the store at once; a release that handed the key to the
+    closed client's queued waiter (SQLite's handoff) left it held for its whole TTL,
+    as the waiter could no longer leave the queue."""
+    with keymutex.Locks(url) as holder:
+        lease = holder.acquire("doc")
+        waiting = keymutex.Locks(url)
+        thread, result = _acquire_in_thread(lambda: waiting.acquire("doc", timeout=30))
+        time.sleep(0.3)  # queued at the store
+        waiting.close()
+        lease.release()  # handed to the queue's first: the closed client's waiter
+        thread.join(10)
+        assert not thread.is_alive(), "the acquire still waits after close()"
+        assert len(result) == 1
+        assert isinstance(result[0], RuntimeError), result
+        assert holder.holder("doc") is None  # given back, not held for 30 s
+        holder.acquire("doc", timeout=0).release()
+        with pytest.raises(RuntimeError, match="this Locks is closed"):
+            waiting.acquire("doc", timeout=1)
+
+
+@pytest.mark.asyncio
+async def test_a_key_handed_to_an_async_waiter_as_its_client_closes_is_given_back(
+    url: str,
+) -> None:
+    async with keymutex.AsyncLocks(url) as holder:
+        lease = await holder.acquire("doc")
+        waiting = keymutex.AsyncLocks(url)
+        task = asyncio.create_task(waiting.acquire("doc", timeout=30))
+        await asyncio.sleep(0.3)
+        await waiting.aclose()
+        await lease.release()
+        with pytest.raises(RuntimeError, match="this AsyncLocks was closed while an acquire"):
+            await asyncio.wait_for(task, 10)
+        assert await holder.holder("doc") is None
+        await (await holder.acquire("doc", timeout=0)).release()
+
+
 def _close_then_fail(locks: keymutex.Locks) -> None:
     with locks.lock("doc"):
         locks.close()
