@@ -845,13 +845,9 @@ class Locks:
                 waiter.wait(park_time(deadline, outcome.remaining, backoff, at_store=at_store))
                 if self._closed:
                     raise RuntimeError(_closed_while_waiting(self, request.key))
-        except StoreError as exc:
-            if self._closed:  # its store was closed under the call: that is what happened
-                raise RuntimeError(_closed_while_waiting(self, request.key)) from exc
-            raise
         finally:
             if waiter is not None:
-                with _quiet_if(self._closed):  # closed store: its queue entry expires
+                with _quiet_if(self._closed):  # closed client: best effort (entries expire)
                     waiter.close()
 
     def _try(self, request: _Request, token: str, waiter: Waiter | None) -> Outcome:
@@ -1378,17 +1374,13 @@ class AsyncLocks:
                 )
                 if self._closed:
                     raise RuntimeError(_closed_while_waiting(self, request.key))
-        except StoreError as exc:
-            if self._closed:  # its store was closed under the call: that is what happened
-                raise RuntimeError(_closed_while_waiting(self, request.key)) from exc
-            raise
         finally:
             if waiting is not None:
                 try:
                     if waiting.closed:  # by the granted step: nothing left to wait for
                         waiting.raise_close_error()
                     else:
-                        with _quiet_if(self._closed):  # closed store: its entry expires
+                        with _quiet_if(self._closed):  # closed client: best effort
                             await asyncio.shield(waiting.waiter.aclose())
                 except asyncio.CancelledError:
                     if outcome is not None and outcome.ok:  # cancelled with the key in hand
