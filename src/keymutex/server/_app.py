@@ -66,7 +66,7 @@ from keymutex.server._input import (
 )
 from keymutex.server._metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
 from keymutex.server._openapi import openapi_document
-from keymutex.server._protocol import HEAD_LIMIT
+from keymutex.server._protocol import HEAD_LIMIT, HEAD_TOO_LARGE_ERROR
 from keymutex.server._state import Changes, Namespaces
 
 __all__ = ["create_app"]
@@ -181,13 +181,7 @@ class _Guard:
                 await response(scope, receive, send)
 
 
-HEAD_TOO_LARGE = JSONResponse(
-    {
-        "error": "headers_too_large",
-        "message": f"the request line and headers are over {HEAD_LIMIT // 1024} KiB",
-    },
-    status_code=431,
-)
+HEAD_TOO_LARGE = JSONResponse(HEAD_TOO_LARGE_ERROR, status_code=431)
 
 
 def _charset(parameters: str) -> str | None:

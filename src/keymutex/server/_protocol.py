@@ -8,8 +8,9 @@ h11: what ``http="auto"`` picks) with that answer replaced by the lock server's 
 error, ``invalid_argument``, as every other 4xx it gives. On top of uvicorn:
 
 - **A bounded head.** httptools takes request lines and headers of any size; a head over
-  ``HEAD_LIMIT`` is answered 431 ``headers_too_large`` and the connection closed (h11
-  stops at the same size with its own 400).
+  ``HEAD_LIMIT`` is answered 431 ``headers_too_large`` as it arrives, and the connection
+  closed. (h11 stops a head that size only while it is incomplete, with its own 400;
+  one that arrives whole is refused 431 by the app's outer guard, ``_app._Guard``.)
 - **A request must arrive in time.** uvicorn waits for the rest of a request for ever,
   and for a first request on a new connection too: a client that sends half a request
   (or nothing) keeps its connection, and its slot in the server, as long as it likes.
@@ -31,7 +32,7 @@ from collections import deque
 from http import HTTPStatus
 from typing import Any
 
-__all__ = ["HEAD_LIMIT", "REQUEST_TIMEOUT", "http_protocol"]
+__all__ = ["HEAD_LIMIT", "HEAD_TOO_LARGE_ERROR", "REQUEST_TIMEOUT", "http_protocol"]
 
 HEAD_LIMIT = 32 * 1024  # bytes of request line and headers
 REQUEST_TIMEOUT = 10.0  # seconds from a request's first byte to its last
@@ -59,11 +60,12 @@ def malformed_request(message: str) -> bytes:
     )
 
 
-HEAD_TOO_LARGE = error_response(
-    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-    "headers_too_large",
-    f"the request line and headers are over {HEAD_LIMIT // 1024} KiB",
-)
+# The 431's body, also answered by the app's outer guard (``_app._Guard``).
+HEAD_TOO_LARGE_ERROR = {
+    "error": "headers_too_large",
+    "message": f"the request line and headers are over {HEAD_LIMIT // 1024} KiB",
+}
+HEAD_TOO_LARGE = error_response(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, **HEAD_TOO_LARGE_ERROR)
 SHUT_DOWN_BEFORE_THE_BODY = error_response(
     HTTPStatus.SERVICE_UNAVAILABLE,
     "shutting_down",
@@ -84,8 +86,7 @@ class _JsonErrors:
     cycle: Any  # uvicorn's RequestResponseCycle, or None
 
     def send_400_response(self, msg: str) -> None:
-        self.transport.write(malformed_request(msg))
-        self.transport.close()
+        self._answer_instead(None, malformed_request(msg))
 
     def shutdown(self) -> None:
         cycle = self.cycle
@@ -173,8 +174,7 @@ class _Guarded(_JsonErrors):
 
     def send_400_response(self, msg: str) -> None:
         if self._head_too_large:
-            self.transport.write(HEAD_TOO_LARGE)
-            self.transport.close()
+            self._answer_instead(None, HEAD_TOO_LARGE)
         else:
             super().send_400_response(msg)
 
