@@ -34,7 +34,7 @@ import socket
 import string
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -355,6 +355,21 @@ def _outcome_or_lost(key: str, outcome: Outcome) -> Outcome:
     return outcome
 
 
+def _granted_here(leases: Mapping[str, L], request: RenewRequest) -> L | None:
+    """The live ``Lease`` this client granted to the token a renewal by token names."""
+    lease = leases.get(request.token)
+    if lease is None or lease.key != request.key or lease._pid != os.getpid():
+        return None
+    return None if lease._released or lease.lost else lease
+
+
+def _extend(lease: LeaseState, outcome: Outcome, sent_at: float, ttl: float) -> None:
+    """Take a renewal by token into the ``Lease`` it renewed: a heartbeat keeps an edit
+    session's lease object alive too. One that was lost or released meanwhile stays so."""
+    if not (lease._released or lease.lost):
+        lease._granted(outcome, sent_at, ttl)
+
+
 class _CallThread:
     """A daemon thread that makes the renewer's store calls, one at a time.
 
@@ -638,6 +653,9 @@ class Locks:
         self._gate: KeyedLock = KeyedLock()
         self._renewer = _Renewer(self._store)
         self._contenders = _Contenders()
+        # The leases this client granted, by token: a renewal by key and token through
+        # this client extends the Lease object too (an edit session's heartbeats).
+        self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
         self._closed = False
         _CLIENTS.add(self)
 
@@ -715,8 +733,14 @@ class Locks:
         """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         request = self._config.renew_args(key, token, ttl)
         self._check_open()
-        sent_at = _clock.monotonic()
-        outcome = _outcome_or_lost(key, self._store.renew(request.key, request.token, request.ttl))
+        granted = _granted_here(self._leases, request)
+        with granted._renewing if granted is not None else contextlib.nullcontext():
+            sent_at = _clock.monotonic()
+            outcome = _outcome_or_lost(
+                key, self._store.renew(request.key, request.token, request.ttl)
+            )
+            if granted is not None:
+                _extend(granted, outcome, sent_at, request.ttl)
         return Lease(
             self,
             request.key,
@@ -871,6 +895,7 @@ class Locks:
             sent_at=sent_at,
             on_lost=request.on_lost,
         )
+        self._leases[token] = lease
         if request.renew:
             try:
                 self._renewer.add(lease)
@@ -1176,6 +1201,9 @@ class AsyncLocks:
         self._gate: AsyncKeyedLock = AsyncKeyedLock()
         self._renewer = _AsyncRenewer(self._store)
         self._contenders = _Contenders()
+        self._leases: weakref.WeakValueDictionary[str, AsyncLease] = (
+            weakref.WeakValueDictionary()
+        )  # as in Locks
         self._closed = False
         _CLIENTS.add(self)
         self._background: set[asyncio.Task[Any]] = set()
@@ -1254,10 +1282,14 @@ class AsyncLocks:
         """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         request = self._config.renew_args(key, token, ttl)
         self._check_open()
-        sent_at = _clock.monotonic()
-        outcome = _outcome_or_lost(
-            key, await self._store.renew(request.key, request.token, request.ttl)
-        )
+        granted = _granted_here(self._leases, request)
+        async with granted._renewing if granted is not None else contextlib.nullcontext():
+            sent_at = _clock.monotonic()
+            outcome = _outcome_or_lost(
+                key, await self._store.renew(request.key, request.token, request.ttl)
+            )
+            if granted is not None:
+                _extend(granted, outcome, sent_at, request.ttl)
         return AsyncLease(
             self,
             request.key,
@@ -1456,6 +1488,7 @@ class AsyncLocks:
             sent_at=sent_at,
             on_lost=request.on_lost,
         )
+        self._leases[token] = lease
         if request.renew:
             try:
                 self._renewer.add(lease)

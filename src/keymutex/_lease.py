@@ -73,6 +73,7 @@ class LeaseState:
     """
 
     __slots__ = (
+        "__weakref__",
         "_deadline",
         "_lost",
         "_mutex",

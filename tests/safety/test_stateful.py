@@ -35,9 +35,8 @@ waiting acquires of the async rules never reach their (fake) timeout: they park 
 store's wake-ups (real time, at most the 1 s recheck) and are bounded in real time by
 ``asyncio.wait_for``.
 
-The model follows the implementation in one place where it disagrees with API.md (a
-``Lease`` past its own deadline whose token a heartbeat kept alive): see the two
-``xfail`` tests at the end.
+The tests at the end check the edit-session story of API.md directly: a ``Lease``
+kept alive by heartbeats through the client that granted it.
 """
 
 from __future__ import annotations
@@ -205,7 +204,7 @@ class LocksMachine(RuleBasedStateMachine):
             f"acquire({key!r}) by {OWNERS[client]} was granted fence {lease.fence}, but"
             f" {current.owner} holds it ({self.model.describe()})"
         )
-        return self._track(lease, key, OWNERS[client], ttl, info)
+        return self._track(lease, key, client, ttl, info)
 
     def _check_refused(
         self, refused: keymutex.Locked, key: str, what: str, *, steal: bool
@@ -220,10 +219,11 @@ class LocksMachine(RuleBasedStateMachine):
         assert seen(refused.holder) == expected(current), "Locked.holder is not the holder"
 
     def _track(
-        self, lease: Any, key: str, owner: str, ttl: float | None, info: Any, *, keep: bool = True
+        self, lease: Any, key: str, client: int, ttl: float | None, info: Any, *, keep: bool = True
     ) -> Tracked:
-        """Check a new grant and record it in the model (and, if ``keep``, for the checks)."""
-        token = lease.token
+        """Check a grant to ``client`` and record it in the model (and, if ``keep``, for
+        the checks)."""
+        owner, token = OWNERS[client], lease.token
         assert isinstance(token, str)
         assert len(token) >= 22, f"token {token!r} has less than 128 bits"
         assert TOKEN_ALPHABET.issuperset(token), f"token {token!r} is not URL-safe"
@@ -235,6 +235,7 @@ class LocksMachine(RuleBasedStateMachine):
             fence=lease.fence,
             info=info,
             ttl=DEFAULT_TTL if ttl is None else ttl,
+            client=client,
         )
         tracked = Tracked(lease, view)
         if keep:
@@ -349,7 +350,7 @@ class LocksMachine(RuleBasedStateMachine):
         self, client: int, key: str, token: str, ttl: float | None, what: str
     ) -> Any:
         ttl_asked = DEFAULT_TTL if ttl is None else ttl
-        grant = self.model.renew_token(key, token, ttl_asked)
+        grant = self.model.renew_token(key, token, ttl_asked, client=client)
         what = f"{OWNERS[client]}: {what}"
         call = functools.partial(self.clients[client].renew, key, token, ttl=ttl)
         if grant is None:
@@ -364,7 +365,7 @@ class LocksMachine(RuleBasedStateMachine):
             grant.info,
         )
         view = LeaseView(
-            key, token, grant.owner, grant.fence, grant.info, ttl_asked, grant.expires
+            key, token, grant.owner, grant.fence, grant.info, ttl_asked, grant.expires, None
         )
         tracked = Tracked(lease, view)
         self.tracked.append(tracked)
@@ -570,7 +571,7 @@ class AsyncMachine(LocksMachine):
                 raise AssertionError(f"the waiter for {key!r} was not served") from None
 
         lease, info = self.runner.run(scenario())
-        return self._track(lease, key, OWNERS[client], ttl, info)
+        return self._track(lease, key, client, ttl, info)
 
     @precondition(lambda self: self.model.live_keys())
     @rule(
@@ -612,7 +613,7 @@ class AsyncMachine(LocksMachine):
         lease, info = self.runner.run(scenario())
         if lease is not None:
             # Not kept: what rules draw from must not depend on timing.
-            tracked = self._track(lease, key, OWNERS[client], None, info, keep=False)
+            tracked = self._track(lease, key, client, None, info, keep=False)
             assert self.model.lease_release(tracked.view).ok
             self.runner.run(lease.release())
         self.runner.run(self._until_free(key))
@@ -651,23 +652,13 @@ def test_async_locks_follow_the_model(store: str, tmp_path: Path, fake_clock: Fa
     run_state_machine_as_test(lambda: AsyncMachine(fake_clock, url, patience), settings=SETTINGS)
 
 
-# -- finding: a Lease object whose token is kept alive by heartbeats ---------------------
+# -- a Lease object whose token is kept alive by heartbeats ----------------------------
 #
-# API.md: a Lease's renew() and release() behave "as above", where "a token that no
-# longer holds the key raises LockLost"; the web edit session is its example of a lease
-# renewed by heartbeats (stateless ``locks.renew(key, token)``). Such a heartbeat moves
-# the grant's expiry but not the Lease object's own deadline, and once that deadline has
-# passed the object acts as if the token were gone although the store still grants it:
-# ``Locks._release_lease`` (``expired = lease.remaining <= 0``) releases the key and then
-# raises LockLost; ``Locks._renew_lease`` (``if lease.remaining <= 0:``) releases the
-# live key instead of renewing it and raises LockLost. ``AsyncLocks`` does the same. The
-# model (``_tools/model.py``) follows the implementation there, so that the machines
-# check everything else; these two tests state API.md's reading.
-
-HEARTBEAT_FINDING = (
-    "finding: a Lease past its own deadline, its token kept alive by heartbeats, {what}"
-    " (_client.py Locks.{function}); API.md: LockLost only when the token lost the key"
-)
+# API.md's web edit session: a lease from acquire(), renewed by heartbeats that carry its
+# key and token (``locks.renew(key, token)``). Through the client that granted it, such
+# a heartbeat extends the Lease object as well, so the object still holds the key after
+# its first deadline: renew() renews it, release() releases it, neither says LockLost.
+# (Through another client, the object cannot know: past its own deadline it is lost.)
 
 
 def _fresh() -> str:
@@ -683,15 +674,25 @@ def _edit_session(locks: keymutex.Locks, clock: FakeClock) -> keymutex.Lease:
     holder = locks.holder("doc")
     assert holder is not None
     assert holder.fence == lease.fence
+    assert not lease.lost
+    assert lease.remaining == 1.0
     return lease
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=HEARTBEAT_FINDING.format(
-        what="release() releases the key but raises LockLost", function="_release_lease"
-    ),
-)
+async def _async_edit_session(locks: keymutex.AsyncLocks, clock: FakeClock) -> keymutex.AsyncLease:
+    """As ``_edit_session``, on ``AsyncLocks``."""
+    lease = await locks.acquire("doc", ttl=2.0, timeout=0)
+    clock.advance_to(clock.now + 1.5)
+    await locks.renew("doc", lease.token, ttl=2.0)
+    clock.advance_to(clock.now + 1.0)
+    holder = await locks.holder("doc")
+    assert holder is not None
+    assert holder.fence == lease.fence
+    assert not lease.lost
+    assert lease.remaining == 1.0
+    return lease
+
+
 @pytest.mark.parametrize("store", ["memory", "sqlite"])
 def test_release_of_a_lease_kept_alive_by_heartbeats(
     store: str, tmp_path: Path, fake_clock: FakeClock
@@ -702,13 +703,6 @@ def test_release_of_a_lease_kept_alive_by_heartbeats(
         assert locks.holder("doc") is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=HEARTBEAT_FINDING.format(
-        what="renew() releases the key and raises LockLost",
-        function="_renew_lease",
-    ),
-)
 @pytest.mark.parametrize("store", ["memory", "sqlite"])
 def test_renew_of_a_lease_kept_alive_by_heartbeats(
     store: str, tmp_path: Path, fake_clock: FakeClock
@@ -720,3 +714,43 @@ def test_renew_of_a_lease_kept_alive_by_heartbeats(
         assert holder is not None
         assert holder.fence == lease.fence
         assert lease.remaining == 2.0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("store", ["memory", "sqlite"])
+async def test_async_lease_kept_alive_by_heartbeats(
+    store: str, tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    url = url_for(store, tmp_path)
+    async with keymutex.AsyncLocks(url, namespace=_fresh(), owner="editor") as locks:
+        lease = await _async_edit_session(locks, fake_clock)
+        await lease.renew(ttl=2.0)
+        assert lease.remaining == 2.0
+        fake_clock.advance_to(fake_clock.now + 1.5)
+        await lease.release()
+        assert await locks.holder("doc") is None
+
+
+@pytest.mark.parametrize("store", ["memory", "sqlite"])
+def test_a_heartbeat_through_another_client_is_not_seen_by_the_lease(
+    store: str, tmp_path: Path, fake_clock: FakeClock
+) -> None:
+    """Another process's heartbeat handler: the Lease object counts from its own grant,
+    and once lost by its deadline it stays lost, though its token lives on."""
+    url, namespace = url_for(store, tmp_path), _fresh()
+    with (
+        keymutex.Locks(url, namespace=namespace, owner="editor") as locks,
+        keymutex.Locks(url, namespace=namespace, owner="handler") as handler,
+    ):
+        lease = locks.acquire("doc", ttl=2.0, timeout=0)
+        fake_clock.advance_to(fake_clock.now + 1.5)
+        handler.renew("doc", lease.token, ttl=2.0)
+        fake_clock.advance_to(fake_clock.now + 1.0)
+        assert lease.lost
+        heartbeat = locks.renew("doc", lease.token, ttl=2.0)  # the granting client's
+        assert heartbeat.remaining == 2.0
+        assert lease.lost
+        assert lease.remaining == 0
+        with pytest.raises(keymutex.LockLost):
+            lease.release()
+        assert locks.holder("doc") is None  # released all the same: the token held it

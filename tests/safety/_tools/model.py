@@ -4,19 +4,19 @@ The model is API.md written as plain data: per key at most one grant, live while
 clock is before its expiry; renew and release work only for the token of the live
 grant; every grant's fence is larger than any before it on that key. On top of that
 it follows what a ``Lease`` object documents about its own view (``_lease.py``,
-``_client.py``): the lease knows its deadline only by its own grants and renewals,
-counted from its process's clock.
+``_client.py``): the lease knows its deadline by its own grants and renewals, and by
+renewals of its token through the client that granted it (``locks.renew(key, token)``,
+an edit session's heartbeats), counted from its process's clock.
 
 - ``lost`` is ``True`` once a store step showed the lease gone, or while it is not
-  released and its local deadline has passed;
+  released and its local deadline has passed; a renewal by token never revives it;
 - ``lease.renew()`` past the local deadline never revives the lease: it releases the
   token's grant (if the store still has it) and raises ``LockLost``;
 - ``lease.release()`` past the local deadline releases the token's grant too, and
   raises ``LockLost`` whether or not the store still had it.
 
-The last two differ from API.md when the token was kept alive by stateless
-``locks.renew(key, token)`` calls (see ``test_stateful.py`` for the finding): the
-model follows the implementation there, so that the machines test everything else.
+A ``Lease`` learns nothing of renewals of its token through another client (another
+process's heartbeat handler): past its own deadline it is lost, as above.
 
 The clock is the test's fake one, passed in: the model reads it at each step, as the
 stores do.
@@ -54,6 +54,7 @@ class LeaseView:
     info: dict[str, Any] | None
     ttl: float  # what ``renew()`` without a ttl asks for
     deadline: float  # on the (fake) monotonic clock
+    client: int | None  # the client that granted it; None: a renewal by token returned it
     released: bool = False
     lost: bool = False  # a store step showed the lease gone
 
@@ -81,6 +82,7 @@ class Model:
     clock: Callable[[], float]
     grants: dict[str, Grant] = field(default_factory=dict)  # may be past expiry
     largest_fence: dict[str, int] = field(default_factory=dict)
+    granted: list[LeaseView] = field(default_factory=list)  # the views of every grant
 
     # -- reading ---------------------------------------------------------------------
 
@@ -119,8 +121,9 @@ class Model:
         fence: int,
         info: dict[str, Any] | None,
         ttl: float,
+        client: int,
     ) -> LeaseView:
-        """Record a grant the store made; the fence must beat every earlier one."""
+        """Record a grant the store made to ``client``; its fence must beat every earlier one."""
         before = self.largest_fence.get(key)
         assert before is None or fence > before, (
             f"fence {fence} granted on {key!r} after fence {before}: fences must increase"
@@ -128,16 +131,28 @@ class Model:
         self.largest_fence[key] = fence
         expires = self.clock() + ttl
         self.grants[key] = Grant(key, token, owner, fence, info, expires)
-        return LeaseView(key, token, owner, fence, info, ttl, expires)
+        view = LeaseView(key, token, owner, fence, info, ttl, expires, client)
+        self.granted.append(view)
+        return view
 
     # -- stateless steps: ``locks.renew(key, token)``, ``locks.release(key, token)`` --
 
-    def renew_token(self, key: str, token: str, ttl: float) -> Grant | None:
-        """Extend the live grant of ``token``; the grant, or ``None`` (``LockLost``)."""
+    def renew_token(
+        self, key: str, token: str, ttl: float, *, client: int | None = None
+    ) -> Grant | None:
+        """Extend the live grant of ``token``; the grant, or ``None`` (``LockLost``).
+
+        Renewed by key and token through ``client``: the ``Lease`` that client was
+        granted for ``token`` is extended too, if it is alive.
+        """
         grant = self.live(key)
         if grant is None or grant.token != token:
             return None
         grant.expires = self.clock() + ttl
+        for view in self.granted:
+            alive = not (view.released or self.lost(view))
+            if client is not None and view.client == client and view.token == token and alive:
+                view.ttl, view.deadline = ttl, grant.expires
         return grant
 
     def release_token(self, key: str, token: str) -> bool:
