@@ -148,6 +148,51 @@ async def test_a_waiting_acquire_whose_caller_hangs_up_leaves_nothing(live: Live
         assert (await client.get("/v1/holder", params={"key": "k"})).json() == {"holder": None}
 
 
+def _half_closed_steal(live: Live, key: str) -> bytes:
+    """Steal ``key`` in a request whose sender half-closes at once; what it reads back."""
+    body = json.dumps({"key": key, "ttl": 3600, "steal": True, "owner": "quitter"})
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=PATIENCE) as conn:
+        conn.sendall(
+            b"POST /v1/acquire HTTP/1.1\r\nHost: %s:%s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s"
+            % (host.encode(), port.encode(), len(body), body.encode())
+        )
+        conn.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        return answer
+
+
+def test_a_grant_for_a_caller_already_gone_is_given_back(live: Live, http: httpx.Client) -> None:
+    """A client that half-closes its connection once its request is sent reads as one
+    that hung up: when the server sees that before the grant is answered, the grant
+    (a steal here) is given back at once. (When the request's grant was answered first,
+    the client read its lease: then it is released, and the exchange is tried again.)
+
+    Before: the stolen key stayed with nobody for the request's TTL (an hour here).
+    """
+    deadline = time.monotonic() + PATIENCE
+    while True:
+        mine = _acquire(http, "gone", ttl=3600)
+        answer = _half_closed_steal(live, "gone")
+        if not answer:
+            break
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        stolen = json.loads(answer.partition(b"\r\n\r\n")[2])
+        assert http.post("/v1/release", json={"key": "gone", "token": stolen["token"]}).is_success
+        assert time.monotonic() < deadline, "the server never saw the half-close first"
+    renew = {"key": "gone", "token": mine["token"]}
+    while http.post("/v1/renew", json=renew).status_code == 200:  # until the steal
+        assert time.monotonic() < deadline, "the half-closed request never stole the key"
+        time.sleep(0.01)
+    while (holder := http.get("/v1/holder", params={"key": "gone"}).json()["holder"]) is not None:
+        assert time.monotonic() < deadline, f"the key stayed with {holder}"
+        time.sleep(0.01)
+    assert _acquire(http, "gone")["fence"] > mine["fence"] + 1  # the steal's was given back
+
+
 # -- the http:// store against a real server ----------------------------------------------
 
 

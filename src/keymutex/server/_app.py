@@ -297,6 +297,20 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], stopping: a
     return result
 
 
+async def _unless_gone(request: Request, lease: AsyncLease) -> AsyncLease:
+    """Give back a grant made for a caller already gone (``ClientDisconnect``).
+
+    Nobody could ever learn its token, so it would hold the key for its whole TTL: a
+    client that gave up on a busy server before its turn came, or one that half-closed
+    its connection after sending (which reads the same as a hang-up).
+    """
+    if await request.is_disconnected():
+        with contextlib.suppress(LockError):
+            await lease.release()
+        raise ClientDisconnect()
+    return lease
+
+
 async def _first(*waits: Awaitable[Any], timeout: float | None = None) -> None:
     """Until one of ``waits`` is done, or ``timeout`` seconds pass; cancels the others."""
     futures = [asyncio.ensure_future(wait) for wait in waits]
@@ -490,7 +504,7 @@ class _Server:
                         request, namespace, key, "acquire", locks._acquire(plan)
                     )
                 else:
-                    lease = await locks._acquire(plan)
+                    lease = await _unless_gone(request, await locks._acquire(plan))
             except Locked as exc:
                 self.metrics.refusals.labels(self.metrics.namespace(namespace)).inc()
                 held = f"held by {exc.holder.owner}" if exc.holder else "not free"
