@@ -51,7 +51,9 @@ def main() -> None:
             print(f"== {name}: no results yet (run it: benchmarks/run_all.py {name})")
             continue
         table = result.read_text().strip()
-        sections.append(f"{table}\n\nCommand: `.venv/bin/python benchmarks/{' '.join(command)}`")
+        if "Command:" not in table:  # most scripts write their own, with their options
+            table += f"\n\nCommand: `.venv/bin/python benchmarks/{' '.join(command)}`"
+        sections.append(table)
     header = (
         "# Benchmark results\n\n"
         f"Gathered by `benchmarks/run_all.py` on {datetime.date.today()}: Python"
