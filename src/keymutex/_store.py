@@ -11,7 +11,8 @@ Contract of each step (sync shown; ``AsyncStore`` is the same with ``await``):
   that queues waiters (``Capabilities.fair``) grants a free key only to a caller whose
   ``waiter`` is first in the key's queue, or to anyone when the queue is empty; a
   refused caller with a ``waiter`` joins the queue in the same atomic step, so a release
-  that follows is sure to notify it.
+  that follows is sure to notify it. A key that ``token`` holds already is granted
+  again as it stands (a retry whose reply was lost), its expiry never shortened.
 - ``renew`` / ``release``: only while ``token`` holds a live lease, checked atomically.
 - ``holder`` / ``holders``: read-only.
 

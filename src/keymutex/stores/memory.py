@@ -175,6 +175,11 @@ class MemoryStore:
         with table.mutex:
             now = _clock.monotonic()
             current = table.live(full_key, now)
+            if current is not None and current.token == token:
+                # Granted already (a retry whose reply was lost): the lease as it stands.
+                if waiter is not None:
+                    table.dequeue(waiter)
+                return self._outcome(True, key, current, now)
             head = table.head(full_key)
             if not steal and (current is not None or (head is not None and head is not waiter)):
                 if waiter is not None:
