@@ -20,16 +20,21 @@ export interface LockClientOptions {
   url: string | URL;
   /** Default "". At most 256 bytes as UTF-8. */
   namespace?: string;
-  /** Sent as "Authorization: Bearer …" when the server has a token file. */
+  /** Sent as "Authorization: Bearer …" when the server has a token file. Visible ASCII only. */
   apiToken?: string | null;
   /** Shown to others; default: the server's choice (the API token's name, else the peer address). */
   owner?: string | null;
-  /** Default lease lifetime in seconds, (0, 86400]; default 30. */
+  /** Default lease lifetime in seconds, [0.001, 86400]; default 30. */
   ttl?: number;
+  /**
+   * Seconds a request may take, beyond the wait of a long poll (acquire, wait), before it
+   * fails with a StoreError whose code is "timeout"; default 10, as the Python http:// store.
+   */
+  requestTimeout?: number;
 }
 
 export interface AcquireOptions {
-  /** Seconds the lease lives unless renewed, (0, 86400]; default: the client's ttl. */
+  /** Seconds the lease lives unless renewed, [0.001, 86400]; default: the client's ttl. */
   ttl?: number;
   /** null/undefined: wait as long as it takes; 0: try once; t > 0: wait up to t seconds, then throw Locked. */
   timeout?: number | null;
@@ -37,13 +42,16 @@ export interface AcquireOptions {
   info?: Record<string, unknown> | null;
   /** Take the key even if held: the previous holder's token stops working at once. */
   steal?: boolean;
-  /** Stops waiting: the promise rejects with signal.reason. */
-  signal?: AbortSignal;
+  /** Stops waiting: the promise rejects with signal.reason; a grant that came meanwhile is given back. */
+  signal?: AbortSignal | null;
 }
 
 export interface WithLockOptions extends AcquireOptions {
-  /** Called once when the lease is found lost while fn runs. */
-  onLost?: (lease: Lease) => void;
+  /**
+   * Called once when the lease is found lost while fn runs (taken over, or not renewed by
+   * its deadline). What it throws, or the promise it returns rejects with, is logged.
+   */
+  onLost?: (lease: Lease) => unknown;
 }
 
 export interface WaitResult {
@@ -68,15 +76,21 @@ export class Lease {
   readonly expiresAt: number;
   /** Seconds left on this process's monotonic clock; never more than the server granted. */
   readonly remaining: number;
-  /** True once the lease is known gone, or its local deadline has passed. */
+  /** True once the lease is known gone, or its local deadline has passed; a lost lease is never revived. */
   readonly lost: boolean;
   /** Aborted, with the LockLost as reason, when the lease is found lost. */
   readonly signal: AbortSignal;
   /** What others see of this lease. */
   readonly holder: Holder;
-  /** Extends the lease (default: its current ttl). Throws LockLost if it no longer holds the key. */
+  /**
+   * Extends the lease (default: its current ttl). Throws LockLost if it no longer holds the key,
+   * was released, or is lost by this process's clock (one past its deadline is released instead).
+   */
   renew(options?: { ttl?: number }): Promise<Lease>;
-  /** Releases the lease. Throws LockLost if it no longer holds the key (already released, expired, taken over). */
+  /**
+   * Releases the lease and stops withLock's renewal of it. Throws LockLost if it no longer holds
+   * the key (already released, expired, taken over).
+   */
   release(): Promise<void>;
 }
 
@@ -99,11 +113,14 @@ export class LockClient {
     key: string,
     fence: number | null,
     timeout?: number | null,
-    options?: { signal?: AbortSignal },
+    options?: { signal?: AbortSignal | null },
   ): Promise<WaitResult>;
   /** Needs the admin permission. reason: 1 to 500 characters. */
   forceRelease(key: string, reason: string): Promise<{ released: boolean; holder: Holder | null }>;
-  /** Runs fn holding key, renewing every ttl/3; releases after; rejects with LockLost if renewal failed. */
+  /**
+   * Runs fn holding key, renewing every ttl/3; releases after (unless fn released the lease);
+   * rejects with LockLost if the lease was lost meanwhile, unless fn threw.
+   */
   withLock<T>(key: string, fn: (lease: Lease) => T | Promise<T>, options?: WithLockOptions): Promise<T>;
 }
 
@@ -133,7 +150,10 @@ export class StoreError extends LockError {
   );
   /** HTTP status, or null when no reply came. */
   readonly status: number | null;
-  /** The server's error code, e.g. "store_unavailable", or null. */
+  /**
+   * The server's error code, e.g. "store_unavailable"; when no reply came, "unreachable" (the
+   * connection failed) or "timeout" (no answer within requestTimeout); else null.
+   */
   readonly code: string | null;
 }
 

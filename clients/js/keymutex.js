@@ -1,8 +1,9 @@
 // keymutex-client: lease locks on a keymutex lock server, over its HTTP API (v1).
 //
 // One ES module without dependencies, for Node >= 18 and browsers (it only needs
-// fetch, AbortController, TextEncoder and performance.now). The lock server serves
-// this very file as /static/keymutex.js (src/keymutex/server/static/ links here).
+// fetch, AbortController, TextEncoder, performance.now, btoa and crypto.getRandomValues).
+// The lock server serves this very file as /static/keymutex.js
+// (src/keymutex/server/static/ links here).
 //
 //   const locks = new LockClient({url: 'http://127.0.0.1:7420', namespace: 'shop'});
 //   await locks.withLock(`user:${id}`, async (lease) => { ... }, {ttl: 10, timeout: 5});
@@ -16,6 +17,7 @@
 //   ├── Locked                not acquired within timeout; .key, .holder (Holder | null)
 //   ├── LockLost              the lease no longer holds its key; .key, .holder (new holder | null)
 //   └── StoreError            the server failed, was unreachable or refused; .status, .code
+//       │                     (.code "unreachable" or "timeout" when no reply came)
 //       ├── InvalidArgument   the server rejected an argument (HTTP 400, 413, 415)
 //       ├── Unauthorized      missing or unknown API token (HTTP 401)
 //       └── Forbidden         the API token lacks the permission (HTTP 403)
@@ -26,14 +28,25 @@ const MAX_KEY_BYTES = 1024;
 const MAX_NAMESPACE_BYTES = 256;
 const MAX_OWNER_BYTES = 256;
 const MAX_INFO_BYTES = 4096;
-const MAX_TTL = 86400; // the server's range for ttl is (0, 86400]
+const MIN_TTL = 0.001; // the server's range for ttl is [0.001, 86400]
+const MAX_TTL = 86400;
 const MAX_TOKEN_CHARS = 256;
 const MAX_REASON_CHARS = 500;
+const MAX_API_TOKEN_CHARS = 4096;
 const DEFAULT_TTL = 30;
+// Seconds a request may take beyond a long poll's own wait, as the Python http:// store.
+const DEFAULT_REQUEST_TIMEOUT = 10;
+const MAX_REQUEST_TIMEOUT = 86400;
 // Seconds asked of the server per long poll. The server answers after at most its own
 // max_wait (30 s by default) anyway; the client loops until its own deadline.
 const POLL_SECONDS = 60;
 const TOKEN_PATTERN = /^[A-Za-z0-9_-]+$/;
+// Random bytes of a lease token the client draws: 144 bits, 24 URL-safe characters, as
+// the Python client's (the server takes 22 to 256 characters carrying 128 bits or more).
+const TOKEN_BYTES = 18;
+// What an HTTP header value may hold without being refused or changed on the way:
+// visible ASCII (no spaces, controls or non-ASCII characters).
+const HEADER_TOKEN_PATTERN = /^[\x21-\x7E]+$/;
 // A lone surrogate: a high one not followed by a low one, or a low one not preceded by
 // a high one (String.prototype.isWellFormed is missing from Node 18 and older browsers).
 const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
@@ -172,6 +185,22 @@ function checkTtl(ttl) {
   if (!(seconds > 0 && seconds <= MAX_TTL)) {
     throw new RangeError(`ttl must be greater than 0 and at most ${MAX_TTL} seconds, not ${seconds}`);
   }
+  if (seconds < MIN_TTL) {
+    throw new RangeError(
+      `ttl must be at least ${MIN_TTL} s (1 ms), not ${seconds}: a shorter lease would expire before it could be granted`,
+    );
+  }
+  return seconds;
+}
+
+/** @param {unknown} value @returns {number} */
+function checkRequestTimeout(value) {
+  const seconds = checkSeconds(value, 'requestTimeout');
+  if (!(seconds > 0 && seconds <= MAX_REQUEST_TIMEOUT)) {
+    throw new RangeError(
+      `requestTimeout must be greater than 0 and at most ${MAX_REQUEST_TIMEOUT} seconds, not ${seconds}`,
+    );
+  }
   return seconds;
 }
 
@@ -196,6 +225,44 @@ function checkToken(token) {
     );
   }
   return token;
+}
+
+/**
+ * @param {unknown} fence
+ * @returns {number | null}
+ */
+function checkFence(fence) {
+  if (fence === null) return null;
+  if (typeof fence !== 'number') {
+    throw new TypeError(`fence must be null or the fence number of a holder or lease, not ${show(fence)}`);
+  }
+  if (!(Number.isSafeInteger(fence) && fence >= 0)) {
+    throw new RangeError(`fence must be null or a non-negative integer from a holder or lease, not ${fence}`);
+  }
+  return fence;
+}
+
+/** @param {unknown} reason @returns {string} */
+function checkReason(reason) {
+  // No byte limit of its own: 500 characters are at most the server's 2000 bytes.
+  checkText(reason, 'reason', {allowEmpty: true, maxBytes: Infinity});
+  const length = [.../** @type {string} */ (reason)].length; // in code points, as Python's len()
+  if (length < 1 || length > MAX_REASON_CHARS) {
+    throw new RangeError(`reason must be 1 to ${MAX_REASON_CHARS} characters, not ${length}`);
+  }
+  return /** @type {string} */ (reason);
+}
+
+/** @param {unknown} apiToken @returns {string} */
+function checkApiToken(apiToken) {
+  if (typeof apiToken !== 'string') throw new TypeError(`apiToken must be a string or null, not ${show(apiToken)}`);
+  if (apiToken.length > MAX_API_TOKEN_CHARS || !HEADER_TOKEN_PATTERN.test(apiToken)) {
+    throw new RangeError(
+      `apiToken must be 1 to ${MAX_API_TOKEN_CHARS} visible ASCII characters, as an HTTP header takes them` +
+        ' (no spaces, control or non-ASCII characters)',
+    );
+  }
+  return apiToken;
 }
 
 /** @param {unknown} value @param {string} path @param {Set<object>} open */
@@ -238,6 +305,36 @@ function checkJsonValue(value, path, open) {
   }
 }
 
+// A JSON string, or a JSON number, in JSON.stringify's output.
+const JSON_STRING_OR_NUMBER = /"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?(?:e[+-]?\d+)?/g;
+
+/**
+ * How the server writes a number that JSON.stringify wrote as `text`, once it has read
+ * it: Python's json.dumps gives a float's exponent two digits at least and writes the
+ * exponent form below 1e-4 (JSON.stringify: below 1e-6), so 1e-7 becomes 1e-07, and
+ * 0.00001 becomes 1e-05. The digits are the same: both write the shortest that round-trip.
+ * @param {string} text
+ */
+function asPythonWritesIt(text) {
+  if (!/[.e]/.test(text)) return text; // an integer: Python reads and writes the same digits
+  const [mantissa, exponent] = Number(text).toExponential().split('e');
+  const power = Number(exponent);
+  if (power >= -4 && power < 16) return text; // positional in both
+  return `${mantissa}e${power < 0 ? '-' : '+'}${String(Math.abs(power)).padStart(2, '0')}`;
+}
+
+/**
+ * The size of `value` as the server measures info: compact JSON as Python's json.dumps
+ * writes it (which differs from JSON.stringify in numbers only), in UTF-8 bytes.
+ * @param {unknown} value
+ */
+function serverJsonSize(value) {
+  const text = JSON.stringify(value).replace(JSON_STRING_OR_NUMBER, (token) =>
+    token.startsWith('"') ? token : asPythonWritesIt(token),
+  );
+  return encoder.encode(text).length;
+}
+
 /** @param {unknown} info @returns {Record<string, unknown> | null} */
 function checkInfo(info) {
   if (info === undefined || info === null) return null;
@@ -253,7 +350,7 @@ function checkInfo(info) {
     }
     throw error;
   }
-  const size = encoder.encode(JSON.stringify(info)).length;
+  const size = serverJsonSize(info);
   if (size > MAX_INFO_BYTES) {
     throw new RangeError(`info is ${size} bytes as JSON; at most ${MAX_INFO_BYTES} are accepted`);
   }
@@ -314,15 +411,46 @@ function checkOptions(options, method, allowed) {
  * @property {number} expiresIn
  */
 
-/** @param {any} wire @returns {Holder} */
+/** @param {unknown} value @returns {value is Record<string, any>} */
+function isObject(value) {
+  return typeof value === 'object' && value !== null && !Array.isArray(value);
+}
+
+/** @param {unknown} value @returns {value is number} */
+function isSeconds(value) {
+  return typeof value === 'number' && Number.isFinite(value);
+}
+
+/**
+ * A reply without the shape the HTTP API promises (a proxy's page, another server): the
+ * client cannot tell what happened, so it is a StoreError rather than a guess. The
+ * value is shown without its token, if it has one: a secret.
+ * @param {string} what
+ * @param {unknown} value
+ */
+function malformed(what, value) {
+  const text = JSON.stringify(value, (name, item) => (name === 'token' ? '…' : item)) ?? String(value);
+  const shown = text.length > 100 ? `${text.slice(0, 100)}…` : text;
+  return new StoreError(`unexpected ${what} from the lock server: ${shown}`);
+}
+
+/** @param {unknown} wire a Holder object of the HTTP API @returns {Holder} */
 function toHolder(wire) {
-  if (typeof wire !== 'object' || wire === null || typeof wire.key !== 'string') {
-    throw new StoreError(`unexpected holder in the lock server's reply: ${show(wire)}`);
-  }
+  const valid =
+    isObject(wire) &&
+    typeof wire.key === 'string' &&
+    typeof wire.owner === 'string' &&
+    (wire.info === null || isObject(wire.info)) &&
+    Number.isSafeInteger(wire.fence) &&
+    wire.fence >= 0 &&
+    isSeconds(wire.acquired_at) &&
+    isSeconds(wire.expires_at) &&
+    isSeconds(wire.expires_in);
+  if (!valid) throw malformed('holder', wire);
   return Object.freeze({
     key: wire.key,
     owner: wire.owner,
-    info: wire.info ?? null,
+    info: wire.info,
     fence: wire.fence,
     acquiredAt: wire.acquired_at,
     expiresAt: wire.expires_at,
@@ -330,9 +458,24 @@ function toHolder(wire) {
   });
 }
 
-/** @param {any} wire @returns {Holder | null} */
+/** @param {unknown} wire a Holder object or null @returns {Holder | null} */
 function toHolderOrNull(wire) {
-  return wire === null || wire === undefined ? null : toHolder(wire);
+  return wire === null ? null : toHolder(wire);
+}
+
+/**
+ * The Lease object of an acquire or renew of `key` by `token`, checked.
+ * @param {unknown} wire
+ * @param {string} key
+ * @param {string} token
+ */
+function toLease(wire, key, token) {
+  const holder = toHolder(wire);
+  const lease = /** @type {Record<string, any>} */ (wire);
+  if (holder.key !== key || lease.token !== token || !(isSeconds(lease.ttl) && lease.ttl > 0)) {
+    throw malformed('lease', lease);
+  }
+  return {holder, token, ttl: /** @type {number} */ (lease.ttl)};
 }
 
 /** @param {number} ms @param {AbortSignal | undefined} signal */
@@ -356,37 +499,122 @@ function sleep(ms, signal) {
 
 const now = () => performance.now();
 
-// Lets LockClient start a lease's renewer without making it public API.
+/**
+ * A signal that aborts when `signal` does (with its reason), or after `ms` (with
+ * `timedOut()`); clear() ends the timer and the listener. Made by hand: AbortSignal.any
+ * is missing from Node 18.
+ * @param {AbortSignal | undefined} signal
+ * @param {number} ms
+ * @param {() => Error} timedOut
+ */
+function withTimeout(signal, ms, timedOut) {
+  const controller = new AbortController();
+  const follow = () => controller.abort(signal?.reason);
+  if (signal?.aborted) follow();
+  else signal?.addEventListener('abort', follow, {once: true});
+  const timer = setTimeout(() => controller.abort(timedOut()), ms);
+  return {
+    signal: controller.signal,
+    clear() {
+      clearTimeout(timer);
+      signal?.removeEventListener('abort', follow);
+    },
+  };
+}
+
+/**
+ * A new lease token: TOKEN_BYTES random bytes as URL-safe base64. The client draws its
+ * own, as the Python client does, so that it can ask again for the same grant.
+ * @returns {Promise<string>}
+ */
+async function newToken() {
+  // Node 18 has no global crypto (unless started with a flag); Node >= 19 and browsers do.
+  // @ts-ignore: the types of Node are not a dependency of this file
+  const crypto = globalThis.crypto ?? (await import('node:crypto')).webcrypto;
+  const bytes = crypto.getRandomValues(new Uint8Array(TOKEN_BYTES));
+  return btoa(String.fromCharCode(...bytes)).replaceAll('+', '-').replaceAll('/', '_');
+}
+
+/**
+ * Whether an acquire that failed with `error` may have been granted all the same: unless
+ * the server answered no (Locked, or a 4xx refusal), a grant may have landed unseen.
+ * @param {unknown} error
+ */
+function mayHaveGranted(error) {
+  if (error instanceof Locked) return false;
+  const refused = error instanceof StoreError && error.status !== null && error.status >= 400 && error.status < 500;
+  return !refused;
+}
+
+/**
+ * Releases by token, in the background, a grant that nobody will use: if that fails
+ * too, the lease expires by its ttl.
+ * @param {LockClient} client
+ * @param {string} key
+ * @param {string} token
+ */
+function giveBack(client, key, token) {
+  client.release(key, token).catch(() => {});
+}
+
+/**
+ * Calls onLost(lease): a throw or a rejected promise is logged, never passed on (an
+ * unhandled rejection would end a Node process).
+ * @param {(lease: Lease) => unknown} onLost
+ * @param {Lease} lease
+ */
+function notifyLost(onLost, lease) {
+  const report = (/** @type {unknown} */ error) =>
+    console.error(`keymutex: the onLost callback for ${JSON.stringify(lease.key)} failed:`, error);
+  try {
+    Promise.resolve(onLost(lease)).catch(report);
+  } catch (error) {
+    report(error);
+  }
+}
+
+/** @param {string} key @param {string} why */
+function expired(key, why) {
+  return new LockLost(key, null, `lease on ${JSON.stringify(key)} expired: ${why}`);
+}
+
+// Methods that Lease and LockClient call on each other without making them public API.
 const startRenewing = Symbol('startRenewing');
+const finishLease = Symbol('finishLease');
+const sendRenewal = Symbol('sendRenewal');
 
 /**
  * A granted lock. `token` is the secret that proves ownership: whoever has key and
  * token may renew or release, from any process (the client keeps nothing else).
  * `remaining` counts down on this process's monotonic clock from *before* the request
  * that granted or renewed the lease, so it is never more than the server granted.
- * `signal` is aborted (with a LockLost as reason) once the lease is known lost.
+ * `signal` is aborted (with a LockLost as reason) once the lease is known lost. A lease
+ * once lost is never revived.
  */
 export class Lease {
   /** @type {LockClient} */ #client;
   /** @type {number} */ #deadline;
   /** @type {AbortController} */ #lostController = new AbortController();
   /** @type {boolean} */ #released = false;
+  /** @type {AbortController | null} the running renewer's (withLock): aborting it stops it */
+  #renewer = null;
 
   /**
    * @param {LockClient} client
-   * @param {any} wire a Lease object of the HTTP API
+   * @param {unknown} wire a Lease object of the HTTP API
    * @param {number} sentAt performance.now() before the request was sent
+   * @param {string} key the key asked for
+   * @param {string} token the token that acquired or renewed it
    */
-  constructor(client, wire, sentAt) {
-    const holder = toHolder(wire);
-    if (typeof wire.token !== 'string') throw new StoreError("the lock server's lease has no token");
+  constructor(client, wire, sentAt, key, token) {
+    const {holder, ttl} = toLease(wire, key, token);
     this.#client = client;
     /** @type {string} */ this.key = holder.key;
-    /** @type {string} */ this.token = wire.token;
+    /** @type {string} */ this.token = token;
     /** @type {number} */ this.fence = holder.fence;
     /** @type {string} */ this.owner = holder.owner;
     /** @type {Record<string, unknown> | null} */ this.info = holder.info;
-    /** @type {number} */ this.ttl = wire.ttl;
+    /** @type {number} */ this.ttl = ttl;
     /** @type {number} */ this.acquiredAt = holder.acquiredAt;
     /** @type {number} */ this.expiresAt = holder.expiresAt;
     this.#deadline = sentAt + holder.expiresIn * 1000;
@@ -421,81 +649,145 @@ export class Lease {
   }
 
   /**
-   * Extends the lease to `ttl` seconds from now (default: its current ttl).
+   * Extends the lease to `ttl` seconds from now (default: its current ttl). Throws
+   * LockLost if it no longer holds its key, was released, or is lost by this process's
+   * clock: a lease past its deadline is released rather than renewed (the server may
+   * not have seen it expire yet, and a waiter may be granted it any moment).
    * @param {{ttl?: number}} [options]
    * @returns {Promise<Lease>} this lease
    */
   async renew(options) {
     const {ttl = this.ttl} = checkOptions(options, 'renew', ['ttl']);
-    try {
-      const fresh = await this.#client.renew(this.key, this.token, {ttl});
-      this.ttl = fresh.ttl;
-      this.expiresAt = fresh.expiresAt;
-      this.#deadline = fresh.#deadline;
-      return this;
-    } catch (error) {
-      if (error instanceof LockLost) this.#lose(error);
-      throw error;
-    }
+    await this.#renew(checkTtl(ttl), undefined);
+    return this;
   }
 
   /**
-   * Releases the lease. A lease already released, expired or taken over throws LockLost.
+   * One renewal. Once `signal` (the renewer's) is aborted, its reply counts for nothing.
+   * @param {number} ttl
+   * @param {AbortSignal | undefined} signal
+   */
+  async #renew(ttl, signal) {
+    this.#checkHeld('before it was renewed');
+    let fresh;
+    try {
+      fresh = await this.#client[sendRenewal](this.key, this.token, ttl, signal);
+    } catch (error) {
+      if (error instanceof LockLost && !signal?.aborted) throw this.#lose(error);
+      throw error;
+    }
+    if (signal?.aborted) throw signal.reason;
+    // Renewed after its holder was told, or could have seen, that it was lost: not revived.
+    this.#checkHeld('while it was being renewed');
+    this.ttl = fresh.ttl;
+    this.expiresAt = fresh.expiresAt;
+    this.#deadline = fresh.#deadline;
+  }
+
+  /**
+   * Releases the lease, and stops its renewal. Throws LockLost if it no longer holds its
+   * key, was released already, or is lost by this process's clock (a lease past its
+   * deadline is released all the same, in the background: the server may still count it
+   * as held).
    * @returns {Promise<void>}
    */
   async release() {
+    this.#stopRenewing();
+    this.#checkHeld('before it was released');
     try {
       await this.#client.release(this.key, this.token);
-      this.#released = true;
     } catch (error) {
-      if (error instanceof LockLost) this.#lose(error);
+      if (error instanceof LockLost) throw this.#lose(error);
       throw error;
     }
-  }
-
-  /** @param {LockLost} error */
-  #lose(error) {
-    if (!this.#lostController.signal.aborted) this.#lostController.abort(error);
+    this.#released = true;
   }
 
   /**
-   * Renews about every ttl/3 until the returned stop() is awaited. Renewal that fails
-   * with LockLost ends it; a server that cannot be reached is retried until the
-   * lease's local deadline, after which the lease counts as lost.
-   * @returns {() => Promise<void>} stop
+   * Throws LockLost if the lease was released, or is lost: known lost, or past its
+   * deadline by this process's clock. The key of a lease past its deadline is given back,
+   * as the server may not have seen it expire yet (its clock, or a renewal that came too
+   * late), and a waiter should not wait another ttl for it.
+   * @param {string} when what the deadline passed before, for the message
+   */
+  #checkHeld(when) {
+    if (this.#released) {
+      throw new LockLost(this.key, null, `lease on ${JSON.stringify(this.key)} was already released`);
+    }
+    if (!this.lost) return;
+    if (this.remaining === 0) giveBack(this.#client, this.key, this.token);
+    throw this.#lose(expired(this.key, `its deadline passed ${when}`));
+  }
+
+  /**
+   * Records the loss, aborts `signal` (which calls withLock's onLost) and stops the
+   * renewal; the first LockLost stays the reason. Returns that LockLost, to throw.
+   * @param {LockLost} error
+   * @returns {LockLost}
+   */
+  #lose(error) {
+    if (this.#released) return error;
+    if (!this.#lostController.signal.aborted) {
+      this.#stopRenewing();
+      this.#lostController.abort(error);
+    }
+    return this.#lostController.signal.reason;
+  }
+
+  #stopRenewing() {
+    this.#renewer?.abort();
+    this.#renewer = null;
+  }
+
+  /**
+   * Renews about every ttl/3 until release() or the loss. A server that cannot be
+   * reached, or does not answer, is asked again until the lease's local deadline, when
+   * the lease is lost: at that deadline, even while a renewal is still under way.
    */
   [startRenewing]() {
-    let stopped = false;
+    const renewer = new AbortController();
+    this.#renewer = renewer;
+    const {signal} = renewer;
     /** @type {ReturnType<typeof setTimeout> | undefined} */
-    let timer;
-    /** @type {Promise<void> | undefined} */
-    let inFlight;
-    const schedule = (/** @type {number} */ ms) => {
-      if (!stopped) timer = setTimeout(tick, ms);
+    let deadlineTimer;
+    const watchDeadline = () => {
+      deadlineTimer = setTimeout(() => {
+        if (this.remaining > 0) watchDeadline(); // renewed since
+        else this.#lose(expired(this.key, 'not renewed by its deadline'));
+      }, this.#deadline - now());
     };
-    const tick = () => {
-      inFlight = (async () => {
+    watchDeadline();
+    signal.addEventListener('abort', () => clearTimeout(deadlineTimer), {once: true});
+    const run = async () => {
+      let wait = this.ttl / 3;
+      while (!signal.aborted) {
         try {
-          await this.renew();
-          schedule((this.ttl * 1000) / 3);
-        } catch (error) {
-          if (error instanceof LockLost || stopped) return;
-          if (this.remaining === 0) {
-            const reason = error instanceof Error ? error.message : String(error);
-            this.#lose(new LockLost(this.key, null, `lease on ${JSON.stringify(this.key)} expired: renewal failed (${reason})`));
-            return;
-          }
-          // Unreachable for now: try again well before the deadline.
-          schedule(Math.max(100, Math.min((this.ttl * 1000) / 3, (this.remaining * 1000) / 4)));
+          await sleep(wait * 1000, signal);
+          await this.#renew(this.ttl, signal);
+          wait = this.ttl / 3;
+        } catch {
+          // Stopped or lost (the loop ends), or the server failed: try again well before
+          // the deadline.
+          wait = Math.max(0.1, Math.min(this.ttl / 3, this.remaining / 4));
         }
-      })();
+      }
     };
-    schedule((this.ttl * 1000) / 3);
-    return async () => {
-      stopped = true;
-      clearTimeout(timer);
-      await inFlight;
-    };
+    run();
+  }
+
+  /**
+   * How withLock ends: releases the lease unless fn did, and reports a loss (LockLost)
+   * unless fn failed, whose error wins.
+   * @param {boolean} fnFailed
+   */
+  async [finishLease](fnFailed) {
+    this.#stopRenewing();
+    if (this.#released) return;
+    try {
+      await this.release();
+    } catch (error) {
+      if (!fnFailed) throw error;
+    }
   }
 }
 
@@ -507,24 +799,27 @@ export class Lease {
  * @property {string | URL} url the lock server, e.g. "http://127.0.0.1:7420" (a base
  *   path is kept: "http://host/locks" calls "/locks/v1/…"); relative in browsers
  * @property {string} [namespace] default ""
- * @property {string | null} [apiToken] sent as "Authorization: Bearer …"
+ * @property {string | null} [apiToken] sent as "Authorization: Bearer …" (visible ASCII)
  * @property {string | null} [owner] shown to others; default: the server's choice (the
  *   API token's name, else the peer address)
  * @property {number} [ttl] default lease lifetime in seconds (30)
+ * @property {number} [requestTimeout] seconds a request may take beyond the wait of a
+ *   long poll, then StoreError (code "timeout"); default 10
  */
 
 /**
  * @typedef {object} AcquireOptions
- * @property {number} [ttl] seconds the lease lives unless renewed, (0, 86400]
+ * @property {number} [ttl] seconds the lease lives unless renewed, [0.001, 86400]
  * @property {number | null} [timeout] null/undefined: wait as long as it takes;
  *   0: try once; t > 0: wait up to t seconds, then throw Locked
  * @property {Record<string, unknown> | null} [info] shown to others, ≤ 4 KiB as JSON
  * @property {boolean} [steal] take the key even if held (the holder's token stops working)
- * @property {AbortSignal} [signal] stops waiting; the promise rejects with signal.reason
+ * @property {AbortSignal | null} [signal] stops waiting; the promise rejects with
+ *   signal.reason (a grant that came meanwhile is given back)
  */
 
 /**
- * @typedef {AcquireOptions & {onLost?: (lease: Lease) => void}} WithLockOptions
+ * @typedef {AcquireOptions & {onLost?: (lease: Lease) => unknown}} WithLockOptions
  */
 
 /** Lease locks on a keymutex lock server. Stateless apart from its settings. */
@@ -532,14 +827,18 @@ export class LockClient {
   /** @type {string} */ #base;
   /** @type {string | null} */ #apiToken;
   /** @type {string | null} */ #owner;
+  /** @type {number} */ #requestTimeout;
 
   /** @param {LockClientOptions} options */
   constructor(options) {
-    const {url, namespace = '', apiToken = null, owner = null, ttl = DEFAULT_TTL} = checkOptions(
-      options,
-      'LockClient',
-      ['url', 'namespace', 'apiToken', 'owner', 'ttl'],
-    );
+    const {
+      url,
+      namespace = '',
+      apiToken = null,
+      owner = null,
+      ttl = DEFAULT_TTL,
+      requestTimeout = DEFAULT_REQUEST_TIMEOUT,
+    } = checkOptions(options, 'LockClient', ['url', 'namespace', 'apiToken', 'owner', 'ttl', 'requestTimeout']);
     if (typeof url !== 'string' && !(url instanceof URL)) {
       throw new TypeError(`url must be a string or URL such as "http://127.0.0.1:7420", not ${show(url)}`);
     }
@@ -560,17 +859,25 @@ export class LockClient {
     this.url = this.#base;
     /** @type {string} */
     this.namespace = checkText(namespace, 'namespace', {allowEmpty: true, maxBytes: MAX_NAMESPACE_BYTES});
-    if (apiToken !== null) checkText(apiToken, 'apiToken', {allowEmpty: false, maxBytes: 4096});
-    this.#apiToken = apiToken;
+    this.#apiToken = apiToken === null ? null : checkApiToken(apiToken);
     if (owner !== null) checkText(owner, 'owner', {allowEmpty: false, maxBytes: MAX_OWNER_BYTES});
     this.#owner = owner;
     /** @type {number} */
     this.ttl = checkTtl(ttl);
+    this.#requestTimeout = checkRequestTimeout(requestTimeout);
   }
 
   /**
    * Acquires `key`, waiting up to `timeout` seconds (server long polls, repeated until
    * this client's own deadline). Throws Locked (with the last holder seen) on timeout.
+   *
+   * Each call draws a token and sends it with every ask, as the Python http:// store
+   * does: the server answers an ask whose token already holds the key with that lease.
+   * So an acquire whose reply was lost on the way is asked again once, at once, without
+   * risk of a second grant; and one that fails otherwise, or is aborted, while a grant
+   * may have landed gives that grant back (a release by its token, in the background).
+   * Not promised: a waiter's place in the server's queue from one long poll to the next
+   * (the server queues each poll anew).
    * @param {string} key
    * @param {AcquireOptions} [options]
    * @returns {Promise<Lease>}
@@ -583,24 +890,36 @@ export class LockClient {
     const info = checkInfo(opts.info);
     const steal = checkBoolean(opts.steal, 'steal');
     const signal = checkSignal(opts.signal);
+    if (signal?.aborted) throw signal.reason;
 
+    const token = await newToken();
+    /** @type {Record<string, unknown>} */
+    const body = {namespace: this.namespace, key, token, ttl};
+    if (info !== null) body.info = info;
+    if (steal) body.steal = true;
+    if (this.#owner !== null) body.owner = this.#owner;
     const deadline = timeout === null ? Infinity : now() + timeout * 1000;
+    let askedAgain = false; // after a reply that was lost
     for (let attempt = 0; ; attempt++) {
-      const left = Math.max(0, (deadline - now()) / 1000);
-      /** @type {Record<string, unknown>} */
-      const body = {namespace: this.namespace, key, ttl, timeout: Math.min(left, POLL_SECONDS)};
-      if (info !== null) body.info = info;
-      if (steal) body.steal = true;
-      if (this.#owner !== null) body.owner = this.#owner;
+      const wait = Math.min(Math.max(0, (deadline - now()) / 1000), POLL_SECONDS);
       const sentAt = now();
       try {
-        return new Lease(this, await this.#request('POST', '/v1/acquire', {body, signal, key}), sentAt);
+        const reply = await this.#request('POST', '/v1/acquire', {body: {...body, timeout: wait}, signal, key, wait});
+        return new Lease(this, reply, sentAt, key, token);
       } catch (error) {
-        if (!(error instanceof Locked) || now() >= deadline) throw error;
-        // A refusal long before the asked wait (e.g. the holder changed hands) is
-        // retried at once, but never in a tight loop.
-        if (now() - sentAt < 20) await sleep(Math.min(250, 10 * 2 ** Math.min(attempt, 5)) * Math.random(), signal);
+        if (error instanceof StoreError && error.code === 'unreachable' && !askedAgain) {
+          askedAgain = true;
+          continue;
+        }
+        if (!(error instanceof Locked) || now() >= deadline) {
+          if (mayHaveGranted(error)) giveBack(this, key, token);
+          throw error;
+        }
+        askedAgain = false;
       }
+      // A refusal long before the asked wait (e.g. the holder changed hands) is asked
+      // again at once, but never in a tight loop. An abort here has nothing to give back.
+      if (now() - sentAt < 20) await sleep(Math.min(250, 10 * 2 ** Math.min(attempt, 5)) * Math.random(), signal);
     }
   }
 
@@ -617,9 +936,21 @@ export class LockClient {
     checkKey(key);
     checkToken(token);
     const ttl = opts.ttl === undefined ? this.ttl : checkTtl(opts.ttl);
+    return this[sendRenewal](key, token, ttl, undefined);
+  }
+
+  /**
+   * The renewal request, its arguments checked: the renewed lease, as a new Lease.
+   * @param {string} key
+   * @param {string} token
+   * @param {number} ttl
+   * @param {AbortSignal | undefined} signal
+   * @returns {Promise<Lease>}
+   */
+  async [sendRenewal](key, token, ttl, signal) {
     const sentAt = now();
-    const wire = await this.#request('POST', '/v1/renew', {body: {namespace: this.namespace, key, token, ttl}, key});
-    return new Lease(this, wire, sentAt);
+    const body = {namespace: this.namespace, key, token, ttl};
+    return new Lease(this, await this.#request('POST', '/v1/renew', {body, signal, key}), sentAt, key, token);
   }
 
   /**
@@ -632,7 +963,8 @@ export class LockClient {
   async release(key, token) {
     checkKey(key);
     checkToken(token);
-    await this.#request('POST', '/v1/release', {body: {namespace: this.namespace, key, token}, key});
+    const reply = await this.#request('POST', '/v1/release', {body: {namespace: this.namespace, key, token}, key});
+    if (reply.released !== true) throw malformed('release result', reply);
   }
 
   /**
@@ -683,7 +1015,7 @@ export class LockClient {
   async holders(prefix = '') {
     checkText(prefix, 'prefix', {allowEmpty: true, maxBytes: MAX_KEY_BYTES});
     const reply = await this.#request('GET', '/v1/holders', {query: {namespace: this.namespace, prefix}});
-    if (!Array.isArray(reply.holders)) throw new StoreError(`unexpected reply from the lock server: ${show(reply)}`);
+    if (!Array.isArray(reply.holders)) throw malformed('holders', reply.holders);
     return reply.holders.map(toHolder);
   }
 
@@ -694,25 +1026,24 @@ export class LockClient {
    * @param {string} key
    * @param {number | null} fence
    * @param {number | null} [timeout]
-   * @param {{signal?: AbortSignal}} [options]
+   * @param {{signal?: AbortSignal | null}} [options]
    * @returns {Promise<{changed: boolean, holder: Holder | null}>}
    */
   async wait(key, fence, timeout = null, options) {
     const opts = checkOptions(options, 'wait', ['signal']);
     checkKey(key);
-    if (fence !== null && !(Number.isSafeInteger(fence) && fence >= 0)) {
-      throw new TypeError(`fence must be null or a non-negative integer from a holder or lease, not ${show(fence)}`);
-    }
+    checkFence(fence);
     const seconds = checkTimeout(timeout);
     const signal = checkSignal(opts.signal);
     const deadline = seconds === null ? Infinity : now() + seconds * 1000;
     for (;;) {
-      const left = Math.max(0, (deadline - now()) / 1000);
-      const body = {namespace: this.namespace, key, fence, timeout: Math.min(left, POLL_SECONDS)};
+      const wait = Math.min(Math.max(0, (deadline - now()) / 1000), POLL_SECONDS);
+      const body = {namespace: this.namespace, key, fence, timeout: wait};
       const sentAt = now();
-      const reply = await this.#request('POST', '/v1/wait', {body, signal, key});
+      const reply = await this.#request('POST', '/v1/wait', {body, signal, key, wait});
+      if (typeof reply.changed !== 'boolean') throw malformed('wait result', reply);
       const holder = toHolderOrNull(reply.holder);
-      if (reply.changed || now() >= deadline) return {changed: Boolean(reply.changed), holder};
+      if (reply.changed || now() >= deadline) return {changed: reply.changed, holder};
       if (now() - sentAt < 20) await sleep(50 * Math.random(), signal);
     }
   }
@@ -726,21 +1057,21 @@ export class LockClient {
    */
   async forceRelease(key, reason) {
     checkKey(key);
-    if (typeof reason !== 'string') throw new TypeError(`reason must be a string, not ${show(reason)}`);
-    const length = [...reason].length;
-    if (length < 1 || length > MAX_REASON_CHARS) {
-      throw new RangeError(`reason must be 1 to ${MAX_REASON_CHARS} characters, not ${length}`);
-    }
-    const reply = await this.#request('POST', '/v1/force-release', {body: {namespace: this.namespace, key, reason}, key});
-    return {released: Boolean(reply.released), holder: toHolderOrNull(reply.holder)};
+    checkReason(reason);
+    const body = {namespace: this.namespace, key, reason};
+    const reply = await this.#request('POST', '/v1/force-release', {body, key});
+    if (typeof reply.released !== 'boolean') throw malformed('force-release result', reply);
+    return {released: reply.released, holder: toHolderOrNull(reply.holder)};
   }
 
   /**
    * Runs `fn(lease)` holding `key`: acquires (as acquire()), renews about every ttl/3
-   * while fn runs, releases afterwards and resolves to fn's result. If renewal fails
-   * (taken over, expired, server unreachable until the lease's deadline), lease.signal
-   * is aborted, onLost(lease) is called once, and the promise rejects with LockLost
-   * when fn ends — unless fn itself threw, whose error wins.
+   * while fn runs, releases afterwards (unless fn released the lease itself) and
+   * resolves to fn's result. If the lease is lost meanwhile (taken over, or not renewed
+   * by its deadline: the server unreachable or not answering), lease.signal is aborted at
+   * once, onLost(lease) is called once (what it throws or rejects with is logged), and
+   * the promise rejects with LockLost when fn ends — unless fn itself threw, whose error
+   * wins. So does a lease whose deadline passed while fn kept the event loop busy.
    * @template T
    * @param {string} key
    * @param {(lease: Lease) => T | Promise<T>} fn
@@ -756,28 +1087,17 @@ export class LockClient {
       throw new TypeError(`onLost must be a function, not ${show(onLost)}`);
     }
     const lease = await this.acquire(key, acquireOptions);
-    if (onLost) {
-      lease.signal.addEventListener('abort', () => {
-        try {
-          onLost(lease);
-        } catch (error) {
-          console.error('keymutex: the onLost callback threw', error);
-        }
-      });
-    }
-    const stopRenewing = lease[startRenewing]();
+    if (onLost) lease.signal.addEventListener('abort', () => notifyLost(onLost, lease), {once: true});
+    lease[startRenewing]();
     /** @type {T} */
     let result;
     try {
       result = await fn(lease);
     } catch (error) {
-      await stopRenewing();
-      if (!lease.lost) await lease.release().catch(() => {}); // fn's error wins
+      await lease[finishLease](true);
       throw error;
     }
-    await stopRenewing();
-    if (lease.lost) throw lease.signal.reason ?? new LockLost(key, null);
-    await lease.release(); // throws LockLost if it was lost in the meantime
+    await lease[finishLease](false);
     return result;
   }
 
@@ -791,15 +1111,22 @@ export class LockClient {
   }
 
   /**
-   * One request; a reply other than 2xx becomes the matching LockError.
+   * One request; its JSON object if the reply is a 2xx, else the matching LockError.
+   * No reply within requestTimeout (plus `wait`, the seconds the server may hold a long
+   * poll) is a StoreError with code "timeout"; a connection that fails, "unreachable".
    * @param {'GET' | 'POST'} method
    * @param {string} path
-   * @param {{body?: object, query?: Record<string, string>, signal?: AbortSignal, key?: string}} request
-   * @returns {Promise<any>}
+   * @param {{body?: object, query?: Record<string, string>, signal?: AbortSignal, key?: string, wait?: number}} request
+   * @returns {Promise<Record<string, any>>}
    */
-  async #request(method, path, {body, query, signal, key = ''}) {
+  async #request(method, path, {body, query, signal, key = '', wait = 0}) {
     const url = new URL(this.#base + path);
     for (const [name, value] of Object.entries(query ?? {})) url.searchParams.set(name, value);
+    const seconds = this.#requestTimeout + wait;
+    const limit = withTimeout(signal, seconds * 1000, () => {
+      const message = `the lock server at ${this.#base} did not answer ${method} ${path} within ${seconds} s`;
+      return new StoreError(message, {code: 'timeout'});
+    });
     let response;
     let text;
     try {
@@ -807,13 +1134,16 @@ export class LockClient {
         method,
         headers: this.#headers(body !== undefined),
         body: body === undefined ? undefined : JSON.stringify(body),
-        signal,
+        signal: limit.signal,
       });
       text = await response.text();
     } catch (error) {
       if (signal?.aborted) throw signal.reason;
+      if (limit.signal.aborted) throw limit.signal.reason;
       const reason = error instanceof Error ? (error.cause instanceof Error ? error.cause.message : error.message) : String(error);
-      throw new StoreError(`cannot reach the lock server at ${this.#base}: ${reason}`, {cause: error});
+      throw new StoreError(`cannot reach the lock server at ${this.#base}: ${reason}`, {code: 'unreachable', cause: error});
+    } finally {
+      limit.clear();
     }
     let reply;
     try {
@@ -824,7 +1154,10 @@ export class LockClient {
         cause: error,
       });
     }
-    if (response.ok) return reply;
+    if (response.ok) {
+      if (!isObject(reply)) throw malformed(`reply to ${method} ${path}`, reply);
+      return reply;
+    }
     const code = typeof reply?.error === 'string' ? reply.error : null;
     const message = typeof reply?.message === 'string' ? reply.message : `HTTP ${response.status} from ${method} ${path}`;
     const details = {status: response.status, code};

@@ -2,6 +2,7 @@
 // (tests/e2e/test_js_client.py starts one and runs these). Every key is unique to the run.
 import assert from 'node:assert/strict';
 import {randomUUID} from 'node:crypto';
+import http from 'node:http';
 import {describe, test} from 'node:test';
 import {setTimeout as sleep} from 'node:timers/promises';
 
@@ -13,6 +14,73 @@ const run = randomUUID().slice(0, 8);
 let serial = 0;
 const newKey = (name) => `js:${run}:${name}:${++serial}`;
 const client = (options = {}) => new LockClient({url, namespace: 'js-test', ...options});
+
+/**
+ * Runs `body` with globalThis.fetch replaced by `spy(url, init, realFetch)`.
+ * @template T
+ * @param {(url: string, init: RequestInit, real: typeof fetch) => Promise<Response>} spy
+ * @param {() => Promise<T>} body
+ * @returns {Promise<T>}
+ */
+async function withFetch(spy, body) {
+  const real = globalThis.fetch;
+  globalThis.fetch = (target, init) => spy(String(target), init, real);
+  try {
+    return await body();
+  } finally {
+    globalThis.fetch = real;
+  }
+}
+
+/** @param {string[]} paths where each request's path is recorded */
+const recordingPaths = (paths) => (target, init, real) => {
+  paths.push(new URL(target).pathname);
+  return real(target, init);
+};
+
+/** Polls `check` until it resolves to true, for up to `seconds`. */
+async function eventually(check, seconds = 3) {
+  const deadline = performance.now() + seconds * 1000;
+  while (!(await check())) {
+    if (performance.now() > deadline) return false;
+    await sleep(50);
+  }
+  return true;
+}
+
+/** A JSON reply as the lock server makes them. */
+const jsonResponse = (status, body) =>
+  new Response(JSON.stringify(body), {status, headers: {'Content-Type': 'application/json'}});
+
+/**
+ * A proxy to the lock server that, once hang() is called, accepts requests and never
+ * answers them: a server that stopped answering, with the connections still open.
+ */
+async function hangingProxy() {
+  const target = new URL(url);
+  let hanging = false;
+  const proxy = http.createServer((request, response) => {
+    if (hanging) return;
+    const {method, headers} = request;
+    const options = {host: target.hostname, port: target.port, path: request.url, method, headers};
+    const forward = http.request(options, (reply) => {
+      response.writeHead(reply.statusCode, reply.headers);
+      reply.pipe(response);
+    });
+    request.pipe(forward);
+  });
+  await new Promise((resolve) => proxy.listen(0, '127.0.0.1', resolve));
+  return {
+    url: `http://127.0.0.1:${proxy.address().port}`,
+    hang: () => {
+      hanging = true;
+    },
+    close: () => {
+      proxy.closeAllConnections();
+      proxy.close();
+    },
+  };
+}
 
 describe('acquire, renew, release, holder', {skip}, () => {
   test('a lease carries token, fence, owner, info and times', async () => {
@@ -71,6 +139,14 @@ describe('acquire, renew, release, holder', {skip}, () => {
     assert.deepEqual(holders.map((h) => h.key), ['a', 'b', 'c'].map((name) => `${prefix}:${name}`));
     for (const lease of leases) await lease.release();
     assert.deepEqual(await locks.holders(`${prefix}:`), []);
+  });
+
+  test('info is measured as the server measures it, so the server takes what the client sends', async () => {
+    // 5455 bytes as JSON.stringify writes it, 4093 as the server does (1e-05, not 0.00001).
+    const info = {x: Array(681).fill(0.00001)};
+    const lease = await client().acquire(newKey('info-size'), {timeout: 0, info});
+    assert.deepEqual(lease.info, info);
+    await lease.release();
   });
 
   test('namespaces are separate', async () => {
@@ -260,4 +336,212 @@ describe('withLock', {skip}, () => {
     const fence = await locks.withLock(key, (lease) => lease.fence, {timeout: 10});
     assert.ok(fence > first.fence);
   });
+});
+
+describe('tokens', {skip}, () => {
+  test('acquire draws a token and asks again with the same one', async () => {
+    const key = newKey('token');
+    const sent = [];
+    const lease = await withFetch(
+      async (target, init, real) => {
+        if (target.endsWith('/v1/acquire')) {
+          sent.push(JSON.parse(init.body));
+          // The first ask comes back refused, as a long poll that reached the server's max_wait.
+          if (sent.length === 1) return jsonResponse(409, {error: 'locked', message: 'held', holder: null});
+        }
+        return real(target, init);
+      },
+      () => client().acquire(key, {timeout: 5}),
+    );
+    assert.equal(sent.length, 2);
+    assert.match(sent[0].token ?? '', /^[A-Za-z0-9_-]{22,}$/, 'at least 128 bits, URL-safe');
+    assert.equal(sent[1].token, sent[0].token);
+    assert.equal(lease.token, sent[0].token);
+    await lease.release();
+  });
+
+  test('tokens are drawn without a global crypto too, as on Node 18', async () => {
+    const descriptor = Object.getOwnPropertyDescriptor(globalThis, 'crypto');
+    delete globalThis.crypto;
+    const sent = [];
+    try {
+      const lease = await withFetch(
+        (target, init, real) => {
+          if (target.endsWith('/v1/acquire')) sent.push(JSON.parse(init.body).token);
+          return real(target, init);
+        },
+        () => client().acquire(newKey('node18'), {timeout: 0}),
+      );
+      assert.equal(lease.token, sent[0]);
+      await lease.release();
+    } finally {
+      Object.defineProperty(globalThis, 'crypto', descriptor);
+    }
+  });
+
+  test('an acquire whose reply was lost is asked again with its token: one grant', async () => {
+    const key = newKey('lost-reply');
+    let acquires = 0;
+    const lease = await withFetch(
+      async (target, init, real) => {
+        const response = await real(target, init);
+        if (target.endsWith('/v1/acquire') && ++acquires === 1) {
+          await response.text(); // granted at the server; the reply is lost on the way
+          throw new TypeError('fetch failed', {cause: new Error('other side closed')});
+        }
+        return response;
+      },
+      () => client().acquire(key, {timeout: 0}),
+    );
+    assert.equal(acquires, 2);
+    assert.equal((await client().holder(key)).fence, lease.fence, 'the first grant, not another one');
+    await lease.release();
+  });
+
+  test('an aborted acquire gives back a grant that landed meanwhile', async () => {
+    const key = newKey('abort-grant');
+    const controller = new AbortController();
+    const attempt = withFetch(
+      async (target, init, real) => {
+        if (!target.endsWith('/v1/acquire')) return real(target, init);
+        await real(target, {...init, signal: undefined}); // the server grants...
+        controller.abort(new Error('gave up')); // ...as the caller gives up
+        throw init.signal.reason;
+      },
+      () => client().acquire(key, {timeout: 0, signal: controller.signal}),
+    );
+    await assert.rejects(attempt, /gave up/);
+    assert.ok(await eventually(async () => (await client().holder(key)) === null), 'the grant was not given back');
+  });
+});
+
+describe('request timeouts', {skip}, () => {
+  test("a long poll's own wait is added to requestTimeout", async () => {
+    const key = newKey('long-poll');
+    const holder = await client().acquire(key, {timeout: 0});
+    const started = performance.now();
+    await assert.rejects(client({requestTimeout: 0.3}).acquire(key, {timeout: 1.2}), Locked);
+    assert.ok((performance.now() - started) / 1000 >= 1.1);
+    await holder.release();
+  });
+
+  test('withLock reports the lease lost by its deadline while a renewal hangs', {timeout: 10_000}, async () => {
+    const proxy = await hangingProxy();
+    try {
+      // The default requestTimeout (10 s) is far past the deadline, which must not wait for it.
+      const locks = new LockClient({url: proxy.url, namespace: 'js-test'});
+      let started;
+      let lostAt;
+      const outcome = locks.withLock(
+        newKey('hung'),
+        async (lease) => {
+          proxy.hang();
+          started = performance.now();
+          await new Promise((resolve) => {
+            lease.signal.addEventListener('abort', resolve);
+            setTimeout(resolve, 3000);
+          });
+          assert.ok(lease.signal.aborted, 'lease.signal was not aborted by the deadline');
+          return 'done';
+        },
+        {ttl: 1, timeout: 0, onLost: () => (lostAt = performance.now())},
+      );
+      await assert.rejects(outcome, LockLost);
+      const seconds = (lostAt - started) / 1000;
+      assert.ok(seconds < 1.5, `onLost came ${seconds} s after the server stopped answering`);
+    } finally {
+      proxy.close();
+    }
+  });
+});
+
+describe('withLock ends well', {skip}, () => {
+  test('an onLost that rejects is logged, and withLock goes on', async () => {
+    const key = newKey('onlost-rejects');
+    const logged = [];
+    const unhandled = [];
+    const onUnhandled = (reason) => unhandled.push(reason);
+    const consoleError = console.error;
+    process.on('unhandledRejection', onUnhandled);
+    console.error = (...args) => logged.push(args);
+    let thief;
+    try {
+      const outcome = client().withLock(
+        key,
+        async () => {
+          thief = await client().acquire(key, {steal: true, timeout: 0});
+          await sleep(600); // a renewal (every ttl/3) finds the key taken
+        },
+        {ttl: 0.6, timeout: 0, onLost: async () => Promise.reject(new Error('notify failed'))},
+      );
+      await assert.rejects(outcome, LockLost);
+      await sleep(50);
+    } finally {
+      console.error = consoleError;
+      process.off('unhandledRejection', onUnhandled);
+    }
+    assert.deepEqual(unhandled, []);
+    assert.equal(logged.length, 1);
+    assert.match(String(logged[0][0]), /onLost callback .* failed/);
+    assert.match(String(logged[0][1]), /notify failed/);
+    await thief.release();
+  });
+
+  test('a lease that fn released itself is not renewed, lost, or released again', async () => {
+    const key = newKey('self-release');
+    const paths = [];
+    let lostCalls = 0;
+    const result = await withFetch(recordingPaths(paths), () =>
+      client().withLock(
+        key,
+        async (lease) => {
+          await lease.release();
+          await sleep(500); // past a renewal's time (ttl/3)
+          assert.equal(lease.lost, false);
+          return 'early';
+        },
+        {ttl: 0.3, timeout: 0, onLost: () => lostCalls++},
+      ),
+    );
+    assert.equal(result, 'early');
+    assert.equal(lostCalls, 0);
+    assert.deepEqual(paths, ['/v1/acquire', '/v1/release']);
+  });
+
+  test('a lease whose deadline passed while fn kept the event loop busy is lost', async () => {
+    const key = newKey('blocked');
+    const paths = [];
+    let lostCalls = 0;
+    let signal;
+    const outcome = withFetch(recordingPaths(paths), () =>
+      client().withLock(
+        key,
+        (lease) => {
+          signal = lease.signal;
+          const end = performance.now() + 600;
+          while (performance.now() < end); // no await: no renewal can run
+          return 'too late';
+        },
+        {ttl: 0.3, timeout: 0, onLost: () => lostCalls++},
+      ),
+    );
+    await assert.rejects(outcome, LockLost);
+    assert.ok(signal.aborted && signal.reason instanceof LockLost);
+    assert.equal(lostCalls, 1);
+    assert.ok(paths.includes('/v1/release'), 'the release is sent all the same');
+  });
+});
+
+test('Lease.renew never revives a lease past its deadline: it releases it', {skip}, async () => {
+  const key = newKey('no-revival');
+  const lease = await client().acquire(key, {ttl: 0.2, timeout: 0});
+  const paths = [];
+  await withFetch(recordingPaths(paths), async () => {
+    // The first moment it is lost by this process's clock, the server may still hold it.
+    while (!lease.lost) await new Promise((resolve) => setImmediate(resolve));
+    await assert.rejects(lease.renew(), LockLost);
+  });
+  assert.equal(lease.lost, true);
+  assert.ok(lease.signal.aborted);
+  assert.deepEqual(paths, ['/v1/release']);
 });

@@ -61,8 +61,23 @@ describe('times', () => {
     await rejects(() => client.wait('k', null, NaN), RangeError, /timeout must be a number of seconds, not NaN/);
     await rejects(() => client.acquire('k', {timeout: false}), TypeError, /timeout must be a number/);
   });
+  test('ttl is at least 1 ms, as the server takes it', async () => {
+    for (const ttl of [0.0009, 1e-5, Number.MIN_VALUE]) {
+      await rejects(() => client.acquire('k', {ttl}), RangeError, /ttl must be at least 0.001 s \(1 ms\)/);
+      await rejects(() => client.renew('k', TOKEN, {ttl}), RangeError, /ttl must be at least 0.001 s/);
+      await rejects(() => client.withLock('k', () => 1, {ttl}), RangeError, /ttl must be at least 0.001 s/);
+    }
+  });
   test('a client-wide ttl is checked when the client is made', () => {
     assert.throws(() => new LockClient({url: 'http://127.0.0.1:9', ttl: 0}), RangeError);
+    assert.throws(() => new LockClient({url: 'http://127.0.0.1:9', ttl: 0.0005}), RangeError, /at least 0.001 s/);
+  });
+  test('requestTimeout is finite seconds > 0', () => {
+    for (const requestTimeout of [0, -1, Infinity, 86401]) {
+      assert.throws(() => new LockClient({url: 'http://h', requestTimeout}), RangeError, /requestTimeout must be greater than 0/);
+    }
+    assert.throws(() => new LockClient({url: 'http://h', requestTimeout: NaN}), RangeError, /not NaN/);
+    assert.throws(() => new LockClient({url: 'http://h', requestTimeout: '5'}), TypeError, /requestTimeout must be a number/);
   });
 });
 
@@ -84,6 +99,16 @@ describe('info', () => {
   test('is at most 4 KiB as JSON', async () => {
     await rejects(() => client.acquire('k', {info: {text: 'x'.repeat(4096)}}), RangeError, /info is 4107 bytes as JSON; at most 4096/);
   });
+  test('is measured as the server measures it: numbers as Python writes them', async () => {
+    // JSON.stringify writes 1e-7 where Python writes 1e-07: 3417 bytes here, 4099 there.
+    const tiny = {x: Array(682).fill(1e-7)};
+    await rejects(() => client.acquire('k', {info: tiny}), RangeError, /info is 4099 bytes as JSON; at most 4096/);
+    // And 0.00001 where Python writes 1e-05: 5463 bytes here, 4099 there.
+    await rejects(() => client.acquire('k', {info: {x: Array(682).fill(1e-5)}}), RangeError, /info is 4099 bytes/);
+    // 4093 bytes there: sent (the request then fails: nobody listens on port 9).
+    const small = {x: Array(681).fill(1e-5)};
+    await assert.rejects(client.acquire('k', {info: small}), (error) => error instanceof LockError);
+  });
 });
 
 describe('other arguments', () => {
@@ -102,12 +127,18 @@ describe('other arguments', () => {
     await rejects(() => client.acquire('k', 5), TypeError, /acquire: options must be an object, not 5/);
   });
   test('wait needs a fence from a holder, or null', async () => {
-    await rejects(() => client.wait('k', -1, 1), TypeError, /fence must be null or a non-negative integer/);
-    await rejects(() => client.wait('k', 1.5, 1), TypeError, /fence must be null or a non-negative integer/);
+    await rejects(() => client.wait('k', -1, 1), RangeError, /fence must be null or a non-negative integer/);
+    await rejects(() => client.wait('k', 1.5, 1), RangeError, /fence must be null or a non-negative integer/);
+    await rejects(() => client.wait('k', '3', 1), TypeError, /fence must be null or the fence number/);
   });
   test('withLock needs a function; onLost too', async () => {
     await rejects(() => client.withLock('k', 'go'), TypeError, /fn must be a function, not "go"/);
     await rejects(() => client.withLock('k', () => 1, {onLost: 1}), TypeError, /onLost must be a function/);
+  });
+  test('force release needs a reason of valid text', async () => {
+    await rejects(() => client.forceRelease('k', 'why\uD800'), RangeError, /reason must be valid Unicode text; it contains a lone surrogate/);
+    await rejects(() => client.forceRelease('k', '\uDC00'), RangeError, /lone surrogate/);
+    await rejects(() => client.forceRelease('k', 'a\0b'), RangeError, /reason must not contain NUL/);
   });
   test('force release needs a reason of 1 to 500 characters', async () => {
     await rejects(() => client.forceRelease('k', ''), RangeError, /reason must be 1 to 500 characters, not 0/);
@@ -122,6 +153,13 @@ describe('other arguments', () => {
     assert.throws(() => new LockClient({url: 'http://h', namespace: 'n'.repeat(257)}), /namespace is 257 bytes/);
     assert.throws(() => new LockClient({url: 'http://h', token: 'x'}), /unknown option "token"; accepted: url, namespace, apiToken/);
     assert.equal(new LockClient({url: 'http://h:1/locks/'}).url, 'http://h:1/locks');
+  });
+  test('the API token must be a valid HTTP header value: visible ASCII', () => {
+    for (const apiToken of ['tökén'.repeat(8), 'secret\r\nX-Evil: 1', 'with space'.repeat(4), '\t'.repeat(40), '']) {
+      assert.throws(() => new LockClient({url: 'http://h', apiToken}), RangeError, /apiToken must be 1 to 4096 visible ASCII/);
+    }
+    assert.throws(() => new LockClient({url: 'http://h', apiToken: 42}), TypeError, /apiToken must be a string or null/);
+    new LockClient({url: 'http://h', apiToken: 'editor-token-0123456789abcdefghijk~!/+='});
   });
 });
 
