@@ -31,7 +31,7 @@ import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -289,26 +289,27 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], stopping: a
         raise ClientDisconnect()
     result = task.result()
     if gone.done() and not gone.cancelled() and gone.exception() is None:
-        # The grant and the hang-up came together: nobody will ever hold this lease.
-        if isinstance(result, AsyncLease):
-            with contextlib.suppress(LockError):
-                await result.release()
-        raise ClientDisconnect()
+        await _caller_gone(result)  # the grant and the hang-up came together
     return result
 
 
 async def _unless_gone(request: Request, lease: AsyncLease) -> AsyncLease:
-    """Give back a grant made for a caller already gone (``ClientDisconnect``).
-
-    Nobody could ever learn its token, so it would hold the key for its whole TTL: a
-    client that gave up on a busy server before its turn came, or one that half-closed
-    its connection after sending (which reads the same as a hang-up).
-    """
+    """``lease``, unless its caller is already gone: a client that gave up on a busy
+    server before its turn came, or one that half-closed its connection after sending
+    (which reads the same as a hang-up)."""
     if await request.is_disconnected():
-        with contextlib.suppress(LockError):
-            await lease.release()
-        raise ClientDisconnect()
+        await _caller_gone(lease)
     return lease
+
+
+async def _caller_gone(result: object) -> NoReturn:
+    """End a request whose caller is gone (``ClientDisconnect``), giving back the lease
+    granted for it, if any: nobody could ever learn its token, so it would hold the key
+    for its whole TTL."""
+    if isinstance(result, AsyncLease):
+        with contextlib.suppress(LockError):
+            await result.release()
+    raise ClientDisconnect()
 
 
 async def _first(*waits: Awaitable[Any], timeout: float | None = None) -> None:
