@@ -29,6 +29,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from keymutex.server import create_app
+from keymutex.server._protocol import http_protocol
 
 ADMIN_TOKEN = "admin-" + "a" * 40
 EDITOR_TOKEN = "editor-" + "e" * 40
@@ -121,7 +122,13 @@ def _serve(app: Starlette) -> Iterator[Live]:
     sock.listen(128)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+            http=http_protocol(),  # as keymutex serve runs it
+        )
     )
     thread = threading.Thread(target=_run, args=(server, sock), daemon=True)
     thread.start()

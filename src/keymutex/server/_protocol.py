@@ -19,6 +19,10 @@ error, ``invalid_argument``, as every other 4xx it gives. On top of uvicorn:
   (nothing was done: the app never acts on half a body), and a new connection that sends
   nothing is closed after uvicorn's keep-alive timeout, as an idle one is after a
   response. Time spent waiting for a lock is not counted: the request has arrived.
+- **A client that closes its side is gone at once**: the app learns it as soon as the
+  end of its stream is read, not a turn of the event loop later when uvicorn's
+  connection is lost, so a lease granted meanwhile is given back, not answered to
+  nobody.
 - **Shutdown answers a request whose body is still coming** with a 503
   ``shutting_down`` (JSON), instead of uvicorn's plain-text 500 and a logged traceback
   when its graceful timeout cancels the app that waits for the body.
@@ -87,6 +91,19 @@ class _JsonErrors:
 
     def send_400_response(self, msg: str) -> None:
         self._answer_instead(None, malformed_request(msg))
+
+    def eof_received(self) -> None:
+        """The client closed its side: the app is told at once that it went away.
+
+        uvicorn closes the connection then, and tells the app only when the connection
+        is lost, a turn of the event loop later: an app that asked in between was told
+        the caller was there, and its answer (a lease, say) went nowhere.
+        """
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        super().eof_received()  # type: ignore[misc]
 
     def shutdown(self) -> None:
         cycle = self.cycle
