@@ -896,8 +896,9 @@ BAD_URLS: list[tuple[str, object, dict[str, object], type[Exception], str, str |
     ("mongodb-no-host", "mongodb://", {}, ValueError, "'mongodb://' is not a usable MongoDB URL: Must provide at least one hostname or IP", None),
     ("mongodb-port-out-of-range", "mongodb://127.0.0.1:99999", {}, ValueError, "'mongodb://127.0.0.1:99999' is not a usable MongoDB URL: Port must be an integer between 0 and 65535", None),
     ("mongodb-port-not-a-number", "mongodb://127.0.0.1:abc", {}, ValueError, "'mongodb://127.0.0.1:abc' is not a usable MongoDB URL: Port contains non-digit characters", None),
-    ("mongodb-unknown-query", "mongodb://127.0.0.1/?colour=blue", {}, ValueError, "'mongodb://127.0.0.1/?colour=blue' is not a usable MongoDB URL: Unknown option: colour", None),
+    ("mongodb-unknown-query", "mongodb://127.0.0.1/?colour=blue", {}, ValueError, "'mongodb://127.0.0.1/?colour=blue' is not a usable MongoDB URL: unknown option 'colour' in its query", None),
     ("mongodb-bad-query-value", "mongodb://127.0.0.1/?serverSelectionTimeoutMS=soon", {}, ValueError, "is not a usable MongoDB URL:", None),
+    ("mongodb-unreadable-ca-file", "mongodb://127.0.0.1/?tls=true&tlsCAFile=/nonexistent/ca.pem", {}, ValueError, "is not a usable MongoDB URL:", None),
     # URLs that do not split at all, for every store
     ("redis-bad-ipv6", "redis://[::1", {}, ValueError, "'redis://[::1' is not a Redis URL (redis://host:port/db, rediss://…, unix://…, redis+cluster://…, redis+sentinel://…): Invalid IPv6 URL", None),
     ("postgresql-bad-ipv6", "postgresql://[::1/db", {}, ValueError, "'postgresql://[::1/db' is not a PostgreSQL URL (postgresql://[user[:password]@]host[:port]/dbname): Invalid IPv6 URL", None),

@@ -76,6 +76,7 @@ import pymongo
 import pymongo.asynchronous.collection
 import pymongo.collection
 from pymongo import AsyncMongoClient, MongoClient, ReturnDocument
+from pymongo.common import URI_OPTIONS_VALIDATOR_MAP
 from pymongo.errors import ConfigurationError, DuplicateKeyError, OperationFailure, PyMongoError
 from pymongo.uri_parser import split_options
 
@@ -346,10 +347,17 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
     if parts.scheme.lower() not in ("mongodb", "mongodb+srv"):
         raise ValueError(f"{redacted(url)!r} is not a mongodb:// or mongodb+srv:// URL")
     if parts.query:
+        for name, _ in parse_qsl(parts.query, keep_blank_values=True):
+            # pymongo's own refusal does not name the option (since pymongo 4.20).
+            if name.lower() not in URI_OPTIONS_VALIDATOR_MAP:
+                raise ValueError(
+                    f"{redacted(url)!r} is not a usable MongoDB URL: unknown option {name!r}"
+                    " in its query (the options of pymongo's connection strings are accepted)"
+                )
         try:
             # pymongo only warns about an unknown option, and then ignores it.
             split_options(parts.query, validate=True, warn=False)
-        except (ConfigurationError, ValueError) as exc:
+        except (ConfigurationError, ValueError, OSError) as exc:  # OSError: tlsCAFile=…
             raise ValueError(f"{redacted(url)!r} is not a usable MongoDB URL: {exc}") from None
     given = {name.lower() for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
     client_options: dict[str, Any] = {
