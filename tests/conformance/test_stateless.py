@@ -6,6 +6,7 @@ the store's URL and calls ``renew(key, token)`` or ``release(key, token)``.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable
@@ -15,7 +16,6 @@ import pytest
 import keymutex
 
 from ._support import PATIENCE, assert_is_holder_of, await_out, wait_out
-from .conftest import StoreCase
 
 SHORT_TTL = 1.0  # the heartbeat comes from a client made after the grant: room for that
 
@@ -322,23 +322,14 @@ async def test_lease_renew_extends_with_new_ttl_async(alocks: keymutex.AsyncLock
 
 # -- a store step the lock server relies on ------------------------------------------
 
-# Finding (open): these stores refuse a try_acquire by the token that holds the key, as
-# if someone else held it; a retried acquire whose first reply was lost then waits for
-# its own lease to expire. (memory:// did too, fixed.)
-REFUSE_THEIR_OWN_TOKEN = {"etcd", "etcd-tls-auth", "zookeeper"}
-
 
 def test_an_acquire_with_the_token_that_holds_the_key_is_answered_that_lease(
     make_locks: Callable[..., keymutex.Locks],
-    store_case: StoreCase,
-    request: pytest.FixtureRequest,
 ) -> None:
     """The lock server answers a retried acquire (its first reply lost) with the lease
     its token already holds: same fence, owner and info. Its expiry is never shortened;
     Redis extends it to the ttl asked, the other stores leave it as it stands.
     """
-    if store_case.name in REFUSE_THEIR_OWN_TOKEN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="refused by its own lease"))
     locks = make_locks(owner="alice")
     lease = locks.acquire("retried", ttl=60, info={"try": 1})
     before = locks.holder("retried")
@@ -363,3 +354,33 @@ def test_an_acquire_with_the_token_that_holds_the_key_is_answered_that_lease(
     assert -0.5 < moved < 60.5, f"the retry moved the lease's expiry by {moved:.3f} s"
     lease.release()
     assert locks.holder("retried") is None
+
+
+def test_a_waiting_acquire_with_the_token_that_holds_the_key_is_answered_that_lease(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    """The lock server's retry of a waiting acquire (its first reply lost) goes through
+    ``Locks``: it is answered with the lease its token holds, at once, not after that
+    lease's TTL; and when that lease is released the key is free (the retry left no
+    place in the queue behind it)."""
+    locks = make_locks(owner="alice")
+    lease = locks.acquire("retried", ttl=60, info={"try": 1})
+    before = locks.holder("retried")
+    retry = dataclasses.replace(
+        locks._config.request("retried", 120, 5.0, False, {"try": 2}, False, None),
+        token=lease.token,
+    )
+    try:
+        again = locks._acquire(retry)
+    except keymutex.Locked as exc:
+        pytest.fail(f"refused by its own lease: {exc}")
+    assert again.fence == lease.fence
+    seen = locks.holder("retried")
+    assert seen is not None
+    assert before is not None
+    assert (seen.fence, seen.owner, seen.info) == (before.fence, "alice", {"try": 1})
+    lease.release()
+    assert locks.holder("retried") is None
+    other = make_locks(owner="bob").acquire("retried", timeout=0)
+    assert other.fence > lease.fence
+    other.release()

@@ -669,12 +669,35 @@ def _acquire(
         previous = put.get("prev_kv")
         place.created = _int(previous.get("create_revision")) if previous else revision
     holder_kv = _first_kv(responses[0]["response_range"])
+    if not steal and holder_kv is not None and holder_kv.lease in layout.lease_ids(key, token):
+        kept = place if waiting else None
+        return (yield from _held_already(layout, key, kept, lease, holder_kv, revision))
     queue = _all_kvs(responses[1]["response_range"]) if not steal else []
     return (
         yield from _refused(
             layout, key, place if waiting else None, lease, holder_kv, queue, revision, handovers
         )
     )
+
+
+def _held_already(
+    layout: _Layout, key: str, place: _Place | None, lease: int, holder_kv: _Kv, revision: int
+) -> Flow[_Acquired]:
+    """The token's own lease holds ``key``: a retried acquire whose first reply was lost
+    (the lock server retries so). Answered with that lease as it stands: its fence,
+    owner and info. The try's lease, if the key is on the token's other one, is revoked
+    (with the queue entry a waiter's refused try just put); else that entry is deleted.
+    """
+    if holder_kv.lease != lease:
+        yield from _quietly_revoke(lease)
+    elif place is not None:
+        yield _txn([], [_op_delete(layout.entry(key, lease))])
+    if place is not None:
+        place.lease = place.created = 0  # the lease is the holder's: never revoke it
+    left = yield from _lease_left(holder_kv.lease)
+    if left is None:  # expired meanwhile: the key is free, or somebody else's
+        return _Acquired(Outcome(False, None), _Refusal(revision, None, False))
+    return _Acquired(Outcome(True, _holder_of(key, holder_kv, left), float(left)))
 
 
 def _refused(

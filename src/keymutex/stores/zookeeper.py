@@ -569,6 +569,12 @@ class ZooKeeperStore:
                     mine = None
                     continue
                 position = queue.index(mine.name)
+                if position > 0 and not steal and queue[0].startswith(digest + "-"):
+                    held = self._held_already(key, token, f"{parent}/{queue[0]}", waiter)
+                    if held is not None:
+                        self._delete(mine.path)
+                        mine = None
+                        return held
                 if steal and position > 0:
                     self._take_over(parent, queue[:position])
                     position = 0
@@ -602,6 +608,20 @@ class ZooKeeperStore:
             elif waiter is None and mine is not None:
                 # A try without a waiter does not stay in the queue.
                 self._delete(mine.path)
+
+    def _held_already(
+        self, key: str, token: str, path: str, waiter: _ZooKeeperWaiter | None
+    ) -> Outcome | None:
+        """The lease the token's own node at ``path`` holds, as it stands (its fence,
+        owner and info), or ``None`` if that node does not hold the key: a retried
+        acquire whose first reply was lost (the lock server retries so)."""
+        node = self._read(path)
+        if node is None or node.record.get("s") != _HOLDING:
+            return None
+        left = (node.deadline_ms - self._server_estimate_ms()) / 1000.0
+        if left <= 0:
+            return None
+        return self._granted(key, token, node, left, waiter)
 
     def _take_over(self, parent: str, ahead: Sequence[str]) -> None:
         """Steal: delete every contender ahead of ours, the holder first."""
