@@ -148,6 +148,10 @@ def contention(kind: str, seconds: float, baseline: str | None) -> dict[str, flo
         "lost updates": total - counter,
         "handoff p50 ms": statistics.median(handoffs) * 1e3,
         "handoff p90 ms": quantiles[8] * 1e3,
+        "hold p50 µs": statistics.median(
+            released - acquired for acquired, released, _, _ in events
+        )
+        * 1e6,
         "same holder %": 100.0 * same / max(1, total - 1),
         "busiest process %": 100.0 * max(len(spans) for _, spans, _ in results) / total,
         "worst wait ms": max(waits) * 1e3,
