@@ -17,16 +17,16 @@ $(BIN)/python:
 	  $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(VENV)/.installed-base: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e .
+$(VENV)/.installed-base: $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
 	touch $@
 
-$(VENV)/.installed-test: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+$(VENV)/.installed-test: $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,bench]'
 	touch $@ $(VENV)/.installed-base $(VENV)/.installed-server
 
-$(VENV)/.installed-server: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e '.[server]'
+$(VENV)/.installed-server: $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[server]'
 	touch $@ $(VENV)/.installed-base
 
 venv: $(VENV)/.installed-base
