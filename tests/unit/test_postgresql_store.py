@@ -1068,12 +1068,15 @@ def test_a_statement_the_client_gave_up_on_is_given_up_by_the_server_too(
                 "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_SPACE, f"{namespace}/k")
             )
             started = time.monotonic()
-            with pytest.raises(keymutex.StoreError, match="statement timeout"):
+            # The server's error (statement_timeout, a little shorter than the client's
+            # timeout) comes first, unless a busy host delays it past the client's own.
+            with pytest.raises(
+                keymutex.StoreError, match=r"statement timeout|no reply from the server within"
+            ):
                 locks.acquire("k", timeout=0)
             assert time.monotonic() - started < TIMEOUT + SLACK
-            # The server cancels the statement (statement_timeout, a little shorter than
-            # the client's): it does not grant the key once the gate opens, long after
-            # its client gave up; and its error reaches the client in time.
+            # Either way the server cancels the statement: it does not grant the key once
+            # the gate opens, long after its client gave up.
             _wait_for(lambda: waiting_for_the_gate() == 0)
         time.sleep(0.2)
         assert other.holder("k") is None
