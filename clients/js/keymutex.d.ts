@@ -113,7 +113,8 @@ export class LockClient {
     key: string,
     fence: number | null,
     timeout?: number | null,
-    options?: { signal?: AbortSignal | null },
+    /** holding: fence is the caller's own lease, watched for its loss (not counted as a waiter). */
+    options?: { signal?: AbortSignal | null; holding?: boolean },
   ): Promise<WaitResult>;
   /** Needs the admin permission. reason: 1 to 500 characters. */
   forceRelease(key: string, reason: string): Promise<{ released: boolean; holder: Holder | null }>;

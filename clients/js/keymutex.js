@@ -1023,22 +1023,31 @@ export class LockClient {
    * Waits until `key` is no longer held by the lease with fencing number `fence`
    * (`fence` null: "I saw the key free"), or `timeout` seconds pass (null: as long
    * as it takes). Resolves to {changed, holder}: the holder now, or null if free.
+   * `holding: true`: `fence` is the caller's own lease, watched to learn at once that
+   * it was taken over or expired (`changed` is then that loss); the server does not
+   * count such a wait among the key's waiters.
    * @param {string} key
    * @param {number | null} fence
    * @param {number | null} [timeout]
-   * @param {{signal?: AbortSignal | null}} [options]
+   * @param {{signal?: AbortSignal | null, holding?: boolean}} [options]
    * @returns {Promise<{changed: boolean, holder: Holder | null}>}
    */
   async wait(key, fence, timeout = null, options) {
-    const opts = checkOptions(options, 'wait', ['signal']);
+    const opts = checkOptions(options, 'wait', ['signal', 'holding']);
     checkKey(key);
     checkFence(fence);
     const seconds = checkTimeout(timeout);
     const signal = checkSignal(opts.signal);
+    const holding = checkBoolean(opts.holding, 'holding');
+    if (holding && fence === null) {
+      throw new TypeError("holding: true needs fence, the fence of the caller's own lease");
+    }
     const deadline = seconds === null ? Infinity : now() + seconds * 1000;
     for (;;) {
       const wait = Math.min(Math.max(0, (deadline - now()) / 1000), POLL_SECONDS);
+      /** @type {Record<string, unknown>} */
       const body = {namespace: this.namespace, key, fence, timeout: wait};
+      if (holding) body.holding = true;
       const sentAt = now();
       const reply = await this.#request('POST', '/v1/wait', {body, signal, key, wait});
       if (typeof reply.changed !== 'boolean') throw malformed('wait result', reply);

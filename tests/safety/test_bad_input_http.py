@@ -278,6 +278,8 @@ ROWS = [
     post("wait-timeout-missing", "/v1/wait", {"key": HELD, "fence": 1}, "field 'timeout' is required"),
     post("wait-timeout-negative", "/v1/wait", {"key": HELD, "fence": 1, "timeout": -1}, "timeout must be a finite number of seconds, 0 or more, not -1"),
     post("wait-key-empty", "/v1/wait", {"key": "", "fence": None, "timeout": 0}, "key must not be empty"),
+    post("wait-holding-not-a-bool", "/v1/wait", {"key": HELD, "fence": 1, "timeout": 0, "holding": "yes"}, 'holding must be true or false, not "yes"'),
+    post("wait-holding-without-fence", "/v1/wait", {"key": HELD, "fence": None, "timeout": 0, "holding": True}, "holding: true needs fence, the fence of the caller's own lease"),
     # force-release (admin)
     post("force-release-reason-missing", "/v1/force-release", {"key": HELD}, "field 'reason' is required"),
     post("force-release-reason-empty", "/v1/force-release", {"key": HELD, "reason": ""}, "reason must not be empty"),

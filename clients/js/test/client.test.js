@@ -266,6 +266,37 @@ describe('wait', {skip}, () => {
     assert.equal(seen.holder.fence, lease.fence);
     await lease.release();
   });
+
+  test('holding: a holder watching its own lease learns of a take-over, and is no waiter', async () => {
+    const key = newKey('wait-holding');
+    const locks = client();
+    const lease = await locks.acquire(key, {timeout: 0});
+    /** @param {number} n */
+    const waitersAre = async (n) => {
+      for (let tries = 0; tries < 100; tries++) {
+        const reply = await fetch(`${url}/v1/holders?namespace=js-test&prefix=${encodeURIComponent(key)}`);
+        const count = (await reply.json()).waiting[key] ?? 0;
+        if (count === n) return;
+        await sleep(20);
+      }
+      assert.fail(`the server never counted ${n} waiter(s) on ${key}`);
+    };
+    const watcher = new AbortController();
+    const plain = locks.wait(key, lease.fence, 10, {signal: watcher.signal});
+    await waitersAre(1); // a plain wait is a waiter
+    watcher.abort();
+    await assert.rejects(plain);
+    await waitersAre(0);
+    const watching = locks.wait(key, lease.fence, 10, {holding: true});
+    await sleep(200);
+    await waitersAre(0);
+    const taker = await client().acquire(key, {timeout: 0, steal: true});
+    const {changed, holder} = await watching;
+    assert.equal(changed, true);
+    assert.equal(holder.fence, taker.fence);
+    await assert.rejects(lease.renew(), LockLost);
+    await taker.release();
+  });
 });
 
 describe('withLock', {skip}, () => {

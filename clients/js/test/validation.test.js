@@ -131,6 +131,10 @@ describe('other arguments', () => {
     await rejects(() => client.wait('k', 1.5, 1), RangeError, /fence must be null or a non-negative integer/);
     await rejects(() => client.wait('k', '3', 1), TypeError, /fence must be null or the fence number/);
   });
+  test('wait holding: true or false, and only with the fence of the caller\'s lease', async () => {
+    await rejects(() => client.wait('k', 3, 1, {holding: 'yes'}), TypeError, /holding must be true or false, not "yes"/);
+    await rejects(() => client.wait('k', null, 1, {holding: true}), TypeError, /holding: true needs fence/);
+  });
   test('withLock needs a function; onLost too', async () => {
     await rejects(() => client.withLock('k', 'go'), TypeError, /fn must be a function, not "go"/);
     await rejects(() => client.withLock('k', () => 1, {onLost: 1}), TypeError, /onLost must be a function/);

@@ -425,14 +425,22 @@ class _Server:
         return request.client.host if request.client else "unknown"
 
     async def waiting(
-        self, request: Request, namespace: str, key: str, kind: str, work: Awaitable[T]
+        self,
+        request: Request,
+        namespace: str,
+        key: str,
+        kind: str,
+        work: Awaitable[T],
+        *,
+        counted: bool = True,
     ) -> T:
-        """Run ``work`` as a request waiting on ``key``: counted, timed, cancelled on hang-up."""
+        """Run ``work`` as a request waiting on ``key``: timed, cancelled on hang-up, and
+        (unless not ``counted``: a holder watching its own lease) counted as a waiter."""
         label = self.metrics.namespace(namespace)
         self.metrics.waits.labels(label, kind).inc()
         started = _clock.monotonic()
         try:
-            with self.changes.waiting_on(namespace, key):
+            with self.changes.waiting_on(namespace, key) if counted else contextlib.nullcontext():
                 return await _unless_disconnected(request, work, self.stopping)
         finally:
             self.metrics.wait_seconds.labels(label, kind).observe(_clock.monotonic() - started)
@@ -599,16 +607,24 @@ class _Server:
 
     async def wait(self, request: Request) -> Response:
         who = self.identify(request)
-        fields = await self.body(request, ("namespace", "key", "fence", "timeout"))
+        fields = await self.body(request, ("namespace", "key", "fence", "timeout", "holding"))
         namespace = fields.get("namespace", field.namespace, "")
         key = fields.get("key", field.key)
         fence = fields.get("fence", field.fence)
         timeout = fields.get("timeout", field.timeout)
+        holding = fields.get("holding", field.flag, False)
+        if holding and fence is None:
+            raise invalid("holding: true needs fence, the fence of the caller's own lease")
         self.auth.require_key(who, "lock", namespace, [key])
         limit = min(timeout, self.max_wait)
         async with self.namespaces.using(namespace) as locks:
             changed, holder = await self.waiting(
-                request, namespace, key, "wait", self.watch(locks, namespace, key, fence, limit)
+                request,
+                namespace,
+                key,
+                "wait",
+                self.watch(locks, namespace, key, fence, limit),
+                counted=not holding,
             )
         return JSONResponse({"changed": changed, "holder": holder_json(holder, now=time.time())})
 

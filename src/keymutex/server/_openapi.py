@@ -215,6 +215,11 @@ SCHEMAS: dict[str, Any] = {
                 "description": "The fence of the holder last seen; null: the key was seen free.",
             },
             "timeout": _ref("Timeout"),
+            "holding": {
+                "type": "boolean",
+                "description": "true: the caller holds the lease of this fence and watches"
+                " it (to learn at once that it was taken over): not counted as a waiter.",
+            },
         },
         ("key", "fence", "timeout"),
     ),

@@ -48,6 +48,8 @@ let lease = null; // set while this window holds the lock
 let heartbeatTimer;
 /** @type {AbortController | null} */
 let watching = null; // set while waiting for the holder to leave
+/** @type {AbortController | null} */
+let guarding = null; // set while editing: learns at once when the lock is gone
 let releasedOnHide = false;
 
 // ---------------------------------------------------------------------------------
@@ -127,6 +129,41 @@ function editing() {
   show('editing', `Editing as ${name}`, 'Others who open this document see that you are editing it.', {stop: true});
   setEditable(true);
   heartbeatTimer = setTimeout(heartbeat, HEARTBEAT_MS);
+  guard(/** @type {import('./keymutex.js').Lease} */ (lease));
+}
+
+/**
+ * While `current` holds the lock, a long poll (the server's wait) that answers when the
+ * key is no longer held by its fence: taken over, released by someone else, expired. A
+ * fence is never given twice, so that answer is the loss itself, shown at once rather
+ * than at the next heartbeat (up to 5 s of typing into a document someone else edits).
+ * @param {import('./keymutex.js').Lease} current
+ */
+async function guard(current) {
+  stopGuarding();
+  const controller = new AbortController();
+  guarding = controller;
+  const {signal} = controller;
+  while (!signal.aborted && lease === current) {
+    let result;
+    try {
+      result = await /** @type {LockClient} */ (client).wait(key, current.fence, null, {signal, holding: true});
+    } catch {
+      // Unreachable for now: the heartbeat says so, and keeps the lease's deadline.
+      await sleep(2000, signal);
+      continue;
+    }
+    if (signal.aborted || lease !== current) return;
+    if (result.changed) {
+      lost(result.holder);
+      return;
+    }
+  }
+}
+
+function stopGuarding() {
+  guarding?.abort();
+  guarding = null;
 }
 
 async function heartbeat() {
@@ -154,6 +191,7 @@ async function heartbeat() {
 /** @param {import('./keymutex.js').Holder | null} holder the new holder, if any */
 function lost(holder) {
   clearTimeout(heartbeatTimer);
+  stopGuarding();
   lease = null;
   setEditable(false);
   const text = holder ? `Your lock was taken over by ${who(holder)}` : 'Your lock expired or was released by someone else';
@@ -242,6 +280,7 @@ async function stopEditing() {
   const current = lease;
   if (!current) return;
   clearTimeout(heartbeatTimer);
+  stopGuarding();
   lease = null;
   setEditable(false);
   try {
@@ -298,6 +337,7 @@ addEventListener('pagehide', () => {
   if (lease && client) {
     client.releaseBeacon(key, lease.token);
     clearTimeout(heartbeatTimer);
+    stopGuarding();
     lease = null;
     releasedOnHide = true;
   }
