@@ -160,6 +160,44 @@ def test_second_editor_sees_the_first_takes_over_and_the_first_learns_it(
             pytest.fail("the editing page did not renew its lock")
 
 
+def _set_visibility(page: Page, state: str) -> None:
+    """Make the page hidden or visible, as switching tabs does (headless pages stay
+    visible on their own)."""
+    page.evaluate(
+        """state => {
+            Object.defineProperty(document, 'visibilityState', {value: state, configurable: true});
+            document.dispatchEvent(new Event('visibilitychange'));
+        }""",
+        state,
+    )
+
+
+def test_a_hidden_editing_tab_learns_of_a_take_over_when_shown_again(
+    server: Server, windows: Windows
+) -> None:
+    """A hidden tab does not hold a long poll (a browser has six connections per server,
+    which many editing tabs would use up); shown again, it learns at once."""
+    url = f"{server.url}/demo/edit/doc%3A43"
+    alice = open_editor(windows, url, "Alice")
+    expect(alice.locator("#state")).to_have_text("Editing as Alice")
+    polls: list[str] = []
+    alice.on(
+        "request", lambda request: polls.append(request.url) if "/v1/wait" in request.url else None
+    )
+    _set_visibility(alice, "hidden")
+    alice.route("**/v1/renew", lambda route: route.abort())  # only the watch can tell her
+    bob = open_editor(windows, url, "Bob")
+    expect(bob.locator("#state")).to_have_text(re.compile("^Locked by Alice"))
+    polls.clear()  # the watch she asked for while she was shown
+    bob.click("#take-over")
+    expect(bob.locator("#state")).to_have_text("Editing as Bob")
+    assert polls == []  # hidden: no watch was asked for
+    expect(alice.locator("#state")).to_have_text("Editing as Alice")
+    _set_visibility(alice, "visible")
+    expect(alice.locator("#state")).to_have_text("Your lock was taken over by Bob", timeout=10_000)
+    expect(alice.locator("#text")).to_be_disabled()
+
+
 def test_closing_the_page_releases_and_the_waiting_window_gets_the_lock(
     server: Server, store: str, windows: Windows
 ) -> None:

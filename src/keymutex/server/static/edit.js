@@ -129,14 +129,18 @@ function editing() {
   show('editing', `Editing as ${name}`, 'Others who open this document see that you are editing it.', {stop: true});
   setEditable(true);
   heartbeatTimer = setTimeout(heartbeat, HEARTBEAT_MS);
-  guard(/** @type {import('./keymutex.js').Lease} */ (lease));
+  if (document.visibilityState === 'visible') guard(/** @type {import('./keymutex.js').Lease} */ (lease));
 }
 
 /**
- * While `current` holds the lock, a long poll (the server's wait) that answers when the
- * key is no longer held by its fence: taken over, released by someone else, expired. A
- * fence is never given twice, so that answer is the loss itself, shown at once rather
- * than at the next heartbeat (up to 5 s of typing into a document someone else edits).
+ * While `current` holds the lock and the page is seen, a long poll (the server's wait)
+ * that answers when the key is no longer held by its fence: taken over, released by
+ * someone else, expired. A fence is never given twice, so that answer is the loss
+ * itself, shown at once rather than at the next heartbeat (up to 5 s of typing into a
+ * document someone else edits). Hidden tabs do not watch: a browser opens at most six
+ * connections to one server, and a long poll in each of many editing tabs would leave
+ * none for their heartbeats. A tab shown again watches again, and its first poll
+ * answers at once if the lock was lost meanwhile.
  * @param {import('./keymutex.js').Lease} current
  */
 async function guard(current) {
@@ -330,6 +334,11 @@ view.nameForm.addEventListener('submit', (/** @type {SubmitEvent} */ event) => {
 view.takeOver.addEventListener('click', () => open({steal: true}));
 view.editAgain.addEventListener('click', () => open());
 view.stop.addEventListener('click', () => stopEditing());
+
+document.addEventListener('visibilitychange', () => {
+  if (document.visibilityState === 'visible' && lease) guard(lease);
+  else stopGuarding();
+});
 
 // Closing the page releases the lock: a beacon outlives the page. If it is lost
 // anyway (crash, no network), the lease expires after TTL seconds.
