@@ -613,6 +613,38 @@ def test_a_waiter_that_gives_up_passes_the_key_on(postgresql_url: str, namespace
                 waiter.close()
 
 
+def test_a_waiter_that_gives_up_after_its_turn_lapsed_still_passes_the_key_on(
+    postgresql_url: str, namespace: str
+) -> None:
+    """A waiter slower than HANDOVER_MS to take the key handed to it (a busy host), that
+    then gives up: nobody was granted the key meanwhile, so the next waiter is rung,
+    not left to its once-a-second recheck."""
+    from keymutex.stores.postgresql import HANDOVER_MS
+
+    with (
+        keymutex.Locks(postgresql_url, namespace=namespace) as holder_side,
+        keymutex.Locks(postgresql_url, namespace=namespace) as waiter_side,
+    ):
+        store = waiter_side._store
+        lease = holder_side.acquire("k")
+        first, second = waiters = _queue(store, "k", 2)
+        try:
+            lease.release()
+            assert _rung(waiters, {0}) == [0]
+            time.sleep(HANDOVER_MS / 1000 + 0.1)  # its turn lapses
+            first.close()
+            assert _rung(waiters, {1}) == [1]
+            token = _token()
+            outcome = store.try_acquire(
+                "k", token=token, ttl=30.0, owner="w", info=None, steal=False, waiter=second
+            )
+            assert outcome.ok
+            assert store.release("k", token).ok
+        finally:
+            for waiter in waiters:
+                waiter.close()
+
+
 def test_a_retried_acquire_of_ones_own_lease_does_not_queue_its_waiter(
     postgresql_url: str, namespace: str, admin: psycopg.Connection[Any], table: str
 ) -> None:

@@ -461,8 +461,10 @@ UNION ALL
 SELECT live, handed FROM handed
 """
 
-# The waiter leaving, if the key is handed over to it now.
-_HANDED_TO_ME = "(held.reserved_for = %(waiter)s AND held.reserved_until > clock.now)"
+# The waiter leaving, if the key was handed over to it and nobody was granted it since
+# (every grant clears reserved_for): the hand-over passes on even when its time lapsed
+# (a slow waiter on a busy host), so the next waiter is rung, not left to its recheck.
+_HANDED_TO_ME = "(held.reserved_for = %(waiter)s)"
 # The queue without the waiter leaving.
 _OTHERS = "array_remove(held.waiters, %(waiter)s)"
 
