@@ -346,10 +346,11 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
     parts = split_url(url, "MongoDB", "mongodb://… or mongodb+srv://…")
     if parts.scheme.lower() not in ("mongodb", "mongodb+srv"):
         raise ValueError(f"{redacted(url)!r} is not a mongodb:// or mongodb+srv:// URL")
+    given = {name.lower(): name for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
     if parts.query:
-        for name, _ in parse_qsl(parts.query, keep_blank_values=True):
+        for lowered, name in given.items():
             # pymongo's own refusal does not name the option (since pymongo 4.20).
-            if name.lower() not in URI_OPTIONS_VALIDATOR_MAP:
+            if lowered not in URI_OPTIONS_VALIDATOR_MAP:
                 raise ValueError(
                     f"{redacted(url)!r} is not a usable MongoDB URL: unknown option {name!r}"
                     " in its query (the options of pymongo's connection strings are accepted)"
@@ -359,7 +360,6 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
             split_options(parts.query, validate=True, warn=False)
         except (ConfigurationError, ValueError, OSError) as exc:  # OSError: tlsCAFile=…
             raise ValueError(f"{redacted(url)!r} is not a usable MongoDB URL: {exc}") from None
-    given = {name.lower() for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
     client_options: dict[str, Any] = {
         name: value for name, value in DEFAULT_TIMEOUTS_MS.items() if name.lower() not in given
     }

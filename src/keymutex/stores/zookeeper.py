@@ -616,12 +616,10 @@ class ZooKeeperStore:
         owner and info), or ``None`` if that node does not hold the key: a retried
         acquire whose first reply was lost (the lock server retries so)."""
         node = self._read(path)
-        if node is None or node.record.get("s") != _HOLDING:
+        holder = self._live_holder(key, node)
+        if node is None or holder is None:
             return None
-        left = (node.deadline_ms - self._server_estimate_ms()) / 1000.0
-        if left <= 0:
-            return None
-        return self._granted(key, token, node, left, waiter)
+        return self._granted(key, token, node, holder.expires_at - time.time(), waiter)
 
     def _take_over(self, parent: str, ahead: Sequence[str]) -> None:
         """Steal: delete every contender ahead of ours, the holder first."""
