@@ -8,6 +8,7 @@ of its own, so tests never see each other's keys.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -583,3 +584,165 @@ def test_a_grant_older_than_the_last_refusal_is_not_taken() -> None:
     waiter.refused(refusal, sent_at=clock.monotonic() - 11.0)
     waiter.granted = (9, 1000)
     assert waiter.take_grant("k", 10.0, "me", None) is None
+
+
+# -- a server slower than the client's socket timeout ------------------------------------
+#
+# A Lua script that loops keeps Redis from serving anyone else for a while; then it
+# serves what waited, including the commands of clients that gave up meanwhile. The
+# client's read times out although Redis will run what it sent: the ambiguous failure
+# these tests are about, on a real server.
+
+BUSY_SCRIPT = """
+local started = redis.call('TIME')
+while true do
+  local now = redis.call('TIME')
+  if (now[1] - started[1]) * 1000000 + (now[2] - started[2]) > tonumber(ARGV[1]) then
+    return 1
+  end
+end
+"""
+BUSY_FOR = 0.5  # seconds Redis serves nobody else
+SLOW_CLIENT = "socket_timeout=0.3"  # a client that gives up before then
+
+
+def _slow_url(redis_url: str) -> str:
+    return f"{redis_url}?{SLOW_CLIENT}"
+
+
+@contextlib.contextmanager
+def _busy(server: redis.Redis) -> Iterator[None]:
+    """Keep Redis busy for ``BUSY_FOR`` s from now; the block's next command waits."""
+    thread = threading.Thread(target=server.eval, args=(BUSY_SCRIPT, 0, int(BUSY_FOR * 1e6)))
+    thread.start()
+    time.sleep(0.05)  # the script is running by now
+    try:
+        yield
+    finally:
+        thread.join(30)
+
+
+def test_a_release_that_timed_out_is_not_sent_again(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    """Sent again on a new connection, the release ran twice in Redis, and the second
+    run, finding the lease gone (the first had released it), told the user
+    ``LockLost``. A release whose answer did not come is a ``StoreError``: its outcome
+    is unknown (Redis may run it, or drop it with the connection)."""
+    with keymutex.Locks(_slow_url(redis_url), namespace=namespace) as locks:
+        lease = locks.acquire("k", timeout=0)
+        with _busy(server), pytest.raises(keymutex.StoreError, match="Timeout"):
+            lease.release()
+        with contextlib.suppress(keymutex.LockLost):  # if Redis did not run it
+            locks.release("k", lease.token)
+        locks.acquire("k", timeout=0).release()
+
+
+@pytest.mark.asyncio
+async def test_async_a_release_that_timed_out_is_not_sent_again(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    async with keymutex.AsyncLocks(_slow_url(redis_url), namespace=namespace) as locks:
+        lease = await locks.acquire("k", timeout=0)
+        with _busy(server), pytest.raises(keymutex.StoreError, match="Timeout"):
+            await lease.release()
+        with contextlib.suppress(keymutex.LockLost):
+            await locks.release("k", lease.token)
+        await (await locks.acquire("k", timeout=0)).release()
+
+
+def test_a_waiter_whose_queueing_try_timed_out_leaves_the_queue(
+    server: redis.Redis, redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The try that puts a waiter in the queue fails on the client but runs in Redis:
+    the waiter must still leave the queue, or the next release hands the key to an
+    acquire that is gone, and the key stays held by nobody for the lease's TTL."""
+    from keymutex.stores.redis import _Subscriptions
+
+    subscribed = _Subscriptions.join
+    busy = contextlib.ExitStack()
+
+    def join_then_busy(self: _Subscriptions, waiter: object, timeout: float) -> None:
+        subscribed(self, waiter, timeout)  # type: ignore[arg-type]
+        busy.enter_context(_busy(server))  # the next step is the try that queues
+
+    with (
+        keymutex.Locks(redis_url, namespace=namespace) as holder,
+        keymutex.Locks(_slow_url(redis_url), namespace=namespace) as waiting,
+    ):
+        lease = holder.acquire("k", ttl=30, timeout=0)
+        monkeypatch.setattr(_Subscriptions, "join", join_then_busy)
+        with busy, pytest.raises(keymutex.StoreError, match="Timeout"):
+            waiting.acquire("k", ttl=30, timeout=5)
+        monkeypatch.undo()
+        assert server.llen(holder._store._layout.queue("k")) == 0  # type: ignore[attr-defined]
+        lease.release()
+        assert holder.holder("k") is None
+        holder.acquire("k", timeout=0).release()
+
+
+@pytest.mark.asyncio
+async def test_async_a_waiter_whose_queueing_try_timed_out_leaves_the_queue(
+    server: redis.Redis, redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from keymutex.stores.redis import _AsyncSubscriptions
+
+    subscribed = _AsyncSubscriptions.join
+    busy = contextlib.ExitStack()
+
+    async def join_then_busy(self: _AsyncSubscriptions, waiter: object, timeout: float) -> None:
+        await subscribed(self, waiter, timeout)  # type: ignore[arg-type]
+        await asyncio.to_thread(busy.enter_context, _busy(server))
+
+    async with (
+        keymutex.AsyncLocks(redis_url, namespace=namespace) as holder,
+        keymutex.AsyncLocks(_slow_url(redis_url), namespace=namespace) as waiting,
+    ):
+        lease = await holder.acquire("k", ttl=30, timeout=0)
+        monkeypatch.setattr(_AsyncSubscriptions, "join", join_then_busy)
+        with pytest.raises(keymutex.StoreError, match="Timeout"):
+            await waiting.acquire("k", ttl=30, timeout=5)
+        await asyncio.to_thread(busy.close)
+        monkeypatch.undo()
+        assert server.llen(holder._store._layout.queue("k")) == 0  # type: ignore[attr-defined]
+        await lease.release()
+        assert await holder.holder("k") is None
+        await (await holder.acquire("k", timeout=0)).release()
+
+
+def test_a_channel_joined_while_it_is_being_unsubscribed_stays_subscribed(
+    server: redis.Redis, redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter joining a lingering channel just as the hub unsubscribes it: Redis must
+    end with the channel subscribed, else the hub takes it for confirmed and the waiter
+    never hears its hand-over (it waits for its once-a-second recheck)."""
+    monkeypatch.setattr("keymutex.stores.redis.LINGER", 0.3)
+    unsubscribe = redis.client.PubSub.unsubscribe
+    unsubscribing = threading.Event()
+
+    def slow_unsubscribe(self: redis.client.PubSub, *channels: str) -> object:
+        if not unsubscribing.is_set():
+            unsubscribing.set()
+            time.sleep(0.3)  # widens the window between deciding and sending
+        return unsubscribe(self, *channels)
+
+    with (
+        keymutex.Locks(redis_url, namespace=namespace) as holder,
+        keymutex.Locks(redis_url, namespace=namespace) as waiting,
+    ):
+        channel = waiting._store._layout.channel("k")  # type: ignore[attr-defined]
+        lease = holder.acquire("k", timeout=0)
+        thread, got = _wait_in_thread(server, waiting, queued=1)
+        lease.release()
+        thread.join(10)
+        got[0].release()  # nobody waits on the channel now: it lingers, then goes
+        monkeypatch.setattr(redis.client.PubSub, "unsubscribe", slow_unsubscribe)
+        lease = holder.acquire("k", timeout=0)
+        assert unsubscribing.wait(10)
+        thread, got = _wait_in_thread(server, waiting, queued=1)
+        ((_, subscribers),) = server.pubsub_numsub(channel)
+        assert subscribers == 1
+        lease.release()
+        thread.join(10)
+        assert len(got) == 1
+        got[0].release()

@@ -51,7 +51,7 @@ import ssl
 import threading
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import SplitResult, parse_qsl, unquote
@@ -842,13 +842,11 @@ class _Subscriptions:
                 pubsub = self._pubsub
                 if done() or self._closed or pubsub is None:
                     return
-                unused = self._unused()
+                self._unsubscribe_unused(pubsub)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
             try:
-                if unused:
-                    getattr(pubsub, self._kind.unsubscribe)(*unused)
                 message = pubsub.get_message(timeout=min(remaining, TEND_EVERY))
                 failures = 0
             except Exception as exc:  # the driver's, or a socket closed under it by close()
@@ -861,12 +859,23 @@ class _Subscriptions:
             if message is not None:
                 self._dispatch(message)
 
-    def _unused(self) -> list[str]:
-        """Under the mutex: channels to unsubscribe, forgotten as confirmed."""
+    def _unsubscribe_unused(self, pubsub: Any) -> None:
+        """Under the mutex: unsubscribe the channels unused for ``LINGER`` seconds.
+
+        Sent under the mutex, as ``join`` sends its subscriptions: a channel joined
+        again meanwhile is subscribed after this goes out, never before it (which would
+        leave it unsubscribed in Redis and confirmed here, its hand-overs unheard).
+        """
         unused = self._channels.expired()
+        if not unused:
+            return
         for channel in unused:
             self._confirmed.pop(channel, None)
-        return unused
+        try:
+            getattr(pubsub, self._kind.unsubscribe)(*unused)
+        except Exception as exc:  # the next read reconnects; redis-py resubscribes
+            if not self._closed:
+                _LOG.warning("Redis pub/sub connection failed (%s); reconnecting", exc)
 
     def _tend(self) -> None:
         """Read what came in while no waiter was reading; unsubscribe lingering channels."""
@@ -879,10 +888,8 @@ class _Subscriptions:
                 if self._reader is not None:
                     continue
                 self._reader = turn
-                unused = self._unused()
+                self._unsubscribe_unused(pubsub)
             try:
-                if unused:
-                    getattr(pubsub, self._kind.unsubscribe)(*unused)
                 for _ in range(TEND_BATCH):
                     message = pubsub.get_message(timeout=0)
                     if message is None:
@@ -1107,6 +1114,9 @@ class _AsyncHubs:
 
 # Errors after which a connection is not reused: the reply may be half read.
 _BROKEN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# Of those, the ones after which Redis may have run the command: it was slow to answer,
+# not gone. A step is never sent again after one (a release run twice says "not held").
+_SLOW = (redis.exceptions.TimeoutError, TimeoutError)
 
 
 class _Connections:
@@ -1114,9 +1124,10 @@ class _Connections:
 
     A step is a write and a read on a connection already in hand: redis-py's
     per-command pool checkout and retry machinery cost about as much as the round trip
-    on loopback. A connection that fails is dropped; a step that failed on a
-    connection used before (perhaps closed by the server meanwhile) is tried once more
-    on a new one, which every script allows (see ``_run``).
+    on loopback. A connection that fails is dropped. A step whose connection, used
+    before, turned out closed (by the server, while idle) is tried once more on a new
+    one; one that timed out is not: Redis may have run it, and a release or a queueing
+    try run twice would be answered wrongly the second time.
     """
 
     def __init__(self, pool: Any) -> None:
@@ -1137,10 +1148,10 @@ class _Connections:
         except redis.exceptions.ResponseError:
             self._free.append(conn)  # an error reply: the connection is fine
             raise
-        except _BROKEN:
+        except _BROKEN as exc:
             conn.disconnect()
             self._pool.release(conn)
-            if not used:
+            if not used or isinstance(exc, _SLOW):
                 raise
             return self.call(*args)
         except BaseException:
@@ -1196,10 +1207,10 @@ class _AsyncConnections:
         except redis.exceptions.ResponseError:
             self._free.append(conn)
             raise
-        except _BROKEN:
+        except _BROKEN as exc:
             await conn.disconnect()
             await self._pool.release(conn)
-            if not used:
+            if not used or isinstance(exc, _SLOW):
                 raise
             return await self.call(*args)
         except BaseException:  # cancelled mid-step: the reply may be on its way
@@ -1348,6 +1359,13 @@ class RedisStore:
                     step = flow.send(self._run(step))
         except StopIteration as done:
             outcome: Outcome = done.value
+        except BaseException:
+            if waiter.entry and waiter.on_close is None:
+                # The try that carried our queue entry failed, but Redis may have run
+                # it: leave the queue on close, or a release would hand the key to
+                # an acquire that is gone (LEAVE gives back a grant it finds).
+                waiter.on_close = functools.partial(self._leave, key, token, waiter.entry)
+            raise
         waiter.on_close = (
             None if outcome.ok else functools.partial(self._leave, key, token, waiter.entry)
         )
@@ -1512,6 +1530,10 @@ class AsyncRedisStore:
                     step = flow.send(await self._run(step))
         except StopIteration as done:
             outcome: Outcome = done.value
+        except BaseException:
+            if waiter.entry and waiter.on_close is None:  # as in RedisStore
+                waiter.on_close = functools.partial(self._leave, key, token, waiter.entry)
+            raise
         waiter.on_close = (
             None if outcome.ok else functools.partial(self._leave, key, token, waiter.entry)
         )
@@ -1669,9 +1691,19 @@ def _nodes(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
     return tuple(nodes)
 
 
-# What a redis:// URL's query may set: the options redis-py parses from URLs, and ours.
-# redis-py passes any other name on to the connection, which refuses it at first use.
-URL_OPTIONS = frozenset(redis.connection.URL_QUERY_ARGUMENT_PARSERS) | CLIENT_OPTIONS
+# Options that only a TLS connection (rediss://) takes: a plain one refuses them at
+# its first command, with a TypeError that says nothing of TLS.
+TLS_OPTIONS = frozenset(
+    {name for name in CLIENT_OPTIONS if name.startswith("ssl_")} | {"ssl_min_version"}
+)
+# What a redis:// URL's query may set: the options redis-py parses from URLs and hands to
+# every connection, and ours. Left out: `timeout` and `retry_on_error`, which redis-py
+# parses but its connections do not take (a TypeError at the first command), and the
+# TLS verify flags (their names, not values, in a URL).
+URL_OPTIONS = (
+    frozenset(redis.connection.URL_QUERY_ARGUMENT_PARSERS)
+    - {"timeout", "retry_on_error", "ssl_include_verify_flags", "ssl_exclude_verify_flags"}
+) | CLIENT_OPTIONS
 
 
 def _check_single(url: str, parts: SplitResult) -> None:
@@ -1694,12 +1726,31 @@ def _check_single(url: str, parts: SplitResult) -> None:
         raise ValueError(
             f"{redacted(url)!r} is not a Redis URL: query option(s) {repeated} given twice"
         )
+    _check_tls(parts.scheme, names, f"{redacted(url)!r} is not a Redis URL: option")
+    protocol = dict(parse_qsl(parts.query, keep_blank_values=True)).get("protocol")
+    if protocol not in (None, "2", "3"):
+        raise ValueError(
+            f"{redacted(url)!r} is not a Redis URL: protocol must be 2 or 3 (RESP2 or"
+            f" RESP3), not {protocol!r}"
+        )
     database = unquote(parts.path).strip("/")
     if parts.scheme.lower() != "unix" and database and not database.isdigit():
         raise ValueError(
             f"{redacted(url)!r} is not a Redis URL: the database must be a number (/0, /1, …),"
             f" not {database!r}"
         )
+
+
+def _check_tls(scheme: str, names: Iterable[str], what: str) -> None:
+    """Refuse TLS options on a URL whose connections are not TLS."""
+    if scheme.lower() == "rediss":
+        return
+    for name in names:
+        if name in TLS_OPTIONS:
+            raise ValueError(
+                f"{what} {name} applies to TLS connections only: use a rediss:// URL"
+                f" (this one is {scheme.lower()}://)"
+            )
 
 
 def _credentials(netloc: str) -> dict[str, Any]:
@@ -1748,6 +1799,12 @@ def _checked_options(options: Mapping[str, object]) -> dict[str, object]:
                 )
         else:  # user names, passwords, client name, certificate files
             _typed_option(name, value, str, "a str")
+            if name == "client_name" and not all("!" <= c <= "~" for c in str(value)):
+                # Redis refuses the name at the first command (CLIENT SETNAME).
+                raise ValueError(
+                    "Redis store option client_name must be printable ASCII without"
+                    f" spaces, not {value!r}"
+                )
     return checked
 
 
@@ -1769,6 +1826,7 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
         "redis://host:port/db, rediss://…, unix://…, redis+cluster://…, redis+sentinel://…",
     )
     scheme = parts.scheme.lower()
+    _check_tls(scheme, options, "Redis store option")
     if scheme in ("redis", "rediss", "unix"):
         _check_single(url, parts)
         return _Target("single", url, (), "", 0, client_options)
