@@ -41,6 +41,10 @@ __all__ = [
 
 MAX_KEY_BYTES = 1024
 MAX_INFO_BYTES = 4096
+# Levels of objects and arrays in info, the top object counting one. Far more than any
+# holder description needs, and far below the depth at which decoding it again (every
+# listing does) would exhaust Python's stack.
+MAX_INFO_DEPTH = 32
 MAX_TOKEN_CHARS = 256
 MAX_TTL = 10.0 * 365 * 24 * 3600  # ten years: beyond that a lease is a configuration error
 LOCK_SERVER_MAX_TTL = 86400.0  # a day: a lease held over HTTP longer than that is a mistake
@@ -189,7 +193,8 @@ def check_timeout(timeout: object, name: str = "timeout") -> float | None:
 
 
 def check_info(info: object) -> dict[str, Any] | None:
-    """``None`` or a JSON-serialisable dict of at most 4 KiB as JSON (no NaN or infinity).
+    """``None`` or a JSON-serialisable dict of at most 4 KiB as JSON (no NaN or infinity),
+    nested at most ``MAX_INFO_DEPTH`` levels.
 
     The size is that of compact JSON in UTF-8, as the lock server receives it: ``"é"``
     counts two bytes. Strings must be valid Unicode (no lone surrogates): no store could
@@ -200,13 +205,19 @@ def check_info(info: object) -> dict[str, Any] | None:
     if not isinstance(info, dict):
         kinds = _words("a dict or None", "an object or null")
         raise TypeError(f"info must be {kinds}, not {_type_name(info)}")
-    _check_keys_are_text(info)
+    too_deep = _check_shape(info)
     try:
         encoded = json.dumps(info, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"info must be JSON-serialisable (no NaN or infinity): {exc}") from None
     except RecursionError:
         raise ValueError("info is nested too deeply to be stored as JSON") from None
+    if too_deep:
+        kinds = _words("dicts and lists", "objects and arrays")
+        raise ValueError(
+            f"info is nested more than {MAX_INFO_DEPTH} levels deep (of {kinds});"
+            f" at most {MAX_INFO_DEPTH} are accepted"
+        )
     size = _utf8_length(encoded, "info")
     if size > MAX_INFO_BYTES:
         raise ValueError(f"info is {size} bytes as JSON; at most {MAX_INFO_BYTES} are accepted")
@@ -218,13 +229,18 @@ def check_info(info: object) -> dict[str, Any] | None:
     return decoded
 
 
-def _check_keys_are_text(info: dict[Any, Any]) -> None:
-    """JSON keys are strings: ``{1: "a", "1": "b"}`` would silently lose an entry."""
-    pending: list[object] = [info]
+def _check_shape(info: dict[Any, Any]) -> bool:
+    """Check that keys are text (JSON keys are strings: ``{1: "a", "1": "b"}`` would
+    silently lose an entry); ``True`` if nesting goes past ``MAX_INFO_DEPTH`` levels."""
+    pending: list[tuple[object, int]] = [(info, 1)]
+    too_deep = False
     for _ in range(100_000):  # bounded: the JSON size limit is checked after this
         if not pending:
-            return
-        value = pending.pop()
+            break
+        value, depth = pending.pop()
+        if isinstance(value, dict | list | tuple) and depth > MAX_INFO_DEPTH:
+            too_deep = True
+            continue  # not deeper: a structure that refers to itself never ends
         if isinstance(value, dict):
             for name, item in value.items():
                 if not isinstance(name, str):
@@ -232,9 +248,10 @@ def _check_keys_are_text(info: dict[Any, Any]) -> None:
                         f"info keys must be str (JSON object keys are strings), not"
                         f" {type(name).__name__} {name!r}"
                     )
-                pending.append(item)
+                pending.append((item, depth + 1))
         elif isinstance(value, list | tuple):
-            pending.extend(value)
+            pending.extend((item, depth + 1) for item in value)
+    return too_deep
 
 
 def check_token(token: object) -> str:

@@ -128,6 +128,14 @@ def _deeply_nested() -> dict[str, Any]:
     return nested
 
 
+def _nested_lists(levels: int) -> list[Any]:
+    """A list in a list … ``levels`` deep."""
+    nested: list[Any] = []
+    for _ in range(levels - 1):
+        nested = [nested]
+    return nested
+
+
 def _circular() -> dict[str, Any]:
     loop: dict[str, Any] = {}
     loop["self"] = loop
@@ -249,6 +257,7 @@ BAD_INFOS: list[tuple[str, object, type[Exception], str, str | None]] = [
     ("inf-value", {"f": math.inf}, ValueError, NOT_JSON + "Out of range float values are not JSON compliant", None),
     ("circular", _circular(), ValueError, NOT_JSON + "Circular reference detected", None),
     ("deeply-nested", _deeply_nested(), ValueError, "info is nested too deeply to be stored as JSON", None),
+    ("nested-33-levels", {"a": _nested_lists(32)}, ValueError, "info is nested more than 32 levels deep (of dicts and lists); at most 32 are accepted", None),
     ("4097-bytes", _info_of(4097), ValueError, "info is 4097 bytes as JSON; at most 4096 are accepted", None),
     ("huge", {"blob": "x" * 1_000_000}, ValueError, "info is 1000011 bytes as JSON; at most 4096 are accepted", None),
     ("4097-utf8-bytes", {"b": "é" * 2044 + "a"}, ValueError, "info is 4097 bytes as JSON; at most 4096 are accepted", None),  # UTF-8, as sent over HTTP

@@ -138,6 +138,14 @@ def acquire(case_id: str, send: Send, *fragments: str, **options: Any) -> Any:
     return post(f"acquire-{case_id}", "/v1/acquire", send, *fragments, **options)
 
 
+def _nested_lists(levels: int) -> list[Any]:
+    """A list in a list … ``levels`` deep."""
+    nested: list[Any] = []
+    for _ in range(levels - 1):
+        nested = [nested]
+    return nested
+
+
 def with_key(**fields: Any) -> dict[str, Any]:
     return {"key": KEY, **fields}
 
@@ -209,6 +217,7 @@ ROWS = [
     # acquire: info, steal, owner, namespace, token
     acquire("info-list", with_key(info=[1]), "info must be an object or null, not [1]"),
     acquire("info-string", with_key(info="alice"), "info must be an object or null, not \"alice\""),
+    acquire("info-nested-33-levels", with_key(info={"a": _nested_lists(32)}), "info is nested more than 32 levels deep (of objects and arrays); at most 32 are accepted"),
     acquire("info-4097-bytes", with_key(info={"b": "x" * (4097 - 8)}), "info is 4097 bytes as JSON; at most 4096 are accepted"),
     acquire("info-4097-utf8-bytes", with_key(info={"b": "é" * 2044 + "a"}), "info is 4097 bytes as JSON; at most 4096 are accepted"),
     acquire("info-lone-surrogate", b'{"key": "doc", "info": {"name": "\\ud800"}}', "the body contains a lone surrogate", headers=JSON_TYPE),

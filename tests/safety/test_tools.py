@@ -105,6 +105,17 @@ def test_proxy_drop_replies_forwards_requests_only(echo: tuple[str, int]) -> Non
         assert proxy.dropped_bytes == len(b"ping"), "the request reached the echo server"
 
 
+def test_proxy_lose_reply_cuts_the_connection_once(echo: tuple[str, int]) -> None:
+    with Proxy(echo) as proxy, _connect(proxy) as sock:
+        proxy.set_mode("lose_reply", from_reply=b"ping")
+        with pytest.raises(ConnectionError):
+            _round_trip(sock)
+        assert proxy.dropped_bytes == len(b"ping"), "the request reached the echo server"
+        assert proxy.mode == "pass"
+        with _connect(proxy) as again:
+            assert _round_trip(again) == b"ping"
+
+
 def test_proxy_reset_breaks_open_and_new_connections(echo: tuple[str, int]) -> None:
     with Proxy(echo) as proxy, _connect(proxy) as sock:
         assert _round_trip(sock) == b"ping"

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from keymutex._validate import MAX_INFO_DEPTH
 from keymutex.server._app import STATIC
 from keymutex.server._metrics import NAMESPACE_SERIES
 from keymutex.server._state import Signals
@@ -249,6 +250,33 @@ async def test_metrics_keep_a_series_for_the_first_namespaces_only(
     held = [line for line in text.splitlines() if line.startswith("keymutex_held_locks{")]
     assert len(held) <= NAMESPACE_SERIES + 1
     assert sum(float(line.split()[-1]) for line in held) >= 1  # the open namespaces' leases
+
+
+async def test_a_lease_with_info_nested_as_deep_as_accepted_is_listed(
+    api: httpx.AsyncClient,
+) -> None:
+    """Info nested ~950 levels deep was accepted, and every listing (``/v1/holders``,
+    the dashboard's events, ``/metrics``) then failed decoding it, while it lived."""
+    nested: list[Any] = []
+    for _ in range(MAX_INFO_DEPTH - 2):  # the info object and its "a" list are 2 levels
+        nested = [nested]
+    lease = await acquire(api, info={"a": nested})
+    assert lease["fence"] >= 1
+    deeper = await api.post("/v1/acquire", json={"key": "doc:2", "info": {"a": [nested]}})
+    assert deeper.status_code == 400
+    listed = await api.get("/v1/holders")
+    assert [h["info"] for h in listed.json()["holders"]] == [{"a": nested}]
+    metrics = await api.get("/metrics")
+    assert metrics.status_code == 200
+    assert 'keymutex_held_locks{namespace=""} 1.0' in metrics.text
+
+
+async def test_made_up_methods_share_one_metrics_label(api: httpx.AsyncClient) -> None:
+    for n in range(5):
+        await api.request(f"X{n}", "/v1/holders")
+    text = (await api.get("/metrics")).text
+    assert 'method="other",route="/v1/holders"' in text
+    assert 'method="X0"' not in text
 
 
 async def test_pages_and_static_files(api: httpx.AsyncClient) -> None:

@@ -7,17 +7,20 @@ them, and a grant that arrives while a client gives up is handed back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 import keymutex
+from safety._tools.proxy import Proxy
 
 from .conftest import Live
 
@@ -131,3 +134,42 @@ def test_a_grant_read_late_is_not_counted_from_when_it_was_read(live: Live) -> N
         assert granted["fence"] < other.fence
         assert granted["lost"] is True, "the late grant looked valid while another held the key"
         other.release()
+
+
+@contextlib.contextmanager
+def _lost_first_answer(live: Live) -> Iterator[str]:
+    """A URL through a proxy that loses the first acquire's answer (the key granted)."""
+    upstream = httpx.URL(live.url)
+    with Proxy((upstream.host, upstream.port)) as proxy:
+        proxy.set_mode("lose_reply", from_reply=b'"token"')
+        yield f"http://127.0.0.1:{proxy.port}"
+        assert proxy.mode == "pass", "the answer was lost"
+
+
+def test_an_acquire_whose_answer_was_lost_gets_the_lease_it_was_granted(live: Live) -> None:
+    """Before: StoreError, and the lease stayed granted to a token nobody had: the key
+    was held by nobody, even against the same client, for the lease's whole TTL."""
+    with (
+        _lost_first_answer(live) as url,
+        keymutex.Locks(url, ttl=60) as locks,
+    ):
+        lease = locks.acquire("k", timeout=0)
+        held = locks.holder("k")
+        assert held is not None
+        assert held.fence == lease.fence
+        lease.release()
+        assert locks.holder("k") is None
+
+
+@pytest.mark.asyncio
+async def test_async_an_acquire_whose_answer_was_lost_gets_the_lease_it_was_granted(
+    live: Live,
+) -> None:
+    with _lost_first_answer(live) as url:
+        async with keymutex.AsyncLocks(url, ttl=60) as locks:
+            lease = await locks.acquire("k", timeout=0)
+            held = await locks.holder("k")
+            assert held is not None
+            assert held.fence == lease.fence
+            await lease.release()
+            assert await locks.holder("k") is None

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 import keymutex
+from keymutex.server._openapi import openapi_document
 
 from .conftest import write_tokens
 
@@ -266,6 +267,7 @@ def test_a_request_head_over_32_kib_is_refused(tmp_path: Path, fast: bool) -> No
             "error": "headers_too_large",
             "message": "the request line and headers are over 32 KiB",
         }
+        assert "headers_too_large" in _DOCUMENTED_ERRORS
         assert httpx.get(f"{url}/healthz", timeout=WAIT).status_code == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(WAIT) == 0, log.read_text()
@@ -295,6 +297,10 @@ def _json_errors(answer: bytes) -> list[tuple[int, str]]:
 
 
 HOST = b"Host: 127.0.0.1\r\n"
+# The error codes /openapi.json lists: every code the server sends must be among them.
+_DOCUMENTED_ERRORS = openapi_document()["components"]["schemas"]["Error"]["properties"]["error"][
+    "enum"
+]
 JSON_HEAD = HOST + b"Content-Type: application/json\r\n"
 
 
@@ -315,6 +321,7 @@ def test_a_request_that_does_not_arrive_in_time_is_answered_408(tmp_path: Path) 
         answer, _ = _answer_and_time(url, half_body)
         assert _json_errors(answer) == [(408, "request_timeout")]
         assert b"nothing was done" in answer
+        assert "request_timeout" in _DOCUMENTED_ERRORS
         # A long poll is not a slow request: the wait is the server's, not the client's.
         held = httpx.post(f"{url}/v1/acquire", json={"key": "held"}, timeout=WAIT)
         assert held.status_code == 200

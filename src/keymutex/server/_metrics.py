@@ -120,6 +120,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+# The methods the API and pages answer; any other is counted as "other", so that a
+# client making up methods cannot add series without end (h11 passes any token on).
+METHODS = frozenset({"GET", "HEAD", "POST", "OPTIONS"})
+
+
 class MetricsMiddleware:
     """Times every HTTP request to its response's start (streams count until headers)."""
 
@@ -137,8 +142,9 @@ class MetricsMiddleware:
             if message["type"] == "http.response.start":
                 route = scope.get("route")
                 template = getattr(route, "path", None) or "unmatched"
+                method = scope["method"] if scope["method"] in METHODS else "other"
                 self.metrics.request_seconds.labels(
-                    scope["method"], template, str(message["status"])
+                    method, template, str(message["status"])
                 ).observe(time.perf_counter() - started)
             await send(message)
 

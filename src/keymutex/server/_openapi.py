@@ -132,6 +132,8 @@ SCHEMAS: dict[str, Any] = {
                     "locked",
                     "lock_lost",
                     "payload_too_large",
+                    "request_timeout",
+                    "headers_too_large",
                     "unsupported_media_type",
                     "store_unavailable",
                     "shutting_down",

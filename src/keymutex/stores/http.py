@@ -25,6 +25,11 @@
   the server's store; ``remaining`` is counted from before each request was sent.
 - ``HttpStore.force_release(key, reason)`` (what ``keymutex release --force`` uses on
   this store) is the server's admin ``/v1/force-release``, logged at the server.
+- An acquire whose answer does not come (the connection fails, or the reply does not
+  parse) may have been granted all the same: it is sent once more, with the same token,
+  which the server answers with the lease that token holds (docs/http-api.md: a retried
+  acquire). If that fails too, the store releases by the token, as far as it can, and
+  raises: a lease granted to nobody would block the key for its whole TTL.
 - Errors: an unreachable server, a 5xx or a reply that does not parse raise
   ``StoreError``, as do 401/403 (a missing or insufficient API token); a 400 raises
   ``ValueError`` with the server's message (e.g. a ``ttl`` over the server's limit).
@@ -491,11 +496,24 @@ class HttpStore:
         if granted is not None:
             return granted
         call = self._protocol.acquire(key, token, ttl, owner, info, steal)
-        outcome = _Protocol.acquired(*self._send(call))
+        try:
+            answer = self._send(call)
+        except StoreError:
+            answer = self._ask_again(key, token, call)
+        outcome = _Protocol.acquired(*answer)
         if waiter is not None and not outcome.ok:
             request = {"token": token, "ttl": ttl, "owner": owner, "info": info}
             waiter.refused(request)
         return outcome
+
+    def _ask_again(self, key: str, token: str, call: _Call) -> tuple[int, JSONDict]:
+        """An acquire whose answer did not come (see the module's docstring)."""
+        try:
+            return self._send(call)
+        except StoreError:
+            with contextlib.suppress(StoreError, ValueError):
+                self.release(key, token)
+            raise
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
         return _Protocol.renewed(*self._send(self._protocol.renew(key, token, ttl)))
@@ -602,11 +620,24 @@ class AsyncHttpStore:
         if granted is not None:
             return granted
         call = self._protocol.acquire(key, token, ttl, owner, info, steal)
-        outcome = _Protocol.acquired(*await self._send(call))
+        try:
+            answer = await self._send(call)
+        except StoreError:
+            answer = await self._ask_again(key, token, call)
+        outcome = _Protocol.acquired(*answer)
         if waiter is not None and not outcome.ok:
             request = {"token": token, "ttl": ttl, "owner": owner, "info": info}
             waiter.refused(request)
         return outcome
+
+    async def _ask_again(self, key: str, token: str, call: _Call) -> tuple[int, JSONDict]:
+        """An acquire whose answer did not come (see the module's docstring)."""
+        try:
+            return await self._send(call)
+        except StoreError:
+            with contextlib.suppress(StoreError, ValueError):
+                await self.release(key, token)
+            raise
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
         return _Protocol.renewed(*await self._send(self._protocol.renew(key, token, ttl)))

@@ -15,6 +15,9 @@ bytes from then on, on every connection, old and new:
   later one are dropped. This aims the fault at one step of a store whose acquire
   takes several round trips: the reply to the grant's write. Bytes are matched within
   one read of a socket (small requests and replies on a local link come whole);
+- ``lose_reply``: the first reply containing ``from_reply`` is lost: the client's
+  connection is cut (RST) instead of getting it, after the store acted on the request;
+  then back to ``pass``. A client that asks again (on a new connection) is answered;
 - ``reset``: every connection is closed with a TCP RST, and so is each new one.
 """
 
@@ -31,8 +34,8 @@ from typing import Literal, Self
 
 __all__ = ["MODES", "Proxy"]
 
-Mode = Literal["pass", "latency", "blackhole", "drop_replies", "reset"]
-MODES: tuple[Mode, ...] = ("pass", "latency", "blackhole", "drop_replies", "reset")
+Mode = Literal["pass", "latency", "blackhole", "drop_replies", "lose_reply", "reset"]
+MODES: tuple[Mode, ...] = ("pass", "latency", "blackhole", "drop_replies", "lose_reply", "reset")
 HOST = "127.0.0.1"
 
 
@@ -95,7 +98,9 @@ class Proxy:
         from the first reply containing them, on any connection.
         """
         assert mode in MODES, mode
-        assert mode == "drop_replies" or not (after_request or from_reply), mode
+        assert mode == "drop_replies" or not after_request, mode
+        assert mode in ("drop_replies", "lose_reply") or not from_reply, mode
+        assert mode != "lose_reply" or from_reply, "lose_reply needs from_reply"
         assert not (after_request and from_reply), "one trigger at a time"
         self._call(self._switch(mode, latency, after_request, from_reply))
 
@@ -228,6 +233,11 @@ class Proxy:
         try:
             while data := await reader.read(65536):
                 mode = self.mode
+                if mode == "lose_reply" and reply and self.from_reply in data:
+                    self.mode, self.from_reply = "pass", b""
+                    self.dropped_bytes += len(data)
+                    _abort_with_rst(writer)
+                    return
                 if mode == "drop_replies":
                     # Armed before the request leaves, so that its reply is dropped.
                     if not reply and self.after_request and self.after_request in data:
