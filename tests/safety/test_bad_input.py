@@ -884,7 +884,6 @@ BAD_URLS: list[tuple[str, object, dict[str, object], type[Exception], str, str |
     ("redis-cluster-port-out-of-range", "redis+cluster://127.0.0.1:99999", {}, ValueError, "'redis+cluster://127.0.0.1:99999': port 99999 of '127.0.0.1:99999' is out of range 1-65535", None),
     ("redis-cluster-port-zero", "redis+cluster://127.0.0.1:7000,127.0.0.1:0", {}, ValueError, "port 0 of '127.0.0.1:0' is out of range 1-65535", None),
     # postgresql://
-    ("postgresql-empty", "postgresql://", {}, ValueError, "'postgresql://' is not a PostgreSQL URL", None),
     ("postgresql-unknown-query", "postgresql://127.0.0.1/db?colour=blue", {}, ValueError, "'postgresql://127.0.0.1/db?colour=blue' is not a PostgreSQL URL: invalid URI query parameter: \"colour\"", None),
     ("postgresql-min-size-huge", "postgresql://127.0.0.1/db?min_size=99999999", {}, ValueError, "PostgreSQL option min_size must be an int from 0 to 10000, not '99999999'", None),
     ("postgresql-timeout-huge-int", "postgresql://127.0.0.1/db", {"timeout": 10**400}, ValueError, "PostgreSQL option timeout must be seconds > 0 and at most 2147483, not an integer of about 401 digits", None),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -28,7 +29,7 @@ import pytest
 
 import keymutex
 from _pg_fixtures import require_postgresql
-from _pg_server import running_server
+from _pg_server import PostgresServer, running_server
 from keymutex._store import RenewRequest
 from keymutex.stores.postgresql import SCHEMA_VERSION
 
@@ -361,6 +362,46 @@ def test_a_forked_child_uses_connections_of_its_own(
         assert holder_now is not None
         assert holder_now.fence == lease.fence
         lease.release()
+
+
+def test_an_async_store_used_before_a_fork_gives_the_child_connections_of_its_own(
+    postgresql_url: str, namespace: str
+) -> None:
+    """The child sent its statements on the parent's connections, and each read the
+    other's replies: errors on both sides, releases lost (a pre-fork server's master
+    that checked its lock store before forking its workers)."""
+    locks = keymutex.AsyncLocks(postgresql_url, namespace=namespace)
+
+    async def work(name: str) -> list[str]:
+        errors = []
+        for n in range(200):
+            try:
+                lease = await locks.acquire(f"{name}:{n % 5}", ttl=30, timeout=5)
+                await lease.release()
+            except Exception as exc:  # what the test reports
+                errors.append(repr(exc))
+        return errors
+
+    async def warm_up() -> None:
+        await (await locks.acquire("warm-up", timeout=0)).release()
+
+    asyncio.run(warm_up())  # a connection of the parent's, in the pool
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, and leave without running pytest's teardown
+        signal.alarm(60)  # rather than hang
+        try:
+            os.write(write_end, json.dumps(asyncio.run(work("child"))).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    parent_errors = asyncio.run(work("parent"))
+    os.waitpid(pid, 0)
+    child_errors = json.loads(os.read(read_end, 100_000) or b'["no report"]')
+    os.close(read_end)
+    asyncio.run(locks.aclose())
+    assert parent_errors == []
+    assert child_errors == []
 
 
 # -- waiting -----------------------------------------------------------------------------
@@ -834,6 +875,44 @@ def test_expired_rows_are_swept_so_the_table_does_not_grow(
         for _ in range(4 * SWEEP_EVERY):
             locks.acquire("busy", timeout=0).release()
         assert admin.execute(f"SELECT key FROM {table}").fetchall() == [("abandoned:7",)]
+
+
+def test_short_lived_clients_sweep_expired_rows_too(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str, table: str
+) -> None:
+    """Each store counted its acquires from 1 and swept at the 16th: clients making
+    fewer (a CLI run, a cron job, a Locks per request) never swept, and the rows of
+    holders that died stayed for good."""
+    from keymutex.stores.postgresql import SWEEP_BATCH
+
+    with keymutex.Locks(postgresql_url, namespace=namespace, table=table) as locks:
+        for n in range(SWEEP_BATCH // 2):
+            locks.acquire(f"abandoned:{n}", ttl=30)
+    admin.execute(f"UPDATE {table} SET expires_at = now() - interval '1 s'")  # they died
+    # One acquire each: with a sweep every 16th acquire from a random start, the odds
+    # that none of 200 sweeps are (15/16)^200, about 2.5e-6.
+    for _ in range(200):
+        with keymutex.Locks(postgresql_url, namespace=namespace, table=table) as locks:
+            locks.acquire("busy", timeout=0).release()
+    assert _rows(admin, table) == 0
+
+
+def test_unix_socket_and_libpq_parameters_with_spaces_reach_libpq_intact(
+    admin: psycopg.Connection[Any], postgresql_server: PostgresServer, namespace: str
+) -> None:
+    """``postgresql:///db?host=/socket/dir`` lost its ``//`` (libpq then read it as
+    key=value text), and ``options=-c%20search_path%3D…`` reached libpq as
+    ``+c+search_path…`` (re-encoded with ``+`` for spaces)."""
+    application = f"km {uuid.uuid4().hex[:12]}"
+    url = (
+        f"postgresql:///postgres?host={postgresql_server.sockets}&port={postgresql_server.port}"
+        f"&user=postgres&application_name={application.replace(' ', '%20')}"
+        "&options=-c%20search_path%3Dpublic"
+    )
+    with keymutex.Locks(url, namespace=namespace) as locks:
+        lease = locks.acquire("k", timeout=0)
+        assert _backends(admin, application)
+        lease.release()
 
 
 def test_the_table_is_created_once_under_concurrent_first_use(

@@ -37,10 +37,11 @@
   missed the last commits, the last grants — and their fences — can be lost).
 - A released lease's row is deleted (unless the key is handed over). An expired one
   is taken over in place by the next acquire, and every ``SWEEP_EVERY`` acquires of a
-  store also delete the rows kept for nothing any more (lease ended, no hand-over nor
-  live queue) among the next ``SWEEP_BATCH`` rows of a rolling scan in key order (in
-  the same statement), so the table never outgrows the live leases by much, however
-  many distinct keys are ever used.
+  store (counted from a random place, so that short-lived clients sweep too) also
+  delete the rows kept for nothing any more (lease ended, no hand-over nor live queue)
+  among the next ``SWEEP_BATCH`` rows of a rolling scan in key order (in the same
+  statement), so the table never outgrows the live leases by much, however many
+  distinct keys are ever used.
 - Waiting: a refused waiter joins the key's queue (an array in the lease's row) in the
   same statement. A release hands the key over to the first queued waiter in its
   statement: the key is kept for it for ``HANDOVER_MS`` and its id notified
@@ -81,6 +82,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import secrets
 import select
@@ -90,7 +92,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlunsplit
+from urllib.parse import parse_qsl, unquote
 
 import psycopg
 import psycopg.conninfo
@@ -750,7 +752,10 @@ class _Steps:
         self.namespace = namespace
         self.sql = _Statements.of(table)
         self.channel = _channel(table, namespace)
-        self._acquires = itertools.count(1)
+        # From a random place: a store that makes fewer than SWEEP_EVERY acquires (a
+        # CLI run, a cron job, a Locks per request) still sweeps now and then, with the
+        # same odds per acquire as a long-lived one. Counting from 1, none ever did.
+        self._acquires = itertools.count(random.randrange(1, SWEEP_EVERY + 1))
         self._sweep_from = ("", "")
         # Keys contended lately (key -> until when, monotonic), to skip statements that
         # would find the key held or queued: a hint, read and written without a lock
@@ -929,7 +934,9 @@ _DRIVER_ERRORS = (psycopg.Error, OSError)  # OSError includes TimeoutError
 
 # Objects with locks, threads or connections that a forked child must not inherit as
 # they are: another thread of the parent may hold a lock at the moment of the fork.
-_FORK_AWARE: weakref.WeakSet[_Sessions | _Listener | PostgresStore] = weakref.WeakSet()
+_FORK_AWARE: weakref.WeakSet[
+    _Sessions | _Listener | PostgresStore | _AsyncSessions | _AsyncListener | AsyncPostgresStore
+] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -1277,6 +1284,15 @@ class _AsyncSessions:
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._open = 0
         self._closed = False
+        self._abandoned: list[object] = []
+        _FORK_AWARE.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's connections are not ours (a child sending on
+        them reads the parent's replies). Keep them referenced, never closed from here:
+        closing one would end the parent's session."""
+        self._abandoned.append((self._free, self._waiting))
+        self._free, self._open, self._waiting = [], 0, collections.deque()
 
     async def take(self) -> _AsyncSession:
         deadline = None
@@ -1570,6 +1586,16 @@ class _AsyncListener:
         self._listening = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._abandoned: list[object] = []
+        _FORK_AWARE.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's task and its connection are the parent's;
+        start afresh (keeping a reference: never closed from here)."""
+        self._abandoned.append(self._task)
+        self._task = None
+        self._listening = asyncio.Event()
+        self._waiters = {}
 
     async def join(self, waiter: _AsyncPostgresWaiter, timeout: float) -> None:
         if self._closed:
@@ -1825,6 +1851,10 @@ class AsyncPostgresStore:
             wait=target.connect_timeout,
         )
         self._listener = _AsyncListener(self._connect, self._steps.channel, target.timeout)
+        _FORK_AWARE.add(self)
+
+    def _forked(self) -> None:
+        self._opening = None  # an asyncio.Lock of the parent's event loop
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
         return await psycopg.AsyncConnection.connect(
@@ -1969,9 +1999,18 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
             f"{redacted(url)!r}: {sorted(twice)} given both in the URL and as arguments"
         )
     merged: dict[str, object] = {**ours, **options}
-    conninfo = urlunsplit(
-        parts._replace(query=urlencode([(n, v) for n, v in query if n not in OPTIONS]))
-    )
+    # What libpq reads: the URL less our options, the rest as written. Not re-encoded
+    # (urlencode writes a space as "+", which libpq keeps as a plus: "-c search_path=x"
+    # became "+c+search_path=x"), nor rebuilt by urlunsplit (which drops the "//" of an
+    # empty host: postgresql:///db, a Unix socket, became postgresql:/db).
+    theirs = [
+        part
+        for part in parts.query.split("&")
+        if part and unquote(part.partition("=")[0]) not in OPTIONS
+    ]
+    conninfo = f"{parts.scheme}://{parts.netloc}{parts.path}"
+    if theirs:
+        conninfo += "?" + "&".join(theirs)
     try:
         params = psycopg.conninfo.conninfo_to_dict(conninfo)
     except psycopg.Error as exc:
