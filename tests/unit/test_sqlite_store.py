@@ -8,6 +8,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,48 @@ def test_expired_leases_are_swept_by_later_grants(tmp_path: Path) -> None:
                 pass
         assert rows(db, "leases") < 50, "expired leases were not swept"
         assert locks.holders("abandoned:") == []
+
+
+def test_short_lived_clients_sweep_expired_leases_too(tmp_path: Path) -> None:
+    """Each store counted its grants from 0 and swept at the 16th: clients granted
+    fewer (every `keymutex run`) never swept, and killed holders' rows stayed."""
+    db = tmp_path / "locks.db"
+    with keymutex.Locks(f"sqlite:///{db}") as locks:
+        for number in range(20):
+            locks.acquire(f"abandoned:{number}", ttl=0.05)  # never released
+    time.sleep(0.1)
+    # One grant each: with a sweep every 16th grant from a random start, the odds that
+    # none of 200 sweeps are (15/16)^200, about 2.5e-6.
+    for _ in range(200):
+        with keymutex.Locks(f"sqlite:///{db}") as locks:
+            locks.acquire("busy", timeout=0).release()
+    assert rows(db, "leases") == 0
+
+
+def test_an_interrupt_just_after_a_transaction_began_rolls_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C between BEGIN and the step left the connection in a write transaction:
+    every later step of that Locks failed, every other process got "database is
+    locked", until the interrupted process ended."""
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    with keymutex.Locks(url) as locks, keymutex.Locks(url, busy_timeout=1) as other:
+        locks.acquire("warm-up", timeout=0).release()  # connected: BEGIN is all that is left
+        store = locks._store
+        began = store._retry_busy  # type: ignore[attr-defined]
+        interrupts = [KeyboardInterrupt()]
+
+        def begin_then_interrupt(attempt: Any) -> Any:
+            result = began(attempt)
+            if interrupts:
+                raise interrupts.pop()
+            return result
+
+        monkeypatch.setattr(store, "_retry_busy", begin_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            locks.acquire("doc", timeout=0)
+        other.acquire("doc", timeout=0).release()
+        locks.acquire("doc", timeout=0).release()
 
 
 def test_leases_of_an_earlier_boot_are_dropped(tmp_path: Path) -> None:

@@ -105,8 +105,8 @@ digest to one of ``INDEX_BUCKETS`` index items per server and namespace, in the 
 write as its ``add`` (``append`` is atomic; a refused ``add`` leaves an entry too,
 harmless); ``holders(prefix)`` reads the buckets and then the leases they name, and
 keeps the live ones. Released, expired and refused entries are dropped by a compaction
-(``mg`` + ``ms … C<cas>``) of a bucket at every ``COMPACT_EVERY``-th grant of a store. The
-listing is best effort, like memcached itself: an evicted index bucket leaves a live
+(``mg`` + ``ms … C<cas>``) of a bucket at every ``COMPACT_EVERY``-th grant of a store
+(counted from a random place, so that short-lived clients compact too). The listing is best effort, like memcached itself: an evicted index bucket leaves a live
 lease out of it. ``holder(key)`` is always exact.
 
 **Several servers.** A key's items live on one server, chosen by rendezvous hashing
@@ -169,6 +169,7 @@ import json
 import logging
 import math
 import os
+import random
 import secrets
 import select
 import socket
@@ -968,7 +969,9 @@ class MemcachedStore:
         self._make_pool = make_pool
         self._pools = {server: make_pool(server) for server in servers}
         self._patience = patience
-        self._grants = 0  # grants made by this store: every COMPACT_EVERY-th compacts
+        # Grants made by this store: every COMPACT_EVERY-th compacts. Counted from a random
+        # place, so that stores making fewer grants (short-lived clients) compact too.
+        self._grants = random.randrange(COMPACT_EVERY)
         # Each lease this store granted or renewed, by item name: its last write, so
         # that a release or renewal can compare-and-swap it without reading it first.
         self._written: dict[str, _Written] = {}

@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import random
 import secrets
 import select
 import socket
@@ -393,7 +394,10 @@ class SqliteStore:
         self._busy_timeout = busy_timeout
         self._mutex = _StepLock()
         self._pid = os.getpid()
-        self._grants = 0
+        # From a random place: a store that grants fewer than SWEEP_EVERY leases (a
+        # `keymutex run`, a cron job) still sweeps now and then, at the same odds per
+        # grant as a long-lived one. Counting from 0, none ever did.
+        self._grants = random.randrange(SWEEP_EVERY)
         self._sweep_from = ("", "")
         self._conn = self._connect()  # first: if it fails, there is nothing to close
         self._sockets = _SocketPool()
@@ -503,8 +507,11 @@ class SqliteStore:
     def _transaction(
         self, conn: sqlite3.Connection, step: Callable[[sqlite3.Connection, float], T]
     ) -> T:
-        self._retry_busy(lambda: conn.execute("BEGIN IMMEDIATE"))
         try:
+            # Inside the try: an interrupt (Ctrl-C) just after BEGIN must roll back too,
+            # or the connection stays in a write transaction that locks out every
+            # process until this one ends.
+            self._retry_busy(lambda: conn.execute("BEGIN IMMEDIATE"))
             result = step(conn, _clock.monotonic())
             conn.execute("COMMIT")
         except BaseException:
