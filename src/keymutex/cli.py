@@ -83,7 +83,7 @@ FORWARDED_SIGNALS = (
 )
 # Signals that a terminal sends to its whole foreground process group (Ctrl-C, Ctrl-\).
 TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
-MAX_CMD_CHARS = 1024  # of the command line shown to others in the lease's info
+MAX_CMD_BYTES = 1024  # UTF-8 bytes of the command line shown to others in the lease's info
 RUN_INFO_FIELDS = ("cmd", "host", "pid", "user")  # what `run` shows of itself
 RELEASE_TTL = 5.0  # lifetime of the lease that `release --force` takes and gives back
 
@@ -768,9 +768,17 @@ def _lease_info(
 ) -> dict[str, Any]:
     """What others see of this run: ``extra``, the command line (its program's name
     alone with ``hide_command``), host, keymutex's pid and user."""
-    cmd = Path(command[0]).name if hide_command else shlex.join(command)
-    if len(cmd) > MAX_CMD_CHARS:
-        cmd = cmd[: MAX_CMD_CHARS - 1] + "…"
+    # An argument that is not UTF-8 (a file name is any bytes) comes as lone surrogates,
+    # which no store keeps as text: shown as backslash escapes instead.
+    shown = [
+        arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        for arg in command
+    ]
+    cmd = Path(shown[0]).name if hide_command else shlex.join(shown)
+    encoded = cmd.encode()
+    if len(encoded) > MAX_CMD_BYTES:  # cut by bytes, as info's size limit counts them
+        cut = len("…".encode())
+        cmd = encoded[: MAX_CMD_BYTES - cut].decode("utf-8", "ignore") + "…"
     info: dict[str, Any] = {**(extra or {}), "cmd": cmd}
     info.update(host=socket.gethostname(), pid=os.getpid())
     user = _user()
@@ -1067,7 +1075,9 @@ def run_command(
     try:
         info = check_info(_lease_info(command, hide_command=hide_command, extra=extra_info))
     except ValueError as exc:
-        raise click.BadParameter(str(exc), ctx, param_hint="'--info'") from None
+        if extra_info:  # the command line itself always fits (see _lease_info)
+            raise click.BadParameter(str(exc), ctx, param_hint="'--info'") from None
+        raise click.UsageError(str(exc), ctx) from None
     url = _store_url(store)
     if ttl is not None:
         _check_ttl_for(ctx, url, ttl)

@@ -151,6 +151,10 @@ def background(env: dict[str, str]) -> Iterator[Any]:
         process.kill()
 
 
+# python -c this ARGUMENT COMMAND…: runs COMMAND, ignoring ARGUMENT.
+SKIP_ONE_ARGUMENT = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[2:]).returncode)"
+
+
 def keymutex(
     *args: str, env: dict[str, str], check: int | None = 0
 ) -> subprocess.CompletedProcess[str]:
@@ -378,6 +382,27 @@ def test_run_shows_others_its_info_and_can_hide_the_commands_arguments(
     )["info"]
     assert seen["cmd"] == Path(show[0]).name
     assert "--json" not in json.dumps(seen)
+
+
+@pytest.mark.parametrize(
+    ("argument", "shown"),
+    [
+        (os.fsdecode(b"caf\xe9.txt"), "caf\\xe9.txt"),  # a file name that is not UTF-8
+        ("é" * 1000, "é" * 400),  # 2000 bytes: cut, by bytes, to fit info's 4 KiB
+    ],
+    ids=["not-utf-8", "long-non-ascii"],
+)
+def test_run_shows_any_command_line_it_can_run(
+    argument: str, shown: str, store: str, env: dict[str, str]
+) -> None:
+    """Refused before, blaming an --info nobody gave: a lone surrogate in the info, or
+    over 4 KiB once 1024 *characters* of command line took 2 bytes each."""
+    show = [*KEYMUTEX, "show", "job", "--store", store, "--json"]
+    runs_show = [sys.executable, "-c", SKIP_ONE_ARGUMENT, argument, *show]
+    seen = json.loads(keymutex("run", "job", "--store", store, "--", *runs_show, env=env).stdout)
+    cmd = seen["info"]["cmd"]
+    assert shown in cmd
+    assert len(cmd.encode()) <= 1024
 
 
 # -- ls, show, release ---------------------------------------------------------------
