@@ -1061,8 +1061,11 @@ def run_command(
     Signals: SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1 and SIGUSR2 sent to keymutex
     are forwarded to COMMAND, and keymutex exits once COMMAND has. Ctrl-C and Ctrl-\\
     at a terminal already reach COMMAND (it is in the terminal's foreground process
-    group), so they are not forwarded twice. A signal that arrives while waiting for
-    the lock stops the wait: COMMAND is not started and the exit status is 128+N.
+    group), so they are not forwarded twice; keymutex cannot tell them from a SIGINT or
+    SIGQUIT sent to it with kill while it runs in a terminal's foreground, which is
+    therefore not forwarded either (send SIGTERM, or signal COMMAND itself). A signal
+    that arrives while waiting for the lock stops the wait: COMMAND is not started and
+    the exit status is 128+N.
 
     \b
     Lost lease: if renewing fails (the key was force-released or taken over, or the
