@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import secrets
+import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -84,6 +89,97 @@ def test_an_interrupt_just_after_a_transaction_began_rolls_it_back(
             locks.acquire("doc", timeout=0)
         other.acquire("doc", timeout=0).release()
         locks.acquire("doc", timeout=0).release()
+
+
+def test_a_database_file_replaced_under_a_process_ends_its_leases(tmp_path: Path) -> None:
+    """The process went on alone in the deleted file: its lease stayed valid there
+    (renewals succeeded) while others, in the new file, were granted the same key."""
+    db = tmp_path / "locks.db"
+    with keymutex.Locks(f"sqlite:///{db}") as first:
+        lease = first.acquire("k", ttl=60)
+        for leftover in tmp_path.glob("locks.db*"):  # an operator's rm, a redeploy
+            leftover.unlink()
+        with keymutex.Locks(f"sqlite:///{db}") as second:
+            other = second.acquire("k", timeout=0)
+            with pytest.raises(keymutex.LockLost):
+                lease.renew()
+            held = first.holder("k")
+            assert held is not None
+            assert held.fence == other.fence
+            other.release()
+
+
+def test_a_killed_waiter_whose_forked_child_lives_on_is_seen_gone(tmp_path: Path) -> None:
+    """A forked child kept its copy of the socket a waiter of its parent was waiting on:
+    once the parent was killed, its address still looked alive, a release handed the
+    key to the dead waiter, and the next waiter waited for that lease's whole TTL."""
+    db = tmp_path / "locks.db"
+    url = f"sqlite:///{db}"
+    child_pid = tmp_path / "child.pid"
+    code = f"""if True:
+        import os, threading, time, keymutex
+        locks = keymutex.Locks({url!r})
+        threading.Thread(target=locks.acquire, args=("k",), kwargs={{"ttl": 60}}).start()
+        time.sleep(0.5)  # queued by now (the test checks)
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(120)
+            os._exit(0)
+        open({str(child_pid)!r}, "w").write(str(pid))
+        time.sleep(120)
+    """
+    with keymutex.Locks(url) as holding, keymutex.Locks(url) as waiting:
+        lease = holding.acquire("k", timeout=0)
+        parent = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            deadline = time.monotonic() + 30
+            while not (child_pid.exists() and child_pid.read_text()):
+                assert time.monotonic() < deadline, "the waiter never forked"
+                time.sleep(0.01)
+            assert rows(db, "waiters") == 1
+            got: list[keymutex.Lease] = []
+            thread = threading.Thread(target=lambda: got.append(waiting.acquire("k", timeout=20)))
+            thread.start()
+            while rows(db, "waiters") < 2:
+                assert time.monotonic() < deadline, "the second waiter never queued"
+                time.sleep(0.01)
+            parent.kill()  # the waiting process dies; its forked child lives on
+            parent.wait(10)
+            lease.release()
+            thread.join(30)
+            assert len(got) == 1, "the key went to the dead waiter"
+            got[0].release()
+        finally:
+            parent.kill()
+            parent.wait(10)
+            with contextlib.suppress(ValueError, ProcessLookupError):
+                os.kill(int(child_pid.read_text()), signal.SIGKILL)
+
+
+def test_a_waiter_in_another_network_namespace_keeps_its_place(tmp_path: Path) -> None:
+    """Its address cannot be rung from here (abstract sockets are per network
+    namespace: a container sharing the file): it was taken for dead, its place
+    dropped, and a releaser that looped took the key back every time."""
+    db = tmp_path / "locks.db"
+    url = f"sqlite:///{db}"
+    with keymutex.Locks(url) as holding, keymutex.Locks(url) as waiting:
+        lease = holding.acquire("k", timeout=0)
+        got: list[keymutex.Lease] = []
+        thread = threading.Thread(target=lambda: got.append(waiting.acquire("k", timeout=20)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while rows(db, "waiters") < 1:
+            assert time.monotonic() < deadline, "the waiter never queued"
+            time.sleep(0.01)
+        elsewhere = b"\0keymutex-f00f-" + secrets.token_hex(12).encode()  # bound nowhere here
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE keymutex_waiters SET address = ?", (elsewhere,))
+        lease.release()
+        with pytest.raises(keymutex.Locked):  # handed over: not free for the releaser
+            holding.acquire("k", timeout=0)
+        thread.join(30)  # the waiter finds its grant at its recheck
+        assert len(got) == 1
+        got[0].release()
 
 
 def test_leases_of_an_earlier_boot_are_dropped(tmp_path: Path) -> None:

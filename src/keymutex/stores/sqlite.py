@@ -5,6 +5,9 @@
 - TTLs are measured by the host's boot-time clock (``CLOCK_BOOTTIME``), which every
   process shares; the database records the boot it belongs to, and leases of an
   earlier boot are dropped. The file must not live on a network file system.
+- Deleting or replacing the file ends every lease in it: a process notices at its
+  next step and reopens the file now at the path (its renewals and releases then say
+  ``LockLost``), rather than go on alone in a file nobody else sees.
 - Fences come from one counter row that survives restarts of every process: a
   fence never goes backwards while the file lives. With ``synchronous=normal`` (the
   default) an OS crash or power loss may lose the last transactions, and with them
@@ -22,8 +25,11 @@
   one datagram with its fence: handoff is first come, first served across
   processes, in one transaction and one wake-up, with no polling. A free key is
   granted only to the first waiter. A waiter whose process died is found when the
-  datagram bounces; its row, and a lease handed to it, are dropped. Elsewhere than
-  Linux, waiters poll with backoff and no handoff is made.
+  datagram bounces; its row, and a lease handed to it, are dropped. Abstract sockets
+  exist per network namespace: a waiter in another one (a container sharing the file)
+  cannot be rung, so it is handed the key without a datagram and finds it at its next
+  recheck (within a second); if it is gone, its row lapses after ``WAITER_TTL``.
+  Elsewhere than Linux, waiters poll with backoff and no handoff is made.
 """
 
 from __future__ import annotations
@@ -203,8 +209,34 @@ class _Handoff:
     message: bytes
 
 
+def _network_namespace() -> bytes:
+    """This process's network namespace, as a tag for its waiting addresses."""
+    try:
+        return b"%x" % os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return b"0"
+
+
+# Abstract socket addresses exist per network namespace: a waiter in another one (a
+# container sharing the database file) cannot be rung from here, nor seen to be gone.
+_NETWORK_NAMESPACE = _network_namespace() if NOTIFIES else b"0"
+
+
+def _elsewhere(address: bytes) -> bool:
+    """Whether ``address`` was bound in another network namespace than ours."""
+    parts = address.split(b"-")
+    return len(parts) == 3 and parts[1] != _NETWORK_NAMESPACE
+
+
 def _ring(sender: socket.socket, address: bytes, message: bytes = b"!") -> bool:
-    """Send a datagram; ``False`` when nobody listens there any more."""
+    """Send a datagram; ``False`` when nobody listens there any more.
+
+    A waiter in another network namespace is not rung (it cannot be): it is taken to
+    be there, finds a hand-over at its next recheck (within a second), and if it is
+    gone its row lapses after ``WAITER_TTL``.
+    """
+    if _elsewhere(address):
+        return True
     try:
         sender.sendto(message, address)
     except (ConnectionRefusedError, FileNotFoundError):
@@ -324,18 +356,27 @@ class _StepLock:
 
 
 class _SocketPool:
-    """Bound datagram sockets kept for reuse: a waiter costs no system call."""
+    """Bound datagram sockets kept for reuse: a waiter costs no system call.
+
+    It knows the sockets it lent out too: a forked child closes its copies of all of
+    them (``close``), those of waiters waiting at the fork included. A copy left open
+    in the child would keep the address alive after the parent died: releases would
+    hand the key to the dead parent's waiter, and everyone would wait for its TTL.
+    """
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._free: list[tuple[socket.socket, bytes]] = []
+        self._lent: set[socket.socket] = set()
         self._closed = False
 
     def take(self) -> tuple[socket.socket, bytes]:
         with self._mutex:
             if self._free:
-                return self._free.pop()
-        address = b"\0keymutex-" + secrets.token_hex(12).encode()
+                sock, address = self._free.pop()
+                self._lent.add(sock)
+                return sock, address
+        address = b"\0keymutex-%s-%s" % (_NETWORK_NAMESPACE, secrets.token_hex(12).encode())
         with translate_errors(OSError, what="cannot open a socket to wait on"):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             try:
@@ -344,10 +385,13 @@ class _SocketPool:
             except OSError:
                 sock.close()
                 raise
+        with self._mutex:
+            self._lent.add(sock)
         return sock, address
 
     def give_back(self, sock: socket.socket, address: bytes) -> None:
         with self._mutex:
+            self._lent.discard(sock)
             if not self._closed and len(self._free) < 16:
                 self._free.append((sock, address))
                 return
@@ -358,7 +402,10 @@ class _SocketPool:
             self._closed = True
             for sock, _ in self._free:
                 sock.close()
+            for sock in self._lent:
+                sock.close()
             self._free.clear()
+            self._lent.clear()
 
 
 def _new_sender() -> socket.socket | None:
@@ -454,6 +501,7 @@ class SqliteStore:
                 self._retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))
                 conn.execute(f"PRAGMA synchronous={self.synchronous}")
                 self._transaction(conn, self._prepare)
+                self._identity = self._file_identity()  # the file, created by now
             except BaseException:
                 conn.close()
                 raise
@@ -541,7 +589,22 @@ class SqliteStore:
         if os.getpid() != self._pid:  # forked: a SQLite connection must not cross a fork
             self._conn = self._connect()  # if it fails, the next step tries again
             self._pid = os.getpid()
+        elif self._file_identity() != self._identity:
+            # The file was deleted or replaced under this connection, which would go on
+            # granting and renewing in a file nobody else sees (two holders of a key).
+            # Its leases went with it: from the file at the path now, renew and release
+            # find them gone (LockLost).
+            _LOG.warning("SQLite database %r was replaced or removed; reopening", self._path)
+            old, self._conn = self._conn, self._connect()
+            old.close()
         return self._conn
+
+    def _file_identity(self) -> tuple[int, int] | None:
+        try:
+            found = os.stat(self._path)
+        except FileNotFoundError:
+            return None
+        return found.st_dev, found.st_ino
 
     # -- the queue of waiters -----------------------------------------------------
 
