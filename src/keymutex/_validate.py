@@ -126,8 +126,11 @@ def check_prefix(prefix: object) -> str:
 
 
 def check_reason(value: object, name: str = "reason") -> str:
-    """Why a lock is force-released (logged): 1 to ``MAX_REASON_CHARS`` characters."""
+    """Why a lock is force-released (logged): 1 to ``MAX_REASON_CHARS`` characters, not
+    all of them blank."""
     text = check_text(value, name, allow_empty=False, max_bytes=4 * MAX_REASON_CHARS)
+    if not text.strip():
+        raise ValueError(f"{name} must say why, not be blank ({text!r})")
     if len(text) > MAX_REASON_CHARS:
         raise ValueError(f"{name} must be 1 to {MAX_REASON_CHARS} characters, not {len(text)}")
     return text

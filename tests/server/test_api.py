@@ -167,6 +167,27 @@ async def test_force_release_moves_the_fence_on(api: httpx.AsyncClient) -> None:
     assert nothing.json() == {"released": False, "holder": None}
 
 
+async def test_force_release_of_a_chosen_lease_leaves_a_newer_holder_alone(
+    api: httpx.AsyncClient,
+) -> None:
+    """The dashboard's dialog stays open while the admin types a reason: meanwhile the
+    holder clicked may release, and someone else take the key. With the fence of the
+    lease chosen, the newcomer's lease is not the one released."""
+    alice = await acquire(api, owner="alice")
+    await api.post("/v1/release", json={"key": "doc:1", "token": alice["token"]})
+    bob = await acquire(api, owner="bob")
+    chosen = {"key": "doc:1", "reason": "alice's tab crashed", "fence": alice["fence"]}
+    refused = await api.post("/v1/force-release", json=chosen)
+    assert refused.status_code == 409
+    assert refused.json()["error"] == "locked"
+    assert refused.json()["holder"]["owner"] == "bob"
+    assert "nothing was released" in refused.json()["message"]
+    renewed = await api.post("/v1/renew", json={"key": "doc:1", "token": bob["token"]})
+    assert renewed.status_code == 200
+    released = await api.post("/v1/force-release", json={**chosen, "fence": bob["fence"]})
+    assert released.json()["holder"]["owner"] == "bob"
+
+
 async def test_wait_answers_at_once_when_already_changed(api: httpx.AsyncClient) -> None:
     lease = await acquire(api)
     body = {"key": "doc:1", "fence": lease["fence"] - 1, "timeout": 30}

@@ -693,16 +693,27 @@ class _Server:
 
     async def force_release(self, request: Request) -> Response:
         who = self.identify(request)
-        fields = await self.body(request, ("namespace", "key", "reason"))
+        fields = await self.body(request, ("namespace", "key", "reason", "fence"))
         namespace = fields.get("namespace", field.namespace, "")
         key = fields.get("key", field.key)
         reason = fields.get("reason", field.reason)
+        fence = fields.get("fence", field.fence, None)
         self.auth.require_key(who, "admin", namespace, [key])
         by = who.name if who is not None else f"anonymous at {self.peer(request)}"
         async with self.namespaces.using(namespace) as locks:
             previous = await locks.holder(key)
             if previous is None:
                 return JSONResponse({"released": False, "holder": None})
+            if fence is not None and previous.fence != fence:
+                # The lease the admin chose (the dashboard sends its fence) is gone, and
+                # someone else holds the key now: theirs is not the one to release.
+                raise ApiError(
+                    409,
+                    "locked",
+                    f"{key} is now held by {previous.owner} (fence {previous.fence}),"
+                    f" not by the lease of fence {fence}: nothing was released",
+                    extra={"holder": holder_json(previous, now=time.time())},
+                )
             # Take it over, then give it back: the fence moves on, the old token is dead.
             with _arguments():
                 plan = dataclasses.replace(

@@ -229,7 +229,21 @@ SCHEMAS: dict[str, Any] = {
         {
             "namespace": _ref("Namespace"),
             "key": _ref("Key"),
-            "reason": {"type": "string", "minLength": 1, "maxLength": MAX_REASON_CHARS},
+            "reason": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_REASON_CHARS,
+                "pattern": r"\S",
+                "description": "Why (logged): not blank.",
+            },
+            "fence": {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": MAX_FENCE,
+                "nullable": True,
+                "description": "Release only the lease of this fence: if another holds the"
+                " key now, 409 locked (nothing released).",
+            },
         },
         ("key", "reason"),
     ),
@@ -350,6 +364,7 @@ PATHS: dict[str, Any] = {
                 ("released", "holder"),
             ),
         ),
+        "fence was given and another lease holds the key now (locked); holder is it.",
     ),
     "/v1/holder": {
         "get": {
