@@ -161,6 +161,26 @@ def test_renew_many_batches_keepalives_and_reads_in_one_transaction(
         lease.release()
 
 
+def test_renew_many_of_more_leases_than_etcd_takes_in_one_transaction(
+    locks: keymutex.Locks, etcd: Etcd
+) -> None:
+    """One read per lease in one transaction: etcd refused a batch of more than 128
+    ("too many operations in txn request"), so a Locks renewing more leases than that
+    (or catching up after a stall) failed every batch until the leases were lost."""
+    from keymutex.stores.etcd import MAX_TXN_OPS
+
+    count = MAX_TXN_OPS + 72
+    leases = [locks.acquire(f"job:{n}", ttl=10.0) for n in range(count)]
+    before = etcd.requests()
+    outcomes = locks._store.renew_many(
+        [keymutex._store.RenewRequest(x.key, x.token, 10.0) for x in leases]
+    )
+    assert [outcome.ok for outcome in outcomes] == [True] * count
+    assert made(before, etcd.requests())["Txn"] == 2
+    for lease in leases:
+        lease.release()
+
+
 def test_the_fence_is_the_keys_etcd_revision_and_grows_across_expiry_and_steal(
     make_pair: tuple[keymutex.Locks, keymutex.Locks], etcd: Etcd
 ) -> None:

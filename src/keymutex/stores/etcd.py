@@ -146,6 +146,8 @@ DEFAULT_TIMEOUT = 5.0
 # The watch stream stays open this long after its last waiter left, so that a process
 # that keeps contending opens it once.
 LINGER = 5.0
+# Operations in one transaction: etcd refuses more (its --max-txn-ops, 128 by default).
+MAX_TXN_OPS = 128
 # A renewal asking for a TTL this much shorter than the lease has moves the key to a
 # lease of the requested TTL (a small difference is etcd's minimum TTL at work).
 SHORTEN_FACTOR = 2
@@ -764,8 +766,11 @@ def _renew_many(layout: _Layout, requests: Sequence[RenewRequest]) -> Flow[list[
     # Keep-alive first, then look: a lease found attached after its keep-alive was
     # extended while it held the key.
     left = yield from _keep_alive([lease for pair in ids for lease in pair])
-    reply = yield _txn((), [_op_range(layout.name(r.key)) for r in requests])
-    kvs = [_first_kv(response["response_range"]) for response in _responses(reply)]
+    kvs: list[_Kv | None] = []
+    for start in range(0, len(requests), MAX_TXN_OPS):  # etcd refuses longer transactions
+        chunk = requests[start : start + MAX_TXN_OPS]
+        reply = yield _txn((), [_op_range(layout.name(r.key)) for r in chunk])
+        kvs += [_first_kv(response["response_range"]) for response in _responses(reply)]
     outcomes = []
     for request, (a, b), kv in zip(requests, ids, kvs, strict=True):
         alive = {a: left[a], b: left[b]}
