@@ -105,10 +105,12 @@ from urllib.parse import quote, unquote
 from kazoo.client import KazooClient, KazooState  # type: ignore[import-untyped]
 from kazoo.exceptions import (  # type: ignore[import-untyped]
     BadVersionError,
+    ConnectionLoss,
     KazooException,
     NoAuthError,
     NodeExistsError,
     NoNodeError,
+    SessionExpiredError,
 )
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
 from kazoo.protocol.serialization import Create2  # type: ignore[import-untyped]
@@ -303,9 +305,15 @@ class ZooKeeperStore:
         self._offset_ms = 0.0  # the leader's wall clock minus ours, from our last write
         self._closed = False
         self._learn_session_timeouts()
+        # Set while kazoo is connected: cleared when the connection is suspended or the
+        # session lost, set again when kazoo has reconnected. A step waits for it (up
+        # to ``timeout``) rather than go into a connection kazoo is replacing.
+        self._connected = threading.Event()
         client.add_listener(self._on_state)
         # Connecting goes on in kazoo's thread; the first step waits for it.
-        self._connected = client.start_async()
+        started = client.start_async()
+        if started.is_set() and client.connected:  # connected before the listener saw it
+            self._connected.set()
 
     # -- the session ---------------------------------------------------------------
 
@@ -335,14 +343,19 @@ class ZooKeeperStore:
     def _on_state(self, state: Any) -> None:
         """kazoo's connection thread: never block here."""
         if state == KazooState.CONNECTED:
+            self._connected.set()
             # Our watches died with the old connection: every waiter looks again.
             for waiter in list(self._waiters):
                 waiter.ring()
             if self._orphans and not self._closed:
                 self._client.handler.spawn(self._clean_orphans_quietly)
+        elif state == KazooState.SUSPENDED:
+            self._connected.clear()
         elif state == KazooState.LOST:
+            self._connected.clear()
             # The session ended (or was closed): its nodes are gone, and so are our
-            # queue places; waiters look again and queue anew.
+            # queue places; waiters look again and queue anew, once kazoo has
+            # reconnected (their steps wait for it: see _step).
             with self._mutex:
                 self._leases.clear()
                 self._orphans.clear()
@@ -531,8 +544,26 @@ class ZooKeeperStore:
         waiter: Any,
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _ZooKeeperWaiter)
-        with self._step(f"acquiring {key!r}"):
-            return self._try_acquire(key, token, ttl, owner, info, steal, waiter)
+        what = f"acquiring {key!r}"
+        if waiter is None:
+            with self._step(what):
+                return self._try_acquire(key, token, ttl, owner, info, steal, waiter)
+        # A waiter's try whose connection is lost under it (kazoo replacing it, or its
+        # session expiring: the waiter is rung then, and looks again at once) is made
+        # again once kazoo has reconnected, within ``timeout``, instead of failing the
+        # acquire while the server is there. A create whose reply was lost is found
+        # and deleted by the next step, as always.
+        give_up = time.monotonic() + self._timeout
+        while True:
+            try:
+                with self._step(what):
+                    return self._try_acquire(key, token, ttl, owner, info, steal, waiter)
+            except StoreError as exc:
+                lost = isinstance(exc.__cause__, ConnectionLoss | SessionExpiredError)
+                if not lost or time.monotonic() >= give_up or self._closed:
+                    raise
+            # kazoo learns of the loss in its own thread: let it, before _step waits.
+            time.sleep(0.05)
 
     def _try_acquire(
         self,
@@ -942,6 +973,15 @@ class _Target:
     credentials: tuple[str, str] | None = field(default=None, repr=False)
 
 
+def _refused_in_paths(ch: str) -> bool:
+    """Characters ZooKeeper refuses in a path (its PathUtils.validatePath): control
+    characters, U+D800-U+F8FF (surrogates and private use), U+FFF0-U+FFFF."""
+    code = ord(ch)
+    return (
+        code < 0x20 or 0x7F <= code <= 0x9F or 0xD800 <= code <= 0xF8FF or 0xFFF0 <= code <= 0xFFFF
+    )
+
+
 def parse(url: str, options: Mapping[str, object]) -> _Target:
     """``zookeeper[s]://[user:password@]host:port[,host:port…][/chroot]`` and the
     options, checked."""
@@ -967,10 +1007,13 @@ def parse(url: str, options: Mapping[str, object]) -> _Target:
                 f"{shown!r}: expected zookeeper://host:port[,host:port…][/chroot], got {part!r}"
             )
         hosts.append(f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}")
-    chroot = unquote(parts.path).rstrip("/")
+    try:
+        chroot = unquote(parts.path, errors="strict").rstrip("/")
+    except UnicodeDecodeError:
+        raise ValueError(f"{shown!r}: the chroot is not UTF-8 once %-decoded") from None
     components = chroot.split("/")[1:]
     if any(c in ("", ".", "..") for c in components) or any(
-        ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in chroot
+        _refused_in_paths(ch) for ch in chroot
     ):
         raise ValueError(f"{shown!r}: the chroot {chroot!r} is not a valid ZooKeeper path")
     options = settings.options
