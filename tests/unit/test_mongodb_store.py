@@ -17,10 +17,12 @@ import functools
 import inspect
 import os
 import re
+import time
 from typing import Any
 
 import pytest
 from bson.int64 import Int64
+from pymongo.errors import OperationFailure
 
 import keymutex
 from keymutex.stores import mongodb
@@ -261,6 +263,48 @@ def test_change_streams_only_where_the_server_has_them() -> None:
     assert mongodb.CAPABILITIES.clock == "server"
 
 
+class _NoChangeStreams:
+    """A collection whose change streams cannot open (disabled, as on some
+    MongoDB-compatible services, or a role without the changeStream action)."""
+
+    def watch(self, *args: object, **kwargs: object) -> Any:
+        raise OperationFailure("Change Streams are not enabled on this collection")
+
+    async def watch_async(self, *args: object, **kwargs: object) -> Any:
+        raise OperationFailure("Change Streams are not enabled on this collection")
+
+
+def test_a_change_stream_that_cannot_open_does_not_hold_waiters_up() -> None:
+    """Every waiter waited for the stream to open (5 s) before its first try, whatever
+    its acquire's timeout: acquire(timeout=0.5) took 5 s. Now only the first waits, and
+    only until the first attempt to open fails; the others rely on their rechecks."""
+    watcher = mongodb._Watcher(_NoChangeStreams(), "")  # type: ignore[arg-type]
+    try:
+        started = time.monotonic()
+        for _ in range(3):
+            watcher.join(mongodb._MongoWaiter(watcher, "0:/k"), patience=30)
+        assert time.monotonic() - started < 10, "a waiter waited out its patience"
+    finally:
+        watcher.close()
+
+
+def test_an_async_change_stream_that_cannot_open_does_not_hold_waiters_up() -> None:
+    collection = _NoChangeStreams()
+    collection.watch = collection.watch_async  # type: ignore[method-assign]
+
+    async def main() -> float:
+        watcher = mongodb._AsyncWatcher(collection, "")  # type: ignore[arg-type]
+        started = time.monotonic()
+        try:
+            for _ in range(3):
+                await watcher.join(mongodb._AsyncMongoWaiter(watcher, "0:/k"), patience=30)
+            return time.monotonic() - started
+        finally:
+            await watcher.aclose()
+
+    assert asyncio.run(main()) < 10, "a waiter waited out its patience"
+
+
 # -- URLs, options, the two shells -------------------------------------------------------
 
 
@@ -287,7 +331,15 @@ def test_default_timeouts_unless_the_url_sets_them() -> None:
         ("mongo://h", {}, ValueError),
         ("mongodb://h", {"collection": ""}, ValueError),
         ("mongodb://h", {"collection": "$cmd"}, ValueError),
-        ("mongodb://h", {"database": 3}, ValueError),
+        ("mongodb://h", {"database": 3}, TypeError),
+        ("mongodb://h", {"collection": 5}, TypeError),
+        # What pymongo refuses when it opens them (InvalidName came out of Locks()).
+        ("mongodb://h", {"database": "a.b"}, ValueError),
+        ("mongodb://h", {"database": "a b"}, ValueError),
+        ("mongodb://h", {"database": "d" * 64}, ValueError),
+        ("mongodb://h", {"collection": "a..b"}, ValueError),
+        ("mongodb://h", {"collection": ".x"}, ValueError),
+        ("mongodb://h/a.b", {}, ValueError),  # a collection in the URL: not used: database a
         ("mongodb://h:port", {}, ValueError),
     ],
 )
@@ -317,7 +369,7 @@ def test_the_database_comes_from_the_url_else_keymutex() -> None:
     [
         ({"n": 2**64}, "8-byte ints"),
         ({"a\x00b": 1}, "NULL byte"),
-        ({"deep": functools.reduce(lambda inner, _: {"x": inner}, range(100), {})}, "deeper"),
+        ({"deep": functools.reduce(lambda inner, _: {"x": inner}, range(100), {})}, "nested"),
     ],
 )
 def test_info_that_bson_cannot_hold_is_refused_before_anything_is_sent(

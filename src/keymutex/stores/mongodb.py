@@ -68,7 +68,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 import bson
 import bson.errors
@@ -127,28 +127,10 @@ def acquire_filter(doc_id: str) -> dict[str, Any]:
     return {"_id": doc_id}
 
 
-# MongoDB refuses documents nested deeper than 100 levels; a lease document and the
-# update pipeline around its info take a few of them.
-MAX_INFO_DEPTH = 90
-
-
 def check_bson_info(info: dict[str, Any]) -> None:
     """``ValueError`` unless BSON can hold ``info`` (JSON allows what BSON does not:
-    integers beyond 64 bits, NUL in a key, deeper nesting than MongoDB accepts)."""
-    depth = 0
-    level: list[Any] = [info]
-    while level:
-        depth += 1
-        if depth > MAX_INFO_DEPTH:
-            raise ValueError(
-                f"info is nested deeper than MongoDB accepts ({MAX_INFO_DEPTH} levels)"
-            )
-        level = [
-            child
-            for value in level
-            for child in (value.values() if isinstance(value, dict) else value)
-            if isinstance(child, dict | list)
-        ]
+    integers beyond 64 bits, NUL in a key). Its depth is in MongoDB's limit (100
+    levels) already: every store takes info nested at most 32 levels."""
     try:
         bson.encode({"i": info})
     except (OverflowError, bson.errors.InvalidDocument) as exc:
@@ -328,10 +310,37 @@ class Target:
     collection: str
 
 
+# What MongoDB refuses in names (its "Naming Restrictions"), checked before pymongo,
+# whose InvalidName would otherwise come out of Locks() as is.
+_DATABASE_REFUSED = set('/\\. "$\0')
+_MAX_DATABASE_BYTES = 63
+
+
 def _name(value: object, what: str) -> str:
-    if not isinstance(value, str) or not value or "\0" in value or value.startswith("$"):
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str (a MongoDB {what} name), not {value!r}")
+    if what == "database":
+        if (
+            not value
+            or _DATABASE_REFUSED & set(value)
+            or len(value.encode()) > _MAX_DATABASE_BYTES
+        ):
+            raise ValueError(
+                f"database must be a MongoDB database name: 1 to {_MAX_DATABASE_BYTES}"
+                f' bytes without / \\ . space " $ or NUL, not {value!r}'
+            )
+        return value
+    if (
+        not value
+        or "\0" in value
+        or "$" in value
+        or ".." in value
+        or value.startswith((".", "system."))
+        or value.endswith(".")
+    ):
         raise ValueError(
-            f"{what} must be a non-empty name without NUL or a leading $, not {value!r}"
+            f"collection must be a MongoDB collection name: not empty, without $, NUL or"
+            f" '..', not starting with '.' or 'system.' nor ending with '.', not {value!r}"
         )
     return value
 
@@ -365,6 +374,12 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
     }
     if "appname" not in given:
         client_options["appname"] = "keymutex"
+    if "." in unquote(parts.path.lstrip("/")):
+        raise ValueError(
+            f"{redacted(url)!r}: the URL's path names a database.collection; name the"
+            " database alone in the URL (or with database=…) and the collection with"
+            " collection=…"
+        )
     database = options.get("database")
     return Target(
         url,
@@ -401,6 +416,10 @@ class _Watcher:
 
     ``join`` returns once the stream is open, so a release after it is never missed.
     When the stream fails, every waiter is rung (each looks again) and it reopens.
+    While it cannot open (change streams disabled, as on some MongoDB-compatible
+    services, or a role without the changeStream action), ``join`` returns at once and
+    waiters rely on their rechecks: it waited ``patience`` for every waiter, whatever
+    the caller's timeout.
     """
 
     def __init__(self, collection: pymongo.collection.Collection[Any], namespace: str) -> None:
@@ -409,6 +428,8 @@ class _Watcher:
         self._mutex = threading.Lock()
         self._waiters: dict[str, set[_MongoWaiter]] = {}
         self._open = threading.Event()
+        self._tried = threading.Event()  # the first attempt to open ended, either way
+        self._failing = False  # the last attempt to open failed
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -420,7 +441,9 @@ class _Watcher:
                     target=self._run, name="keymutex-mongodb-watch", daemon=True
                 )
                 self._thread.start()
-        self._open.wait(patience)  # else the waiter relies on its rechecks
+        # Else the waiter relies on its rechecks.
+        if self._tried.wait(patience) and not self._failing:
+            self._open.wait(patience)
 
     def leave(self, waiter: _MongoWaiter) -> None:
         with self._mutex:
@@ -446,7 +469,9 @@ class _Watcher:
                 with self._collection.watch(
                     self._pipeline, max_await_time_ms=WATCH_AWAIT_MS
                 ) as stream:
+                    self._failing = False
                     self._open.set()
+                    self._tried.set()
                     pause = 0.05
                     while not self._closed and stream.alive:
                         change = stream.try_next()
@@ -456,7 +481,9 @@ class _Watcher:
                 if self._closed:
                     return
                 _LOG.warning("MongoDB change stream failed, reopening: %s", exc)
+                self._failing = not self._open.is_set()  # it did not even open
                 self._open.clear()
+                self._tried.set()
                 self._ring(None)  # releases may have been missed: everyone looks again
                 time.sleep(pause)
                 pause = min(2.0, pause * 2)
@@ -614,6 +641,8 @@ class _AsyncWatcher:
         self._pipeline = released_pipeline(namespace)
         self._waiters: dict[str, set[_AsyncMongoWaiter]] = {}
         self._open = asyncio.Event()
+        self._tried = asyncio.Event()  # as in _Watcher
+        self._failing = False
         self._task: asyncio.Task[None] | None = None
 
     async def join(self, waiter: _AsyncMongoWaiter, patience: float) -> None:
@@ -624,7 +653,9 @@ class _AsyncWatcher:
             )
         with contextlib.suppress(TimeoutError):  # else the waiter relies on its rechecks
             async with asyncio.timeout(patience):
-                await self._open.wait()
+                await self._tried.wait()
+                if not self._failing:
+                    await self._open.wait()
 
     def leave(self, waiter: _AsyncMongoWaiter) -> None:
         waiting = self._waiters.get(waiter.doc_id)
@@ -648,7 +679,9 @@ class _AsyncWatcher:
                 async with await self._collection.watch(
                     self._pipeline, max_await_time_ms=WATCH_AWAIT_MS
                 ) as stream:
+                    self._failing = False
                     self._open.set()
+                    self._tried.set()
                     pause = 0.05
                     while stream.alive:
                         change = await stream.try_next()
@@ -656,7 +689,9 @@ class _AsyncWatcher:
                             self._ring(released_id(change))
             except PyMongoError as exc:
                 _LOG.warning("MongoDB change stream failed, reopening: %s", exc)
+                self._failing = not self._open.is_set()  # it did not even open
                 self._open.clear()
+                self._tried.set()
                 self._ring(None)
                 await asyncio.sleep(pause)
                 pause = min(2.0, pause * 2)
