@@ -27,6 +27,7 @@ __all__ = [
     "Settings",
     "TlsFiles",
     "count",
+    "digits",
     "redacted",
     "seconds",
     "settings_of",
@@ -75,6 +76,11 @@ def seconds(
             f" not {shown_number(given)}"
         )
     return number
+
+
+def digits(text: str) -> bool:
+    """Whether ``text`` is ASCII digits (``str.isdigit`` takes "٣" and "³" too)."""
+    return text.isascii() and text.isdigit()
 
 
 def count(store: str, name: str, value: object, *, minimum: int = 1, text: bool = True) -> int:

@@ -132,7 +132,7 @@ from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex.stores._doorbell import Doorbell, LoopDoorbell
-from keymutex.stores._settings import TLS_OPTIONS, seconds, settings_of, tls_files
+from keymutex.stores._settings import TLS_OPTIONS, digits, seconds, settings_of, tls_files
 
 __all__ = ["AsyncEtcdStore", "EtcdDriver", "EtcdStore", "driver"]
 
@@ -1775,7 +1775,7 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
             host = f"[{host}]"
         elif ":" in part:
             host, _, port = part.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or not digits(port) or not 0 < int(port) < 65536:
             raise ValueError(f"{shown!r}: expected host:port[,host:port…], got {part!r}")
         endpoints.append(f"{'https' if tls else 'http'}://{host}:{int(port)}")
     return _Target(

@@ -192,7 +192,7 @@ from keymutex._store import (
     translate_errors,
 )
 from keymutex._urls import redacted, split_url
-from keymutex.stores._settings import count, seconds
+from keymutex.stores._settings import count, digits, seconds
 
 __all__ = ["MemcachedStore", "Place", "QueuedWaiter", "Record", "Tombstone", "decode", "driver"]
 
@@ -1419,7 +1419,7 @@ def _server(part: str, url: str) -> str:
     host, colon, port = part.rpartition(":")
     if not colon or host.endswith(":") or (part.startswith("[") and part.endswith("]")):
         host, port = part, str(DEFAULT_PORT)  # no port: an IPv4 name or a bracketed IPv6
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not digits(port) or not 0 < int(port) < 65536:
         raise ValueError(
             f"{redacted(url)!r}: expected memcached://host[:port][,host[:port]…], got {part!r}"
         )

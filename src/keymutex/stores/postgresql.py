@@ -104,7 +104,7 @@ from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
 from keymutex.stores._doorbell import Doorbell, LoopDoorbell
-from keymutex.stores._settings import count, seconds
+from keymutex.stores._settings import count, digits, seconds
 
 __all__ = ["AsyncPostgresStore", "PostgresStore", "driver"]
 
@@ -2017,7 +2017,7 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
         raise ValueError(f"{redacted(url)!r} is not a PostgreSQL URL: {exc}") from None
     # libpq would only find out when connecting; one port per host, empty: the default.
     for port in str(params.get("port", "")).split(","):
-        if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+        if port and not (digits(port) and 1 <= int(port) <= 65535):
             raise ValueError(
                 f"{redacted(url)!r} is not a PostgreSQL URL: port must be a number from 1 to 65535,"
                 f" not {port!r}"

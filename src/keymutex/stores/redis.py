@@ -72,7 +72,7 @@ from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
 from keymutex.stores._doorbell import LoopDoorbell
-from keymutex.stores._settings import count, seconds
+from keymutex.stores._settings import count, digits, seconds
 
 __all__ = ["AsyncRedisStore", "RedisStore", "driver"]
 
@@ -1683,7 +1683,7 @@ def _nodes(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
     nodes = []
     for part in hosts.split(","):
         host, _, port = part.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not digits(port):
             raise ValueError(f"{redacted(url)!r}: expected host:port[,host:port…], got {part!r}")
         if not 0 < int(port) <= 65535:
             raise ValueError(f"{redacted(url)!r}: port {port} of {part!r} is out of range 1-65535")
@@ -1734,7 +1734,7 @@ def _check_single(url: str, parts: SplitResult) -> None:
             f" RESP3), not {protocol!r}"
         )
     database = unquote(parts.path).strip("/")
-    if parts.scheme.lower() != "unix" and database and not database.isdigit():
+    if parts.scheme.lower() != "unix" and database and not digits(database):
         raise ValueError(
             f"{redacted(url)!r} is not a Redis URL: the database must be a number (/0, /1, …),"
             f" not {database!r}"
@@ -1843,7 +1843,7 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
         return _Target("cluster", url, nodes, "", 0, client_options)
     if scheme == "redis+sentinel":
         segments = [s for s in parts.path.split("/") if s]
-        if not segments or len(segments) > 2 or (len(segments) == 2 and not segments[1].isdigit()):
+        if not segments or len(segments) > 2 or (len(segments) == 2 and not digits(segments[1])):
             raise ValueError(
                 f"{redacted(url)!r}: expected redis+sentinel://host:port[,host:port…]/SERVICE[/DB]"
             )

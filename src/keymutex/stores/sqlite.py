@@ -914,6 +914,11 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
             f"SQLite URLs have no host: use sqlite:///absolute/path.db or"
             f" sqlite:relative/path.db, not {redacted(url)!r}"
         )
+    if parts.fragment:
+        raise ValueError(
+            f"SQLite URL {redacted(url)!r} has a fragment ('#{parts.fragment}'); a # in the"
+            " file's name is written %23"
+        )
     path = _path(url, parts.path)
     if not path or path == "/":
         raise ValueError(
@@ -926,6 +931,12 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
                 f"SQLite URL {redacted(url)!r} gives the option {name!r} more than once"
             )
         merged[name] = value
+    twice = sorted(set(merged) & set(options))
+    if twice:
+        raise ValueError(
+            f"SQLite URL {redacted(url)!r}: option(s) {twice} given both in the URL and as"
+            " arguments"
+        )
     merged.update(options)
     synchronous = merged.pop("synchronous", "normal")
     if synchronous not in ("normal", "full"):

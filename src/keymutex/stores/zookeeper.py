@@ -131,7 +131,14 @@ from keymutex._store import (
     translate_errors,
 )
 from keymutex.stores._doorbell import Doorbell
-from keymutex.stores._settings import TLS_OPTIONS, TlsFiles, seconds, settings_of, tls_files
+from keymutex.stores._settings import (
+    TLS_OPTIONS,
+    TlsFiles,
+    digits,
+    seconds,
+    settings_of,
+    tls_files,
+)
 
 __all__ = ["ZooKeeperStore", "driver"]
 
@@ -1002,7 +1009,7 @@ def parse(url: str, options: Mapping[str, object]) -> _Target:
         else:
             host, _, port = part.partition(":")
         port = port or str(DEFAULT_PORT)
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or not digits(port) or not 0 < int(port) < 65536:
             raise ValueError(
                 f"{shown!r}: expected zookeeper://host:port[,host:port…][/chroot], got {part!r}"
             )
