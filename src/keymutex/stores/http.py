@@ -29,7 +29,9 @@
   parse) may have been granted all the same: it is sent once more, with the same token,
   which the server answers with the lease that token holds (docs/http-api.md: a retried
   acquire). If that fails too, the store releases by the token, as far as it can, and
-  raises: a lease granted to nobody would block the key for its whole TTL.
+  raises: a lease granted to nobody would block the key for its whole TTL. Not after a
+  timeout: a server that does not answer would make each of those wait as long again;
+  a grant it made expires by its TTL.
 - Errors: an unreachable server, a 5xx or a reply that does not parse raise
   ``StoreError``, as do 401/403 (a missing or insufficient API token); a 400 raises
   ``ValueError`` with the server's message (e.g. a ``ttl`` over the server's limit).
@@ -498,7 +500,9 @@ class HttpStore:
         call = self._protocol.acquire(key, token, ttl, owner, info, steal)
         try:
             answer = self._send(call)
-        except StoreError:
+        except StoreError as exc:
+            if isinstance(exc.__cause__, httpx.TimeoutException):
+                raise  # a silent server: asking again would only wait as long again
             answer = self._ask_again(key, token, call)
         outcome = _Protocol.acquired(*answer)
         if waiter is not None and not outcome.ok:
@@ -622,7 +626,9 @@ class AsyncHttpStore:
         call = self._protocol.acquire(key, token, ttl, owner, info, steal)
         try:
             answer = await self._send(call)
-        except StoreError:
+        except StoreError as exc:
+            if isinstance(exc.__cause__, httpx.TimeoutException):
+                raise  # a silent server: asking again would only wait as long again
             answer = await self._ask_again(key, token, call)
         outcome = _Protocol.acquired(*answer)
         if waiter is not None and not outcome.ok:
