@@ -65,6 +65,10 @@ __all__ = ["AsyncLocks", "Locks"]
 _LOG = logging.getLogger("keymutex")
 _HOSTNAME = socket.gethostname()
 _TOKEN_BYTES = 18  # 144 bits, 24 URL-safe characters
+# How long close() waits for on_lost callbacks under way (aclose(): for the coroutines,
+# then again for them to end once cancelled): long enough for a callback's few store
+# calls, bounded against one that hangs.
+CALLBACK_GRACE = 5.0
 MAX_OWNER_BYTES = 256
 MAX_NAMESPACE_BYTES = 256
 
@@ -233,17 +237,24 @@ class _RenewalPlan:
     most leases of ``with lock():`` are released long before their first renewal, and
     then cost a dict entry, not two heap entries (each holding the lease) that stay
     until their time has come.
+
+    Each lease has at most one live entry in each heap, the one whose order number
+    ``_due`` / ``_watched`` names; an entry left behind by a reschedule (a renewal by
+    the lease's owner) or by ``discard`` is stale and skipped when reached.
     """
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, LeaseState]] = []
-        # Each lease's local deadline as last seen: an entry may be stale (the lease
-        # was renewed since), and is then pushed again with the new one when reached.
+        # Each lease's local deadline as last seen: a live entry may be out of date (the
+        # lease was renewed since), and is then pushed again with the new one when reached.
         self._deadlines: list[tuple[float, int, LeaseState]] = []
         self._order = itertools.count()
         self._active: set[int] = set()
         # Added since the renewer last looked: id -> (first renewal due, lease).
         self._fresh: dict[int, tuple[float, LeaseState]] = {}
+        self._due: dict[int, int] = {}  # id -> order of the lease's live entry in _heap
+        # id -> (when, order) of the lease's live entry in _deadlines.
+        self._watched: dict[int, tuple[float, int]] = {}
 
     def add(self, lease: LeaseState, now: float) -> float:
         """Plan ``lease``'s renewals; returns when the renewer must first look at it.
@@ -256,9 +267,28 @@ class _RenewalPlan:
         self._fresh[id(lease)] = (due, lease)
         return min(due, lease._deadline)
 
+    def renewed(self, lease: LeaseState, sent_at: float) -> float | None:
+        """``lease`` was renewed outside the renewer (``lease.renew``, a renewal by token)
+        by a request sent at ``sent_at``: its next renewal is due a third of its TTL, maybe
+        a new one, after that, and its deadline may have come nearer.
+
+        Returns when the renewer must look at it next; ``None`` when it is not planned.
+        """
+        if not self.active(lease):
+            return None
+        due = sent_at + lease._ttl / 3
+        if id(lease) in self._fresh:
+            self._fresh[id(lease)] = (due, lease)
+        else:
+            self._schedule(lease, due)
+            self._watch(lease)
+        return min(due, lease._deadline)
+
     def discard(self, lease: LeaseState) -> None:
         self._active.discard(id(lease))
         self._fresh.pop(id(lease), None)
+        self._due.pop(id(lease), None)
+        self._watched.pop(id(lease), None)
 
     def active(self, lease: LeaseState) -> bool:
         return id(lease) in self._active
@@ -266,19 +296,43 @@ class _RenewalPlan:
     def __bool__(self) -> bool:
         return bool(self._active)
 
+    def _schedule(self, lease: LeaseState, when: float) -> None:
+        """Make ``when`` the lease's next look, replacing any other."""
+        order = next(self._order)
+        self._due[id(lease)] = order
+        heapq.heappush(self._heap, (when, order, lease))
+
+    def _watch(self, lease: LeaseState) -> None:
+        """Watch the lease's current deadline, unless a nearer one is watched already.
+
+        A farther one is not pushed: ``overdue`` moves the entry on when it is reached.
+        """
+        deadline = lease._deadline
+        watched = self._watched.get(id(lease))
+        if watched is None or deadline < watched[0]:
+            order = next(self._order)
+            self._watched[id(lease)] = (deadline, order)
+            heapq.heappush(self._deadlines, (deadline, order, lease))
+
+    def _live_due(self, entry: tuple[float, int, LeaseState]) -> bool:
+        return self._due.get(id(entry[2])) == entry[1]
+
+    def _live_deadline(self, entry: tuple[float, int, LeaseState]) -> bool:
+        watched = self._watched.get(id(entry[2]))
+        return watched is not None and watched[1] == entry[1]
+
     def _take_in(self) -> None:
         """Move the leases added since the last look into the heaps."""
         fresh, self._fresh = self._fresh, {}
-        order = self._order
         for due, lease in fresh.values():
-            heapq.heappush(self._heap, (due, next(order), lease))
-            heapq.heappush(self._deadlines, (lease._deadline, next(order), lease))
+            self._schedule(lease, due)
+            self._watch(lease)
 
     def next_due(self) -> float | None:
         if self._fresh:
             self._take_in()
         heap = self._heap
-        while heap and id(heap[0][2]) not in self._active:
+        while heap and not self._live_due(heap[0]):
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
@@ -287,7 +341,7 @@ class _RenewalPlan:
         if self._fresh:
             self._take_in()
         heap = self._deadlines
-        while heap and id(heap[0][2]) not in self._active:
+        while heap and not self._live_deadline(heap[0]):
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
@@ -302,11 +356,13 @@ class _RenewalPlan:
         lost = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
-            lease = heapq.heappop(heap)[2]
-            if not self.active(lease):
+            entry = heapq.heappop(heap)
+            if not self._live_deadline(entry):
                 continue
+            lease = entry[2]
             if lease._deadline > now:  # renewed since this entry was made
-                heapq.heappush(heap, (lease._deadline, next(self._order), lease))
+                del self._watched[id(lease)]
+                self._watch(lease)
                 continue
             self.discard(lease)
             if lease._mark_lost(None):
@@ -322,8 +378,7 @@ class _RenewalPlan:
     def later(self, lease: LeaseState, now: float) -> None:
         """A renewal of ``lease`` is under way elsewhere: look again shortly."""
         if self.active(lease):
-            retry = now + max(0.01, min(0.25, lease._ttl / 10))
-            heapq.heappush(self._heap, (retry, next(self._order), lease))
+            self._schedule(lease, now + max(0.01, min(0.25, lease._ttl / 10)))
 
     def settle(self, lease: LeaseState, outcome: Outcome, sent_at: float) -> bool:
         """Apply one renewal reply; ``True`` when it showed the lease lost."""
@@ -331,7 +386,8 @@ class _RenewalPlan:
             return False  # released meanwhile
         if outcome.ok:
             lease._granted(outcome, sent_at, lease._ttl)
-            heapq.heappush(self._heap, (sent_at + lease._ttl / 3, next(self._order), lease))
+            self._schedule(lease, sent_at + lease._ttl / 3)
+            self._watch(lease)  # the store may have granted less than before
             return False
         self.discard(lease)
         return lease._mark_lost(outcome.holder)
@@ -344,8 +400,7 @@ class _RenewalPlan:
         if now >= deadline:
             self.discard(lease)
             return lease._mark_lost(None)
-        retry = min(now + max(0.05, min(1.0, lease._ttl / 10)), deadline)
-        heapq.heappush(self._heap, (retry, next(self._order), lease))
+        self._schedule(lease, min(now + max(0.05, min(1.0, lease._ttl / 10)), deadline))
         return False
 
 
@@ -355,29 +410,35 @@ def _outcome_or_lost(key: str, outcome: Outcome) -> Outcome:
     return outcome
 
 
-def _granted_here(leases: Mapping[str, L], request: RenewRequest) -> L | None:
-    """The live ``Lease`` this client granted to the token a renewal by token names."""
-    lease = leases.get(request.token)
-    if lease is None or lease.key != request.key or lease._pid != os.getpid():
+def _granted_here(leases: Mapping[str, L], key: str, token: str) -> L | None:
+    """The live ``Lease`` this client granted to the token a call by key and token names."""
+    lease = leases.get(token)
+    if lease is None or lease.key != key or lease._pid != os.getpid():
         return None
     return None if lease._released or lease.lost else lease
 
 
-def _extend(lease: LeaseState, outcome: Outcome, sent_at: float, ttl: float) -> None:
+def _extend(lease: LeaseState, outcome: Outcome, sent_at: float, ttl: float) -> bool:
     """Take a renewal by token into the ``Lease`` it renewed: a heartbeat keeps an edit
-    session's lease object alive too. One that was lost or released meanwhile stays so."""
-    if not (lease._released or lease.lost):
-        lease._granted(outcome, sent_at, ttl)
+    session's lease object alive too. One that was lost or released meanwhile stays so
+    (``False``)."""
+    if lease._released or lease.lost:
+        return False
+    lease._granted(outcome, sent_at, ttl)
+    return True
 
 
 class _CallThread:
-    """A daemon thread that makes the renewer's store calls, one at a time.
+    """A daemon thread that makes the renewer's calls, one at a time.
 
-    The renewer hands each call over and keeps watching the leases' deadlines while it
-    runs: a call that hangs on a silent store cannot delay ``on_lost`` past them.
+    The renewer hands each store call over and keeps watching the leases' deadlines while
+    it runs: a call that hangs on a silent store cannot delay ``on_lost`` past them.
+    ``on_lost`` callbacks run on another such thread: one that blocks (it renews a lease
+    whose renewal is under way) or ends the thread it runs on cannot stop the renewals.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self._name = name
         self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
         self._calls = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -385,9 +446,7 @@ class _CallThread:
     def submit(self, call: Callable[[], R]) -> Future[R]:
         future: Future[R] = Future()
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="keymutex-renewer-call", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
         self._calls.put((future, call))
         return future
@@ -403,6 +462,24 @@ class _CallThread:
     def close(self) -> None:
         if self._thread is not None:
             self._calls.put(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the calls submitted before ``close`` are done (not from one of them),
+        at most ``timeout`` seconds."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+def _call_on_lost(lease: LeaseState) -> None:
+    """Call ``on_lost`` on the callback thread: whatever it raises is logged, not raised.
+
+    ``_notify_lost`` logs an ``Exception``; this logs the rest (``SystemExit``,
+    ``KeyboardInterrupt`` raised by the callback itself), which would end the thread.
+    """
+    try:
+        lease._notify_lost()
+    except BaseException:
+        _LOG.exception("on_lost callback for %r failed", lease.key)
 
 
 class _Contenders:
@@ -444,14 +521,21 @@ class _Contenders:
 
 
 class _Renewer:
-    """One thread that renews every renewing lease of a ``Locks``, in batches."""
+    """One thread that renews every renewing lease of a ``Locks``, in batches.
+
+    ``on_lost`` callbacks run on a thread of their own (``_callbacks``), in the order the
+    losses were found: while a batch's renewal is under way this thread holds its leases'
+    ``_renewing`` locks, and a callback run here that renewed one of them would wait for
+    this thread forever; one that raised ``SystemExit`` would end it.
+    """
 
     def __init__(self, store: Store) -> None:
         self._store = store
         self._plan = _RenewalPlan()
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._calls = _CallThread()
+        self._calls = _CallThread("keymutex-renewer-call")
+        self._callbacks = _CallThread("keymutex-on-lost")
         self._closed = False
         # When the thread looks at the plan next (-inf: it is at work and will look
         # soon). A lease due later needs no wake-up: a thread switch per lock() saved.
@@ -465,12 +549,26 @@ class _Renewer:
                 raise RuntimeError("this Locks is closed")
             first_look = self._plan.add(lease, _clock.monotonic())
             self._idle = lease._ttl / 3
-            if self._thread is None:
+            # A thread that died (an error it could not survive) is replaced: the leases
+            # it left in the plan are renewed again, from now on.
+            if self._thread is None or not self._thread.is_alive():
+                self._until = -math.inf
                 self._thread = threading.Thread(
                     target=self._run, name="keymutex-renewer", daemon=True
                 )
                 self._thread.start()
             if first_look < self._until:
+                self._wakeup.notify()
+
+    def renewed(self, lease: Lease, sent_at: float) -> None:
+        """``lease`` was renewed by its owner (request sent at ``sent_at``): reschedule it.
+
+        A renewal with a shorter TTL brings its next renewal and its deadline nearer,
+        maybe before the thread's next look: it is woken then.
+        """
+        with self._wakeup:
+            look = self._plan.renewed(lease, sent_at)
+            if look is not None and look < self._until:
                 self._wakeup.notify()
 
     def discard(self, lease: LeaseState) -> None:
@@ -506,11 +604,16 @@ class _Renewer:
         idle, self._idle = self._idle, None
         return None if idle is None else now + idle
 
+    def _notify(self, leases: Sequence[LeaseState]) -> None:
+        """Hand the ``on_lost`` calls of ``leases`` to the callback thread."""
+        for lease in leases:
+            if lease._on_lost is not None:
+                self._callbacks.submit(functools.partial(_call_on_lost, lease))
+
     def _run(self) -> None:
         while (work := self._next_batch()) is not None:
             due, overdue = work
-            for lease in overdue:
-                lease._notify_lost()
+            self._notify(overdue)
             # A lease its owner is renewing right now is looked at again shortly.
             batch: list[Lease] = []
             for lease in due:
@@ -525,8 +628,7 @@ class _Renewer:
             finally:
                 for lease in batch:
                     lease._renewing.release()
-            for lease in lost:
-                lease._notify_lost()
+            self._notify(lost)
 
     def _renew(self, batch: list[Lease]) -> list[Lease]:
         """Renew ``batch`` in one store call; the leases this showed lost."""
@@ -541,11 +643,10 @@ class _Renewer:
                 break
             with self._wakeup:
                 overdue = self._plan.overdue(_clock.monotonic())
-            for lease in overdue:
-                lease._notify_lost()
+            self._notify(overdue)
         try:
             outcomes = call.result()
-        except Exception as exc:  # StoreError, or a bug: the renewer must live on
+        except BaseException as exc:  # StoreError, or a bug (of any kind): the renewer lives on
             _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
             with self._wakeup:
                 return [x for x in batch if self._plan.failed(x, _clock.monotonic())]
@@ -558,12 +659,15 @@ class _Renewer:
         return lost
 
     def close(self) -> None:
+        """Stop renewing; wait for the ``on_lost`` calls already due (unless made by one)."""
         with self._wakeup:
             self._closed = True
             self._wakeup.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._calls.close()
+        self._callbacks.close()
+        self._callbacks.join(CALLBACK_GRACE)  # bounded, as AsyncLocks' aclose: one may hang
 
 
 def _release_quietly(store: Store, lease: LeaseState) -> None:
@@ -592,6 +696,16 @@ def _renewed_too_late(batch: Sequence[L], outcomes: Sequence[Outcome]) -> list[L
     keep the key from everyone for another TTL.
     """
     return [x for x, o in zip(batch, outcomes, strict=True) if o.ok and x._lost]
+
+
+def _after_loss(lease: LeaseState, holder: Holder | None) -> Holder | None:
+    """The key's holder after ``lease`` was lost, from the store's current ``holder``.
+
+    A lease lost at its local deadline (the store did not answer in time) learnt of no
+    new holder; the store is asked later. A holder with the lease's own fence is that
+    lease still in the store, not a new holder.
+    """
+    return None if holder is None or holder.fence == lease.fence else holder
 
 
 def _closed_while_waiting(locks: Locks | AsyncLocks, key: str) -> str:
@@ -733,14 +847,14 @@ class Locks:
         """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         request = self._config.renew_args(key, token, ttl)
         self._check_open()
-        granted = _granted_here(self._leases, request)
+        granted = _granted_here(self._leases, request.key, request.token)
         with granted._renewing if granted is not None else contextlib.nullcontext():
             sent_at = _clock.monotonic()
             outcome = _outcome_or_lost(
                 key, self._store.renew(request.key, request.token, request.ttl)
             )
-            if granted is not None:
-                _extend(granted, outcome, sent_at, request.ttl)
+            if granted is not None and _extend(granted, outcome, sent_at, request.ttl):
+                self._renewer.renewed(granted, sent_at)  # maybe to a shorter TTL
         return Lease(
             self,
             request.key,
@@ -755,7 +869,14 @@ class Locks:
         """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         key, token = check_key(key), check_token(token)
         self._check_open()
-        _outcome_or_lost(key, self._store.release(key, token))
+        # A lease this client granted, maybe renewing: once released, it must not be
+        # renewed (a refused renewal would call it lost) and its owner sees it released.
+        granted = _granted_here(self._leases, key, token)
+        with granted._renewing if granted is not None else contextlib.nullcontext():
+            _outcome_or_lost(key, self._store.release(key, token))
+            if granted is not None:
+                self._renewer.discard(granted)
+                granted._released = True
 
     def holder(self, key: str) -> Holder | None:
         """The current holder of ``key``, or ``None`` when it is free."""
@@ -920,15 +1041,26 @@ class Locks:
     def _lost(self, lease: Lease, holder: Holder | None) -> LockLost:
         if lease._mark_lost(holder):
             lease._notify_lost()
-        return LockLost(lease.key, lease._new_holder)
+        return LockLost(lease.key, lease._new_holder if holder is None else holder)
+
+    def _gone(self, lease: Lease) -> LockLost:
+        """The error for a lease already known lost or released: see ``_after_loss``."""
+        holder = lease._new_holder
+        if holder is None:
+            holder = _after_loss(lease, self._holder_if_known(lease.key))
+        return LockLost(lease.key, holder)
 
     def _renew_lease(self, lease: Lease, ttl: float | None) -> None:
         ttl = lease._ttl if ttl is None else self._config.check_ttl(ttl)
         lease._check_process()
         self._check_open()
+        # Known gone: raised without waiting for a renewal under way (on_lost may call
+        # this while the renewer waits for a silent store).
+        if lease._released or lease._lost:
+            raise self._gone(lease)
         with lease._renewing:
             if lease._released or lease._lost:
-                raise LockLost(lease.key, lease._new_holder)
+                raise self._gone(lease)
             if lease.remaining <= 0:
                 # Past its deadline by our clock, though the store may not have seen it
                 # expire yet: never revive it (a waiter may be granted it any moment).
@@ -939,6 +1071,7 @@ class Locks:
                 outcome = self._store.renew(lease.key, lease.token, ttl)
                 if outcome.ok:
                     lease._granted(outcome, sent_at, ttl)
+                    self._renewer.renewed(lease, sent_at)  # maybe to a shorter TTL
                     return
         self._renewer.discard(lease)
         raise self._lost(lease, outcome.holder)
@@ -951,7 +1084,7 @@ class Locks:
             holder = self._holder_if_known(lease.key)
             raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
         if lease._lost:
-            raise LockLost(lease.key, lease._new_holder)
+            raise self._gone(lease)
         expired = lease.remaining <= 0  # by our own clock, before the store's says so
         outcome = self._store.release(lease.key, lease.token)
         if not outcome.ok or expired:
@@ -995,6 +1128,12 @@ class _AsyncRenewer:
             self._task = loop.create_task(self._run(self._wakeup), name="keymutex-renewer")
         assert self._wakeup is not None
         if first_look < self._until:
+            self._wakeup.set()
+
+    def renewed(self, lease: AsyncLease, sent_at: float) -> None:
+        """As ``_Renewer.renewed``."""
+        look = self._plan.renewed(lease, sent_at)
+        if look is not None and look < self._until and self._wakeup is not None:
             self._wakeup.set()
 
     def discard(self, lease: LeaseState) -> None:
@@ -1074,7 +1213,7 @@ class _AsyncRenewer:
     def call_on_lost(self, lease: LeaseState) -> None:
         result = lease._notify_lost()
         if inspect.isawaitable(result):
-            self._spawn(result, self._callbacks)
+            self._spawn(_logged_on_lost(lease, result), self._callbacks)
 
     @staticmethod
     def _spawn(work: Awaitable[Any], tasks: set[asyncio.Task[Any]]) -> None:
@@ -1089,8 +1228,40 @@ class _AsyncRenewer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self._end_callbacks()
         if self._releases:  # before the store closes
             await asyncio.wait(self._releases)
+
+    async def _end_callbacks(self) -> None:
+        """Let the ``on_lost`` coroutines under way finish, for ``CALLBACK_GRACE``
+        seconds at most (they may use the store, still open), then cancel the rest.
+
+        One that calls ``aclose()`` is not waited for by it; one that will not end when
+        cancelled is left behind after a second grace, with a warning.
+        """
+        loop, me = asyncio.get_running_loop(), asyncio.current_task()
+        pending = {x for x in self._callbacks if x is not me and x.get_loop() is loop}
+        if not pending:
+            return
+        _, pending = await asyncio.wait(pending, timeout=CALLBACK_GRACE)
+        if not pending:
+            return
+        for callback in pending:
+            callback.cancel()
+        _, pending = await asyncio.wait(pending, timeout=CALLBACK_GRACE)
+        if pending:
+            _LOG.warning(
+                "%d on_lost callback(s) still running after aclose() cancelled them",
+                len(pending),
+            )
+
+
+async def _logged_on_lost(lease: LeaseState, callback: Awaitable[Any]) -> None:
+    """Await an ``on_lost`` coroutine; its failure is logged as a plain callback's is."""
+    try:
+        await callback
+    except Exception:
+        _LOG.exception("on_lost callback for %r failed", lease.key)
 
 
 async def _hand_over(work: Awaitable[R], reply: asyncio.Future[R]) -> R | None:
@@ -1282,14 +1453,14 @@ class AsyncLocks:
         """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         request = self._config.renew_args(key, token, ttl)
         self._check_open()
-        granted = _granted_here(self._leases, request)
+        granted = _granted_here(self._leases, request.key, request.token)
         async with granted._renewing if granted is not None else contextlib.nullcontext():
             sent_at = _clock.monotonic()
             outcome = _outcome_or_lost(
                 key, await self._store.renew(request.key, request.token, request.ttl)
             )
-            if granted is not None:
-                _extend(granted, outcome, sent_at, request.ttl)
+            if granted is not None and _extend(granted, outcome, sent_at, request.ttl):
+                self._renewer.renewed(granted, sent_at)  # as in Locks.renew
         return AsyncLease(
             self,
             request.key,
@@ -1304,7 +1475,12 @@ class AsyncLocks:
         """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         key, token = check_key(key), check_token(token)
         self._check_open()
-        _outcome_or_lost(key, await self._store.release(key, token))
+        granted = _granted_here(self._leases, key, token)  # as in Locks.release
+        async with granted._renewing if granted is not None else contextlib.nullcontext():
+            _outcome_or_lost(key, await self._store.release(key, token))
+            if granted is not None:
+                self._renewer.discard(granted)
+                granted._released = True
 
     async def holder(self, key: str) -> Holder | None:
         """The current holder of ``key``, or ``None`` when it is free."""
@@ -1506,15 +1682,24 @@ class AsyncLocks:
     def _lost(self, lease: AsyncLease, holder: Holder | None) -> LockLost:
         if lease._mark_lost(holder):
             self._renewer.call_on_lost(lease)
-        return LockLost(lease.key, lease._new_holder)
+        return LockLost(lease.key, lease._new_holder if holder is None else holder)
+
+    async def _gone(self, lease: AsyncLease) -> LockLost:
+        """As ``Locks._gone``."""
+        holder = lease._new_holder
+        if holder is None:
+            holder = _after_loss(lease, await self._holder_if_known(lease.key))
+        return LockLost(lease.key, holder)
 
     async def _renew_lease(self, lease: AsyncLease, ttl: float | None) -> None:
         ttl = lease._ttl if ttl is None else self._config.check_ttl(ttl)
         lease._check_process()
         self._check_open()
+        if lease._released or lease._lost:  # as in Locks._renew_lease
+            raise await self._gone(lease)
         async with lease._renewing:
             if lease._released or lease._lost:
-                raise LockLost(lease.key, lease._new_holder)
+                raise await self._gone(lease)
             if lease.remaining <= 0:  # as in Locks._renew_lease
                 outcome = await self._store.release(lease.key, lease.token)
                 outcome = Outcome(False, None if outcome.ok else outcome.holder)
@@ -1523,6 +1708,7 @@ class AsyncLocks:
                 outcome = await self._store.renew(lease.key, lease.token, ttl)
                 if outcome.ok:
                     lease._granted(outcome, sent_at, ttl)
+                    self._renewer.renewed(lease, sent_at)  # maybe to a shorter TTL
                     return
         self._renewer.discard(lease)
         raise self._lost(lease, outcome.holder)
@@ -1535,7 +1721,7 @@ class AsyncLocks:
             holder = await self._holder_if_known(lease.key)
             raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
         if lease._lost:
-            raise LockLost(lease.key, lease._new_holder)
+            raise await self._gone(lease)
         expired = lease.remaining <= 0  # by our own clock, before the store's says so
         outcome = await self._store.release(lease.key, lease.token)
         if not outcome.ok or expired:
