@@ -116,8 +116,15 @@ export class LockClient {
     /** holding: fence is the caller's own lease, watched for its loss (not counted as a waiter). */
     options?: { signal?: AbortSignal | null; holding?: boolean },
   ): Promise<WaitResult>;
-  /** Needs the admin permission. reason: 1 to 500 characters. */
-  forceRelease(key: string, reason: string): Promise<{ released: boolean; holder: Holder | null }>;
+  /**
+   * Needs the admin permission. reason: 1 to 500 characters. fence: release only the lease
+   * with this fencing number; if another lease holds the key, throws Locked (with it).
+   */
+  forceRelease(
+    key: string,
+    reason: string,
+    options?: { fence?: number | null },
+  ): Promise<{ released: boolean; holder: Holder | null }>;
   /**
    * Runs fn holding key, renewing every ttl/3; releases after (unless fn released the lease);
    * rejects with LockLost if the lease was lost meanwhile, unless fn threw.

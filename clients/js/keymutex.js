@@ -1059,15 +1059,22 @@ export class LockClient {
 
   /**
    * Takes `key` over and releases it (needs the admin permission): the holder's token
-   * stops working. `reason` (1 to 500 characters) is logged by the server.
+   * stops working. `reason` (1 to 500 characters) is logged by the server. `fence`: the
+   * fencing number of the lease to release (as a dashboard showed it); if another lease
+   * holds the key by then, nothing is released and Locked is thrown with that holder.
    * @param {string} key
    * @param {string} reason
+   * @param {{fence?: number | null}} [options]
    * @returns {Promise<{released: boolean, holder: Holder | null}>}
    */
-  async forceRelease(key, reason) {
+  async forceRelease(key, reason, options) {
+    const opts = checkOptions(options, 'forceRelease', ['fence']);
     checkKey(key);
     checkReason(reason);
+    const fence = opts.fence === undefined ? null : checkFence(opts.fence);
+    /** @type {Record<string, unknown>} */
     const body = {namespace: this.namespace, key, reason};
+    if (fence !== null) body.fence = fence;
     const reply = await this.#request('POST', '/v1/force-release', {body, key});
     if (typeof reply.released !== 'boolean') throw malformed('force-release result', reply);
     return {released: reply.released, holder: toHolderOrNull(reply.holder)};

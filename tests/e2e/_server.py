@@ -60,21 +60,21 @@ def _wait_ready(process: subprocess.Popen[bytes], url: str) -> bool:
 
 
 @contextlib.contextmanager
-def serve(directory: Path, *, tokens: list[dict[str, object]] | None = None) -> Iterator[Server]:
-    """Runs ``keymutex serve`` on ``directory/locks.db`` until the block ends.
+def serve(
+    directory: Path,
+    *,
+    tokens: list[dict[str, object]] | None = None,
+    store: str | None = None,
+) -> Iterator[Server]:
+    """Runs ``keymutex serve`` on ``store`` (default: ``directory/locks.db``) until the
+    block ends.
 
     ``tokens``, if given, is written as the ``--token-file`` (the "tokens" list of
     docs/http-api.md). A port taken between choosing and binding it is retried.
     """
     log = directory / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "keymutex",
-        "serve",
-        "--store",
-        f"sqlite://{directory}/locks.db",
-    ]
+    store = store or f"sqlite://{directory}/locks.db"
+    command = [sys.executable, "-m", "keymutex", "serve", "--store", store]
     if tokens is not None:
         token_file = directory / "tokens.json"
         token_file.write_text(json.dumps({"tokens": tokens}))

@@ -9,95 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import re
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _browser import BROWSER_TESTS, HEARTBEAT, Windows, screenshot, set_visibility
 from _server import Server, serve
-from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import Page, expect
 
 import keymutex
 
-CHROMIUM = shutil.which("chromium")
-ARTIFACTS = Path(__file__).parent / "artifacts"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-HEARTBEAT = 5.0  # seconds between the edit page's renewals (edit.js)
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)"
-    ),
-]
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield launched
-        launched.close()
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    with serve(tmp_path) as running:
-        yield running
-
-
-@pytest.fixture
-def store(tmp_path: Path, server: Server) -> str:
-    """The server's own store, for Python clients next to it."""
-    return f"sqlite://{tmp_path}/locks.db"
-
-
-class Windows:
-    """Browser windows of one test, each with its own storage (like another person's
-    browser). They are closed before the server stops (open event streams would hold
-    up its shutdown), and none may have thrown an uncaught error."""
-
-    def __init__(self, browser: Browser) -> None:
-        self.browser = browser
-        self.contexts: list[BrowserContext] = []
-        self.errors: list[str] = []
-
-    def open(self, name: str) -> Page:
-        context = self.browser.new_context()
-        self.contexts.append(context)
-        page = context.new_page()
-        page.on("pageerror", lambda error: self.errors.append(f"{name}: {error}"))
-        return page
-
-    def close(self) -> None:
-        for context in self.contexts:
-            context.close()
-        self.contexts.clear()
-
-
-# Tests list `server` before `windows`: fixtures are torn down in reverse order, so the
-# windows close before the server stops.
-@pytest.fixture
-def windows(browser: Browser) -> Iterator[Windows]:
-    opened = Windows(browser)
-    yield opened
-    opened.close()
-    assert opened.errors == []
-
-
-def screenshot(page: Page, name: str) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+pytestmark = BROWSER_TESTS
 
 
 def open_editor(windows: Windows, url: str, name: str) -> Page:
@@ -160,18 +83,6 @@ def test_second_editor_sees_the_first_takes_over_and_the_first_learns_it(
             pytest.fail("the editing page did not renew its lock")
 
 
-def _set_visibility(page: Page, state: str) -> None:
-    """Make the page hidden or visible, as switching tabs does (headless pages stay
-    visible on their own)."""
-    page.evaluate(
-        """state => {
-            Object.defineProperty(document, 'visibilityState', {value: state, configurable: true});
-            document.dispatchEvent(new Event('visibilitychange'));
-        }""",
-        state,
-    )
-
-
 def test_a_hidden_editing_tab_learns_of_a_take_over_when_shown_again(
     server: Server, windows: Windows
 ) -> None:
@@ -184,7 +95,7 @@ def test_a_hidden_editing_tab_learns_of_a_take_over_when_shown_again(
     alice.on(
         "request", lambda request: polls.append(request.url) if "/v1/wait" in request.url else None
     )
-    _set_visibility(alice, "hidden")
+    set_visibility(alice, "hidden")
     alice.route("**/v1/renew", lambda route: route.abort())  # only the watch can tell her
     bob = open_editor(windows, url, "Bob")
     expect(bob.locator("#state")).to_have_text(re.compile("^Locked by Alice"))
@@ -193,7 +104,7 @@ def test_a_hidden_editing_tab_learns_of_a_take_over_when_shown_again(
     expect(bob.locator("#state")).to_have_text("Editing as Bob")
     assert polls == []  # hidden: no watch was asked for
     expect(alice.locator("#state")).to_have_text("Editing as Alice")
-    _set_visibility(alice, "visible")
+    set_visibility(alice, "visible")
     expect(alice.locator("#state")).to_have_text("Your lock was taken over by Bob", timeout=10_000)
     expect(alice.locator("#text")).to_be_disabled()
 

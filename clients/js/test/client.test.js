@@ -224,6 +224,25 @@ describe('refusals and loss', {skip}, () => {
     await bob.release();
   });
 
+  test('force release with a fence releases only that lease', async () => {
+    const key = newKey('force');
+    const alice = await client({owner: 'alice'}).acquire(key, {timeout: 0, ttl: 30});
+    await alice.release();
+    const bob = await client({owner: 'bob'}).acquire(key, {timeout: 0, ttl: 30});
+    await assert.rejects(client().forceRelease(key, 'alice left', {fence: alice.fence}), (error) => {
+      assert.ok(error instanceof Locked);
+      assert.equal(error.holder.owner, 'bob');
+      assert.equal(error.holder.fence, bob.fence);
+      return true;
+    });
+    await bob.renew(); // spared
+    const {released, holder} = await client().forceRelease(key, 'bob left', {fence: bob.fence});
+    assert.equal(released, true);
+    assert.equal(holder.fence, bob.fence);
+    await assert.rejects(bob.renew(), LockLost);
+    assert.deepEqual(await client().forceRelease(key, 'tidy', {fence: bob.fence}), {released: false, holder: null});
+  });
+
   test('an abort signal stops waiting', async () => {
     const key = newKey('abort');
     const holder = await client().acquire(key, {timeout: 0});

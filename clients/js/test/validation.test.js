@@ -144,6 +144,12 @@ describe('other arguments', () => {
     await rejects(() => client.forceRelease('k', '\uDC00'), RangeError, /lone surrogate/);
     await rejects(() => client.forceRelease('k', 'a\0b'), RangeError, /reason must not contain NUL/);
   });
+  test('force release takes the fence of the lease to release, if any', async () => {
+    await rejects(() => client.forceRelease('k', 'why', {fence: -1}), RangeError, /fence must be null or a non-negative integer/);
+    await rejects(() => client.forceRelease('k', 'why', {fence: '3'}), TypeError, /fence must be null or the fence number/);
+    await rejects(() => client.forceRelease('k', 'why', {token: 'x'}), TypeError, /forceRelease: unknown option "token"; accepted: fence/);
+    await client.forceRelease('k', 'why', {fence: 3}).catch((error) => assert.ok(error instanceof LockError));
+  });
   test('force release needs a reason of 1 to 500 characters', async () => {
     await rejects(() => client.forceRelease('k', ''), RangeError, /reason must be 1 to 500 characters, not 0/);
     await rejects(() => client.forceRelease('k', '😀'.repeat(501)), RangeError, /not 501/);

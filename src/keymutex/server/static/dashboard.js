@@ -7,7 +7,11 @@
 // Without an API token the stream is an EventSource. EventSource cannot send an
 // Authorization header and the HTTP API has no token in the query string, so with a
 // token the same stream is read through fetch() instead.
-import {Forbidden, LockClient, Unauthorized} from './keymutex.js';
+//
+// While the stream is not live (lost, refused, or the server's store failing), the
+// table stays as the last snapshot showed it, marked "as of" that snapshot, its
+// countdowns stopped: a lock released meanwhile must not look held and ticking.
+import {Forbidden, LockClient, Locked, Unauthorized} from './keymutex.js';
 
 const TOKEN_KEY = 'keymutex.apiToken';
 const STALE_MS = 15000; // the server sends a snapshot at least every 5 s
@@ -30,8 +34,11 @@ const view = {
   dialog: $('force-dialog'),
   forceForm: $('force-form'),
   forceKey: $('force-key'),
+  forceHolder: $('force-holder'),
   reason: $('reason'),
   forceError: $('force-error'),
+  table: $('locks'),
+  tokenError: $('token-error'),
 };
 
 const params = new URLSearchParams(location.search);
@@ -42,12 +49,15 @@ const state = {
   snapshot: null,
   receivedAt: 0, // performance.now() when the snapshot arrived
   lastEventAt: 0,
+  live: false, // the snapshot is the latest of a working stream
+  storeFailing: false, // the message shown is the store's error, gone with the next snapshot
   /** @type {(() => void) | null} */
   closeStream: null,
   retries: 0,
   /** @type {ReturnType<typeof setTimeout> | undefined} */
   retryTimer: undefined,
-  forceKey: '',
+  /** @type {{key: string, owner: string, fence: number} | null} */
+  force: null, // the lease that the open force-release dialog is about
 };
 
 const apiToken = () => sessionStorage.getItem(TOKEN_KEY);
@@ -56,13 +66,18 @@ const client = () => new LockClient({url: base.href, namespace: state.namespace,
 // ---------------------------------------------------------------------------------
 // The stream
 
+/** The URL of an endpoint, for the namespace and prefix shown. @param {string} path */
+function endpoint(path) {
+  const query = new URLSearchParams({namespace: state.namespace, prefix: state.prefix});
+  return new URL(`${path}?${query}`, base);
+}
+
 function connect() {
   disconnect();
-  const query = new URLSearchParams({namespace: state.namespace, prefix: state.prefix});
-  const url = new URL(`v1/events?${query}`, base);
   state.lastEventAt = performance.now();
   setStatus('Connecting…');
   const token = apiToken();
+  const url = endpoint('v1/events');
   state.closeStream = token ? streamWithFetch(url, token) : streamWithEventSource(url);
 }
 
@@ -70,16 +85,24 @@ function disconnect() {
   clearTimeout(state.retryTimer);
   state.closeStream?.();
   state.closeStream = null;
+  setLive(false);
 }
 
 /** @param {URL} url */
 function streamWithEventSource(url) {
   const source = new EventSource(url);
   source.addEventListener('holders', (event) => onSnapshot(event.data));
-  source.addEventListener('open', () => setStatus('Live'));
-  source.addEventListener('error', () => {
+  source.addEventListener('open', () => setStatus('Connected; waiting for the list…'));
+  source.addEventListener('error', (event) => {
+    if (event instanceof MessageEvent) {
+      // The server's own `event: error` (its store failed): the stream goes on.
+      state.lastEventAt = performance.now();
+      onStoreError(event.data);
+      return;
+    }
     // CONNECTING: the browser retries by itself. CLOSED: the server answered an
-    // error status (401?), which EventSource neither retries nor shows us.
+    // error status, which EventSource neither retries nor shows us.
+    setLive(false);
     if (source.readyState === EventSource.CLOSED) {
       source.close();
       diagnose();
@@ -99,12 +122,12 @@ function streamWithFetch(url, token) {
       cache: 'no-store',
       signal: controller.signal,
     });
-    if (response.status === 401) {
-      askToken('The server refused this token. Enter another one.');
+    if (!response.ok) {
+      await refused(response);
       return;
     }
-    if (!response.ok || !response.body) throw new Error(`HTTP ${response.status}`);
-    setStatus('Live');
+    if (!response.body) throw new Error(`HTTP ${response.status} without a body`);
+    setStatus('Connected; waiting for the list…');
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
     let buffer = '';
     for (;;) {
@@ -141,31 +164,87 @@ function dispatch(block) {
   }
   state.lastEventAt = performance.now();
   if (event === 'holders' && data.length) onSnapshot(data.join('\n'));
+  else if (event === 'error') onStoreError(data.join('\n'));
 }
 
-/** After a refused stream: find out why with an ordinary request, then retry or ask. */
+/**
+ * After a refused stream (EventSource does not tell why): the same question as an
+ * ordinary request, whose answer says why.
+ */
 async function diagnose() {
+  let response;
   try {
-    await client().holders(state.prefix);
+    const token = apiToken();
+    response = await fetch(endpoint('v1/holders'), {
+      headers: token ? {Accept: 'application/json', Authorization: `Bearer ${token}`} : {Accept: 'application/json'},
+      cache: 'no-store',
+    });
+  } catch {
     retryLater();
-  } catch (error) {
-    if (error instanceof Unauthorized) {
-      askToken(apiToken() ? 'The server refused this token. Enter another one.' : 'This server needs an API token.');
-    } else if (error instanceof Forbidden) {
-      setStatus('Not allowed');
-      showMessage(error.message);
-    } else {
-      retryLater();
-    }
+    return;
+  }
+  if (response.ok) retryLater();
+  else await refused(response);
+}
+
+/**
+ * A stream (or its diagnosis) answered with an error status. 401: ask for a token.
+ * Another 4xx (a namespace or prefix the server refuses, a token without the read
+ * permission): asking again would get the same answer, so show the server's message
+ * and stop until the filter or the token changes. 5xx (the store failing): show it
+ * and retry.
+ * @param {Response} response
+ */
+async function refused(response) {
+  /** @type {any} */
+  let reply = null;
+  try {
+    reply = await response.json();
+  } catch {
+    // Not JSON (a proxy's error page): the status says enough.
+  }
+  const message = typeof reply?.message === 'string' ? reply.message : `HTTP ${response.status} ${response.statusText}`.trim();
+  if (response.status === 401) {
+    askToken(apiToken() ? 'The server refused this token. Enter another one.' : 'This server needs an API token.');
+  } else if (response.status >= 400 && response.status < 500) {
+    disconnect();
+    setStatus(response.status === 403 ? 'Not allowed' : 'Refused by the server');
+    showMessage(message);
+  } else {
+    retryLater(`The server answered ${response.status}`);
+    showMessage(message, {storeFailing: reply?.error === 'store_unavailable'});
   }
 }
 
-function retryLater() {
+/** The server's `event: error`: its store failed; the stream goes on. @param {string} text */
+function onStoreError(text) {
+  /** @type {any} */
+  let reply = null;
+  try {
+    reply = JSON.parse(text);
+  } catch {
+    // shown as it came
+  }
+  const message = typeof reply?.message === 'string' ? reply.message : text || 'unknown error';
+  setLive(false);
+  setStatus('The lock server cannot read its store; waiting for it…');
+  showMessage(`The lock server's store failed: ${message}`, {storeFailing: true});
+}
+
+/** @param {string} [why] what went wrong, for the status line */
+function retryLater(why = 'Connection lost') {
   disconnect();
   const delay = Math.min(30000, 1000 * 2 ** state.retries) * (0.5 + Math.random() / 2);
   state.retries++;
-  setStatus(`Connection lost; reconnecting in ${Math.ceil(delay / 1000)} s…`);
+  setStatus(`${why}; reconnecting in ${Math.ceil(delay / 1000)} s…`);
   state.retryTimer = setTimeout(connect, delay);
+}
+
+/** Live: the table counts down from the snapshot. Not live: it stays "as of" it. @param {boolean} live */
+function setLive(live) {
+  if (state.live === live) return;
+  state.live = live;
+  if (!live) render(); // the countdowns stop where the snapshot left them
 }
 
 /** @param {string} text */
@@ -179,8 +258,15 @@ function onSnapshot(text) {
   state.snapshot = snapshot;
   state.receivedAt = state.lastEventAt = performance.now();
   state.retries = 0;
-  setStatus(`Live · updated ${new Date(snapshot.server_time * 1000).toLocaleTimeString()}`);
+  state.live = true;
+  if (state.storeFailing) hideMessage();
+  setStatus(`Live · updated ${clock(snapshot.server_time)}`);
   render();
+}
+
+/** @param {number} time UNIX seconds */
+function clock(time) {
+  return new Date(time * 1000).toLocaleTimeString();
 }
 
 // ---------------------------------------------------------------------------------
@@ -242,7 +328,7 @@ function render() {
       const actions = element('td', {class: 'actions'});
       if (holder) {
         const button = element('button', {type: 'button', class: 'danger', 'aria-label': `Force release ${key}`}, 'Force release…');
-        button.addEventListener('click', () => openForceRelease(key));
+        button.addEventListener('click', () => openForceRelease(holder));
         actions.append(button);
       }
       row.append(actions);
@@ -252,16 +338,21 @@ function render() {
   if (focusedKey !== undefined) {
     /** @type {HTMLElement | null} */ (view.rows.querySelector(`tr[data-key="${CSS.escape(focusedKey)}"] button`))?.focus();
   }
-  view.count.textContent = `(${snapshot.holders.length} held)`;
+  const held = `${snapshot.holders.length} held`;
+  view.count.textContent = state.live ? `(${held})` : `(${held} as of ${clock(snapshot.server_time)}; not live)`;
+  view.table.classList.toggle('stale', !state.live);
   view.empty.hidden = keys.length > 0;
   tick();
 }
 
-/** Counts "held for" up and "expires in" down from the snapshot, once a second. */
+/**
+ * Counts "held for" up and "expires in" down from the snapshot, once a second; not
+ * while the stream is not live: the table then shows the snapshot as it came.
+ */
 function tick() {
   const snapshot = state.snapshot;
   if (!snapshot) return;
-  const elapsed = (performance.now() - state.receivedAt) / 1000;
+  const elapsed = state.live ? (performance.now() - state.receivedAt) / 1000 : 0;
   for (const holder of snapshot.holders) {
     const row = view.rows.querySelector(`tr[data-key="${CSS.escape(holder.key)}"]`);
     if (!row) continue;
@@ -276,32 +367,54 @@ function tick() {
 // ---------------------------------------------------------------------------------
 // Force release
 
-/** @param {string} key */
-function openForceRelease(key) {
-  state.forceKey = key;
-  view.forceKey.textContent = key;
+/**
+ * The dialog is about the lease of the row clicked: it names its owner and fence, and
+ * the request carries the fence, so a lease that took the key meanwhile is not released.
+ * @param {{key: string, owner: string, fence: number, acquired_at: number}} holder
+ */
+function openForceRelease(holder) {
+  state.force = {key: holder.key, owner: holder.owner, fence: holder.fence};
+  view.forceKey.textContent = holder.key;
+  view.forceHolder.textContent = `Held by ${holder.owner} (fence ${holder.fence}) since ${clock(holder.acquired_at)}.`;
   view.reason.value = '';
-  view.forceError.hidden = true;
+  showForceError('');
   view.dialog.showModal();
   view.reason.focus();
 }
 
+/** @param {string} text none: hidden */
+function showForceError(text) {
+  view.forceError.textContent = text;
+  view.forceError.hidden = !text;
+}
+
 view.forceForm.addEventListener('submit', async (/** @type {SubmitEvent} */ event) => {
   event.preventDefault();
-  const key = state.forceKey;
+  const target = state.force;
+  if (!target) return;
+  const reason = view.reason.value.trim();
+  if (!reason) {
+    // `required` lets a reason of spaces through; the server refuses it as well.
+    showForceError('Give a reason: the server logs it with the release.');
+    view.reason.focus();
+    return;
+  }
+  const {key, owner, fence} = target;
   const submit = view.forceForm.querySelector('button[type=submit]');
   submit.disabled = true;
   try {
-    const {released, holder} = await client().forceRelease(key, view.reason.value.trim() || view.reason.value);
+    const {released, holder} = await client().forceRelease(key, reason, {fence});
     view.dialog.close();
-    showMessage(released ? `Released ${key} (held by ${holder?.owner ?? 'nobody'}).` : `${key} was not held any more.`);
+    showMessage(released ? `Released ${key} (held by ${holder?.owner ?? owner}, fence ${holder?.fence ?? fence}).` : `${key} was not held any more.`);
   } catch (error) {
     if (error instanceof Unauthorized) {
       view.dialog.close();
       askToken('Force release needs an API token with the admin permission.');
+    } else if (error instanceof Locked) {
+      // Another lease holds the key now: nothing was released.
+      showForceError(`Not released: ${error.message}`);
     } else {
-      view.forceError.textContent = error instanceof Forbidden ? `Not allowed: ${error.message}` : String(error.message ?? error);
-      view.forceError.hidden = false;
+      showForceError(error instanceof Forbidden ? `Not allowed: ${error.message}` : String(error.message ?? error));
     }
   } finally {
     submit.disabled = false;
@@ -317,10 +430,16 @@ function setStatus(text) {
   if (view.status.textContent !== text) view.status.textContent = text;
 }
 
-/** @param {string} text */
-function showMessage(text) {
+/** @param {string} text @param {{storeFailing?: boolean}} [options] */
+function showMessage(text, {storeFailing = false} = {}) {
   view.message.textContent = text;
   view.message.hidden = false;
+  state.storeFailing = storeFailing;
+}
+
+function hideMessage() {
+  view.message.hidden = true;
+  state.storeFailing = false;
 }
 
 /** @param {string} reason */
@@ -334,9 +453,19 @@ function askToken(reason) {
 
 view.tokenForm.addEventListener('submit', (/** @type {SubmitEvent} */ event) => {
   event.preventDefault();
-  sessionStorage.setItem(TOKEN_KEY, view.token.value.trim());
+  const token = view.token.value.trim();
+  try {
+    new LockClient({url: base.href, apiToken: token}); // the client's own checks of a token
+  } catch (error) {
+    view.tokenError.textContent = `This API token cannot be sent: ${error.message}`;
+    view.tokenError.hidden = false;
+    return;
+  }
+  view.tokenError.hidden = true;
+  sessionStorage.setItem(TOKEN_KEY, token);
   view.token.value = '';
   view.tokenForm.hidden = true;
+  hideMessage();
   connect();
 });
 
@@ -357,7 +486,10 @@ view.filter.addEventListener('submit', (/** @type {SubmitEvent} */ event) => {
   history.replaceState(null, '', `${location.pathname}${query.toString() ? `?${query}` : ''}`);
   state.snapshot = null;
   view.rows.replaceChildren();
-  view.message.hidden = true;
+  view.count.textContent = '';
+  view.table.classList.remove('stale');
+  view.empty.hidden = true;
+  hideMessage();
   showScope();
   connect();
 });

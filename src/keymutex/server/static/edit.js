@@ -8,6 +8,11 @@ import {LockClient, LockLost, Locked, Unauthorized} from './keymutex.js';
 
 const TTL = 15; // seconds: how long a crashed tab blocks the document
 const HEARTBEAT_MS = 5000; // three heartbeats per ttl, so one lost request costs nothing
+// Less than this many seconds left on the lease means that no heartbeat got through for
+// TTL/2 (a slow or unreachable server, or requests queued behind the browser's six
+// connections per server): the page warns and pauses editing until one does.
+const AT_RISK = TTL / 2;
+const MAX_NAME_BYTES = 256; // the name is the lease's owner: at most 256 bytes as UTF-8
 const NAME_KEY = 'keymutex.demo.name';
 const TOKEN_KEY = 'keymutex.apiToken';
 
@@ -16,9 +21,11 @@ const view = {
   key: $('key'),
   nameForm: $('name-form'),
   name: $('name'),
+  nameError: $('name-error'),
   tokenForm: $('token-form'),
   tokenReason: $('token-reason'),
   token: $('token'),
+  tokenError: $('token-error'),
   lockState: $('lock-state'),
   state: $('state'),
   detail: $('detail'),
@@ -48,6 +55,12 @@ let lease = null; // set while this window holds the lock
 let heartbeatTimer;
 /** @type {AbortController | null} */
 let watching = null; // set while waiting for the holder to leave
+/** @type {import('./keymutex.js').Holder | null} */
+let watched = null; // the holder that the watch last saw
+/** @type {{holder: import('./keymutex.js').Holder | null} | null} */
+let paused = null; // set while a watch is stopped because the page is hidden
+/** @type {string} */
+let heartbeatTrouble = ''; // why the last heartbeat failed, until one gets through
 /** @type {AbortController | null} */
 let guarding = null; // set while editing: learns at once when the lock is gone
 let releasedOnHide = false;
@@ -64,8 +77,9 @@ let releasedOnHide = false;
 function show(kind, text, detail, buttons = {}) {
   view.lockState.hidden = false;
   view.lockState.className = `lock-state ${kind}`;
-  view.state.textContent = text;
-  view.detail.textContent = detail;
+  // The section is a live region: text set again unchanged would be read out again.
+  if (view.state.textContent !== text) view.state.textContent = text;
+  if (view.detail.textContent !== detail) view.detail.textContent = detail;
   view.takeOver.hidden = !buttons.takeOver;
   view.stop.hidden = !buttons.stop;
   view.editAgain.hidden = !buttons.editAgain;
@@ -74,6 +88,7 @@ function show(kind, text, detail, buttons = {}) {
 /** @param {boolean} editable */
 function setEditable(editable) {
   view.text.disabled = !editable;
+  view.text.readOnly = false;
   if (editable) view.text.focus();
 }
 
@@ -113,6 +128,7 @@ function info() {
 /** Try once to take the lock (or take it over); if it is held, watch its holder. */
 async function open({steal = false} = {}) {
   stopWatching();
+  paused = null;
   releasedOnHide = false;
   show('', steal ? 'Taking over…' : 'Opening…', '');
   try {
@@ -126,10 +142,44 @@ async function open({steal = false} = {}) {
 }
 
 function editing() {
-  show('editing', `Editing as ${name}`, 'Others who open this document see that you are editing it.', {stop: true});
+  heartbeatTrouble = '';
   setEditable(true);
+  showEditing();
   heartbeatTimer = setTimeout(heartbeat, HEARTBEAT_MS);
   if (document.visibilityState === 'visible') guard(/** @type {import('./keymutex.js').Lease} */ (lease));
+}
+
+/**
+ * What an editing page shows, from what is left of its lease (checked every second).
+ * A lease with less than TTL/2 left has had no heartbeat through for TTL/2: the page
+ * says so and pauses editing (read-only: the text can still be copied) until one gets
+ * through, rather than let its user type into a lock about to be lost.
+ */
+function showEditing() {
+  const current = lease;
+  if (!current) return;
+  const left = current.remaining;
+  if (left === 0) {
+    lost(null); // past its deadline by this page's clock, however the renewal ends
+    return;
+  }
+  if (left >= AT_RISK) {
+    const detail = heartbeatTrouble
+      ? `Cannot reach the lock server (${heartbeatTrouble}); retrying…`
+      : 'Others who open this document see that you are editing it.';
+    show('editing', `Editing as ${name}`, detail, {stop: true});
+    view.text.readOnly = false;
+    return;
+  }
+  view.text.readOnly = true;
+  const until = new Date(Date.now() + left * 1000).toLocaleTimeString();
+  const why = heartbeatTrouble ? `Cannot reach the lock server (${heartbeatTrouble}).` : 'The lock server has not answered the last renewal.';
+  show(
+    'at-risk',
+    'Your lock may be lost: editing is paused',
+    `${why} Your lock expires at ${until} unless a renewal gets through; editing resumes when one does. Changes typed after the lock is lost would overwrite the next editor's.`,
+    {stop: true},
+  );
 }
 
 /**
@@ -176,7 +226,8 @@ async function heartbeat() {
   try {
     await current.renew({ttl: TTL});
     if (lease !== current) return;
-    view.detail.textContent = 'Others who open this document see that you are editing it.';
+    heartbeatTrouble = '';
+    showEditing();
     heartbeatTimer = setTimeout(heartbeat, HEARTBEAT_MS);
   } catch (error) {
     if (lease !== current) return;
@@ -186,7 +237,8 @@ async function heartbeat() {
       lost(null);
     } else {
       // The server is unreachable for now: retry until the lease's own deadline.
-      view.detail.textContent = `Cannot reach the lock server (${error.message}); retrying…`;
+      heartbeatTrouble = error.message;
+      showEditing();
       heartbeatTimer = setTimeout(heartbeat, 1000);
     }
   }
@@ -214,16 +266,27 @@ function lockedBy(holder) {
 
 /**
  * Waits (server long polls) for the holder to change; takes the lock once it is free.
+ * Only while the page is seen: a browser opens at most six connections to one server,
+ * and the long polls of a few hidden tabs waiting for documents would take them all,
+ * leaving an editing tab's heartbeats queued until its lease expires. A hidden tab's
+ * watch stops, and starts again when the tab is shown; its first poll answers at once
+ * if the holder changed meanwhile.
  * @param {import('./keymutex.js').Holder | null} holder
  */
 async function watch(holder) {
   stopWatching();
+  paused = null;
+  watched = holder;
+  lockedBy(holder);
+  if (document.visibilityState === 'hidden') {
+    paused = {holder};
+    return;
+  }
   const controller = new AbortController();
   watching = controller;
   const {signal} = controller;
   const locks = /** @type {LockClient} */ (client);
   let current = holder;
-  lockedBy(current);
   while (!signal.aborted) {
     try {
       if (current === null) {
@@ -234,12 +297,16 @@ async function watch(holder) {
         } catch (error) {
           if (!(error instanceof Locked)) throw error;
           current = error.holder;
-          if (!signal.aborted) lockedBy(current);
+          if (!signal.aborted) {
+            watched = current;
+            lockedBy(current);
+          }
           if (current === null) await sleep(250, signal);
           continue;
         }
         if (signal.aborted) {
-          // "Take over" was clicked meanwhile and steals on its own: give this one back.
+          // "Take over" was clicked meanwhile and steals on its own, or the page was
+          // hidden (it asks again when shown): give this one back.
           locks.release(key, got.token).catch(() => {});
           return;
         }
@@ -250,6 +317,8 @@ async function watch(holder) {
       }
       const result = await locks.wait(key, current.fence, 30, {signal});
       current = result.holder;
+      if (signal.aborted) return;
+      watched = current;
       if (current) lockedBy(current);
     } catch (error) {
       if (signal.aborted) return;
@@ -266,6 +335,13 @@ async function watch(holder) {
 function stopWatching() {
   watching?.abort();
   watching = null;
+}
+
+/** Hidden: stop the watch, to start it again from the same holder when shown. */
+function pauseWatching() {
+  if (!watching) return;
+  stopWatching();
+  paused = {holder: watched};
 }
 
 /**
@@ -312,9 +388,23 @@ function askToken(retry) {
   view.token.focus();
 }
 
+/** @param {HTMLElement} element @param {string} text none: hidden */
+function showError(element, text) {
+  element.textContent = text;
+  element.hidden = !text;
+}
+
 view.tokenForm.addEventListener('submit', (/** @type {SubmitEvent} */ event) => {
   event.preventDefault();
-  sessionStorage.setItem(TOKEN_KEY, view.token.value.trim());
+  const token = view.token.value.trim();
+  try {
+    new LockClient({url: base, apiToken: token}); // the client's own checks of a token
+  } catch (error) {
+    showError(view.tokenError, `This API token cannot be sent: ${error.message}`);
+    return;
+  }
+  showError(view.tokenError, '');
+  sessionStorage.setItem(TOKEN_KEY, token);
   view.token.value = '';
   view.tokenForm.hidden = true;
   client = makeClient();
@@ -323,11 +413,29 @@ view.tokenForm.addEventListener('submit', (/** @type {SubmitEvent} */ event) => 
 
 view.nameForm.addEventListener('submit', (/** @type {SubmitEvent} */ event) => {
   event.preventDefault();
-  name = view.name.value.trim();
-  if (!name) return;
+  const given = view.name.value.trim();
+  if (!given) return;
+  // maxlength counts characters; the server counts bytes (a CJK character is three).
+  const size = new TextEncoder().encode(given).length;
+  if (size > MAX_NAME_BYTES) {
+    view.name.setAttribute('aria-invalid', 'true');
+    showError(view.nameError, `This name is too long: ${size} bytes as UTF-8, and at most ${MAX_NAME_BYTES} fit. Use a shorter one.`);
+    return;
+  }
+  name = given;
+  try {
+    client = makeClient();
+  } catch (error) {
+    // The name is checked above: this is the page's address (its namespace) or the token.
+    client = null;
+    view.name.removeAttribute('aria-invalid');
+    showError(view.nameError, `Cannot open this document: ${error.message}`);
+    return;
+  }
+  view.name.removeAttribute('aria-invalid');
+  showError(view.nameError, '');
   localStorage.setItem(NAME_KEY, name);
   view.nameForm.hidden = true;
-  client = makeClient();
   open();
 });
 
@@ -336,9 +444,16 @@ view.editAgain.addEventListener('click', () => open());
 view.stop.addEventListener('click', () => stopEditing());
 
 document.addEventListener('visibilitychange', () => {
-  if (document.visibilityState === 'visible' && lease) guard(lease);
-  else stopGuarding();
+  if (document.visibilityState === 'visible') {
+    if (lease) guard(lease);
+    if (paused) watch(paused.holder);
+  } else {
+    stopGuarding();
+    pauseWatching();
+  }
 });
+// Counts what is left of the lease between heartbeats: warns when it runs low.
+setInterval(showEditing, 1000);
 
 // Closing the page releases the lock: a beacon outlives the page. If it is lost
 // anyway (crash, no network), the lease expires after TTL seconds.
@@ -356,6 +471,7 @@ addEventListener('pageshow', (event) => {
   if (event.persisted && releasedOnHide) open();
 });
 
+if (namespace) $('all-locks').search = `?${new URLSearchParams({namespace})}`;
 if (key) {
   view.key.textContent = key;
   document.title = `Edit ${key} — keymutex`;
