@@ -99,6 +99,26 @@ def test_renewals_of_many_leases_go_in_one_pipeline(
             lease.release()
 
 
+def test_a_lease_key_holding_something_else_does_not_fail_the_batch(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    """One key overwritten by other data (WRONGTYPE in the script) failed the whole
+    batch: no lease of the Locks was renewed until every one was lost."""
+    with keymutex.Locks(redis_url, namespace=namespace, ttl=30) as locks:
+        store = locks._store
+        assert isinstance(store, RedisStore)
+        kept, clobbered = locks.acquire("kept", timeout=0), locks.acquire("clobbered", timeout=0)
+        name = store._layout.lease("clobbered")
+        server.delete(name)
+        server.set(name, "someone else's data")
+        outcomes = store.renew_many(
+            [RenewRequest(x.key, x.token, 30.0) for x in (kept, clobbered)]
+        )
+        assert [outcome.ok for outcome in outcomes] == [True, False]
+        server.delete(name)
+        kept.release()
+
+
 def test_released_and_expired_leases_leave_nothing_behind(
     server: redis.Redis, redis_url: str, namespace: str
 ) -> None:

@@ -1119,6 +1119,20 @@ _BROKEN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSEr
 _SLOW = (redis.exceptions.TimeoutError, TimeoutError)
 
 
+def _not_a_lease(reply: Exception) -> bool:
+    """Whether a script's error says a lease's key holds something else (foreign data)."""
+    return isinstance(reply, redis.exceptions.ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _renewed(calls: Sequence[_Call], replies: Sequence[Any]) -> list[Outcome]:
+    """The outcomes of a batch of renewals. A lease whose key holds something else (a
+    WRONGTYPE error) is not there: lost, without failing the others of the batch."""
+    return [
+        Outcome(False, None) if isinstance(reply, Exception) else call.read(call.key, reply)
+        for call, reply in zip(calls, replies, strict=True)
+    ]
+
+
 class _Connections:
     """Connections held out of redis-py's pool, for the scripts of one sync store.
 
@@ -1390,7 +1404,7 @@ class RedisStore:
             except NoScriptError:
                 self._client.script_load(_RENEW.source)
                 replies = self._pipeline(calls)
-        return [call.read(call.key, reply) for call, reply in zip(calls, replies, strict=True)]
+        return _renewed(calls, replies)
 
     def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
         replies: list[Any] = [None] * len(calls)
@@ -1402,7 +1416,7 @@ class RedisStore:
                     pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
                 answers = pipe.execute(raise_on_error=False)
                 for index, reply in zip(indices, answers, strict=True):
-                    if isinstance(reply, Exception):
+                    if isinstance(reply, Exception) and not _not_a_lease(reply):
                         raise reply
                     replies[index] = reply
             except NoScriptError:
@@ -1558,7 +1572,7 @@ class AsyncRedisStore:
             except NoScriptError:
                 await self._client.script_load(_RENEW.source)
                 replies = await self._pipeline(calls)
-        return [call.read(call.key, reply) for call, reply in zip(calls, replies, strict=True)]
+        return _renewed(calls, replies)
 
     async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
         replies: list[Any] = [None] * len(calls)
@@ -1571,7 +1585,7 @@ class AsyncRedisStore:
                     pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
                 answers = await pipe.execute(raise_on_error=False)
                 for index, reply in zip(indices, answers, strict=True):
-                    if isinstance(reply, Exception):
+                    if isinstance(reply, Exception) and not _not_a_lease(reply):
                         raise reply
                     replies[index] = reply
             except NoScriptError:
