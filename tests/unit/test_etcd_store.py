@@ -601,6 +601,36 @@ def test_a_long_wait_keeps_its_place_in_the_queue(clients: list[keymutex.Locks])
     assert second.result().owner == "w2"
 
 
+def test_a_release_by_a_token_that_only_waits_is_a_loss_and_keeps_its_place(
+    clients: list[keymutex.Locks], etcd: Etcd
+) -> None:
+    """The token's lease held only its queue entry, not the key: the release revoked it
+    (ending the wait) and said released. API.md: a token that does not hold the key
+    raises LockLost; the wait is the waiting client's business."""
+    holding, waiting, elsewhere = clients[0], clients[1], clients[2]
+    lease = holding.acquire("k", timeout=0)
+    store = waiting._store
+    waiter = store.waiter("k")
+    token = "w" * 24
+    args = {"ttl": 10.0, "owner": "w1", "info": None, "steal": False, "waiter": waiter}
+    try:
+        assert not store.try_acquire("k", token=token, **args).ok  # queued
+        before = etcd.requests()
+        with pytest.raises(keymutex.LockLost):
+            elsewhere.release("k", token)  # a release by token, from another process
+        requests = made(before, etcd.requests())
+        assert requests.get("Range") == 1  # read first: not its key …
+        assert "LeaseRevoke" not in requests  # … so its lease is left alone
+        held = holding.holder("k")
+        assert held is not None
+        assert held.fence == lease.fence
+        lease.release()
+        assert store.try_acquire("k", token=token, **args).ok  # its turn, its place kept
+        holding.release("k", token)
+    finally:
+        waiter.close()
+
+
 def test_holders_leave_the_queue_out(clients: list[keymutex.Locks], etcd: Etcd) -> None:
     alice, bob = clients[:2]
     held = alice.acquire("doc", timeout=0)

@@ -65,7 +65,10 @@ or a delete, revoke — is a raft entry, fsynced before etcd replies):
   comparing the key's lease [+3].
 - release [1]: revoke the token's lease; etcd deletes the key with it, atomically. The
   key is attached to one of the token's leases exactly while the token holds it, so a
-  revoke that finds neither lease is a loss [+1 to read the new holder]. (A release
+  revoke that finds neither lease is a loss [+1 to read the new holder]. A token this
+  store was not granted the key to (a release by token from another process) may be
+  only waiting, its lease holding a queue entry: the key is read first [+1], and the
+  token told it does not hold the key unless the key is on its lease. (A release
   racing a renewal *with another TTL* of the same token can find the old lease after
   the key moved: it then says released while the key is held until its new lease
   expires. Same-token calls do not otherwise race: a lease renews under its own lock.)
@@ -821,14 +824,26 @@ def _move(
     return Outcome(False, holder)
 
 
-def _release(layout: _Layout, key: str, token: str) -> Flow[Outcome]:
+def _release(layout: _Layout, key: str, token: str, *, granted: bool) -> Flow[Outcome]:
     """Revoke the token's etcd lease: etcd deletes the key with it, in one step.
 
-    The key is attached to one of the token's two leases exactly while the token holds
-    it (a steal revokes the holder's lease before it takes the key), so a revoke that
-    finds the lease is a release; one that finds neither lease is a loss.
+    A token this store was granted the key to (``granted``) has the key attached to one
+    of its two leases exactly while it holds it (a steal revokes the holder's lease
+    before it takes the key), so a revoke that finds the lease is a release; one that
+    finds neither lease is a loss. Another token (a release by token from elsewhere)
+    may only be *waiting* for the key, its lease holding a queue entry: the key is read
+    first [+1], and only a lease it is attached to is revoked; else the token is told
+    it does not hold the key, and its wait goes on.
     """
-    for lease in layout.lease_ids(key, token):
+    ids: tuple[int, ...] = layout.lease_ids(key, token)
+    if not granted:
+        reply = yield _Call("/v3/kv/range", {"key": _b64(layout.name(key))})
+        kv = _first_kv(reply)
+        if kv is None or kv.lease not in ids:
+            holder = yield from _current_holder(key, kv)
+            return Outcome(False, holder)
+        ids = (kv.lease,)
+    for lease in ids:
         try:
             yield _revoke(lease)
         except _ReplyError as exc:
@@ -1579,6 +1594,31 @@ class _AsyncWatchHub:
 
 # -- the stores ----------------------------------------------------------------------
 
+GRANTS_KEPT = 10_000  # (key, token) grants a store remembers for a one-step release
+
+
+class _Granted:
+    """The (key, token) pairs this store was granted and has not released: their
+    release is one revoke. A pair it does not know (a release by token from another
+    process, or one forgotten past ``GRANTS_KEPT``) is read first (``_release``)."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[tuple[str, str], None] = {}
+        self._mutex = threading.Lock()
+
+    def note(self, key: str, token: str, outcome: Outcome) -> Outcome:
+        if outcome.ok:
+            with self._mutex:
+                self._pairs.pop((key, token), None)
+                while len(self._pairs) >= GRANTS_KEPT:  # leases lost and never released
+                    self._pairs.pop(next(iter(self._pairs)))
+                self._pairs[(key, token)] = None
+        return outcome
+
+    def pop(self, key: str, token: str) -> bool:
+        with self._mutex:
+            return self._pairs.pop((key, token), 0) is None
+
 
 class EtcdStore:
     """The etcd store for one namespace (sync, on ``httpx.Client``)."""
@@ -1590,6 +1630,7 @@ class EtcdStore:
         self._transport = _Transport(target)
         self._hub = _WatchHub(self._transport, self._layout)
         self._handovers = _Handovers()
+        self._granted = _Granted()
 
     def try_acquire(
         self,
@@ -1607,7 +1648,7 @@ class EtcdStore:
         flow = _acquire(self._layout, key, token, ttl, owner, info, steal, place, self._handovers)
         what = f"etcd acquire of {key!r}"
         if waiter is None:
-            return self._transport.run(flow, what).outcome
+            return self._granted.note(key, token, self._transport.run(flow, what).outcome)
         self._hub.begin(waiter)
         try:
             done = self._transport.run(flow, what)
@@ -1618,7 +1659,7 @@ class EtcdStore:
             self._hub.end(waiter)
         else:
             self._hub.settle(waiter, done.refusal)
-        return done.outcome
+        return self._granted.note(key, token, done.outcome)
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
         return self.renew_many([RenewRequest(key, token, ttl)])[0]
@@ -1631,7 +1672,8 @@ class EtcdStore:
         )
 
     def release(self, key: str, token: str) -> Outcome:
-        return self._transport.run(_release(self._layout, key, token), f"etcd release of {key!r}")
+        flow = _release(self._layout, key, token, granted=self._granted.pop(key, token))
+        return self._transport.run(flow, f"etcd release of {key!r}")
 
     def holder(self, key: str) -> Holder | None:
         return self._transport.run(_holder(self._layout, key), f"etcd read of {key!r}")
@@ -1667,6 +1709,7 @@ class AsyncEtcdStore:
         self._transport = _AsyncTransport(target)
         self._hub = _AsyncWatchHub(self._transport, self._layout)
         self._handovers = _Handovers()
+        self._granted = _Granted()
 
     async def try_acquire(
         self,
@@ -1684,7 +1727,7 @@ class AsyncEtcdStore:
         flow = _acquire(self._layout, key, token, ttl, owner, info, steal, place, self._handovers)
         what = f"etcd acquire of {key!r}"
         if waiter is None:
-            return (await self._transport.run(flow, what)).outcome
+            return self._granted.note(key, token, (await self._transport.run(flow, what)).outcome)
         self._hub.begin(waiter)
         try:
             done = await self._transport.run(flow, what)
@@ -1695,7 +1738,7 @@ class AsyncEtcdStore:
             self._hub.end(waiter)
         else:
             self._hub.settle(waiter, done.refusal)
-        return done.outcome
+        return self._granted.note(key, token, done.outcome)
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
         return (await self.renew_many([RenewRequest(key, token, ttl)]))[0]
@@ -1708,9 +1751,8 @@ class AsyncEtcdStore:
         )
 
     async def release(self, key: str, token: str) -> Outcome:
-        return await self._transport.run(
-            _release(self._layout, key, token), f"etcd release of {key!r}"
-        )
+        flow = _release(self._layout, key, token, granted=self._granted.pop(key, token))
+        return await self._transport.run(flow, f"etcd release of {key!r}")
 
     async def holder(self, key: str) -> Holder | None:
         return await self._transport.run(_holder(self._layout, key), f"etcd read of {key!r}")
