@@ -109,6 +109,27 @@ def test_a_database_file_replaced_under_a_process_ends_its_leases(tmp_path: Path
             other.release()
 
 
+def test_a_relative_path_keeps_naming_the_file_after_a_change_of_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replaced-file check stat()ed the relative path: after os.chdir it found no
+    file there and reopened one in the new directory, which nobody else used."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    with keymutex.Locks("sqlite:locks.db") as locks:
+        lease = locks.acquire("k", ttl=60)
+        monkeypatch.chdir(tmp_path / "b")
+        lease.renew()
+        locks.acquire("k2", timeout=0).release()
+        assert not (tmp_path / "b" / "locks.db").exists()
+        with keymutex.Locks(f"sqlite:///{tmp_path}/a/locks.db") as other:
+            held = other.holder("k")
+            assert held is not None
+            assert held.fence == lease.fence
+        lease.release()
+
+
 def test_a_killed_waiter_whose_forked_child_lives_on_is_seen_gone(tmp_path: Path) -> None:
     """A forked child kept its copy of the socket a waiter of its parent was waiting on:
     once the parent was killed, its address still looked alive, a release handed the

@@ -390,6 +390,8 @@ class _SocketPool:
         return sock, address
 
     def give_back(self, sock: socket.socket, address: bytes) -> None:
+        if sock.fileno() == -1:  # closed by a fork's reset, lent before it: not reusable
+            return
         with self._mutex:
             self._lent.discard(sock)
             if not self._closed and len(self._free) < 16:
@@ -436,6 +438,7 @@ class SqliteStore:
         self, path: str, namespace: str, *, synchronous: str, busy_timeout: float
     ) -> None:
         self._path = path
+        self._file = os.path.abspath(path)  # the file connected to, whatever the cwd later
         self._namespace = namespace
         self.synchronous = synchronous
         self._busy_timeout = busy_timeout
@@ -492,7 +495,7 @@ class SqliteStore:
             )
         with translate_errors(sqlite3.Error, what=f"cannot open SQLite database {self._path!r}"):
             conn = sqlite3.connect(
-                self._path, isolation_level=None, check_same_thread=False, timeout=0
+                self._file, isolation_level=None, check_same_thread=False, timeout=0
             )
             try:
                 # Small pages: each step touches a few rows in a few b-trees, and every
@@ -600,9 +603,13 @@ class SqliteStore:
         return self._conn
 
     def _file_identity(self) -> tuple[int, int] | None:
+        """The file at the path now (``None``: none there, or none this process can see).
+
+        Of the absolute path: a relative one would name another file after os.chdir.
+        """
         try:
-            found = os.stat(self._path)
-        except FileNotFoundError:
+            found = os.stat(self._file)
+        except OSError:
             return None
         return found.st_dev, found.st_ino
 
