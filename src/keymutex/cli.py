@@ -83,7 +83,7 @@ FORWARDED_SIGNALS = (
 )
 # Signals that a terminal sends to its whole foreground process group (Ctrl-C, Ctrl-\).
 TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
-MAX_CMD_BYTES = 1024  # UTF-8 bytes of the command line shown to others in the lease's info
+MAX_CMD_BYTES = 1024  # JSON bytes of the command line shown to others in the lease's info
 RUN_INFO_FIELDS = ("cmd", "host", "pid", "user")  # what `run` shows of itself
 RELEASE_TTL = 5.0  # lifetime of the lease that `release --force` takes and gives back
 
@@ -178,7 +178,9 @@ class _Seconds(_SecondsParam):
         try:
             checked = self._check(seconds, self.name)
         except (TypeError, ValueError) as exc:
-            self.fail(str(exc), param, ctx)
+            # The library's words for "wait forever" (None) are the CLI's "leave it out".
+            message = str(exc).replace("None (wait forever)", "left out (wait forever)")
+            self.fail(message, param, ctx)
         assert checked is not None
         return checked
 
@@ -763,6 +765,25 @@ def _terminal_delivered_to_child(signum: int) -> bool:
         os.close(fd)
 
 
+def _json_bytes(text: str) -> int:
+    """The bytes ``text`` takes in info as JSON (a control character takes six)."""
+    return len(json.dumps(text, ensure_ascii=False).encode()) - 2
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text``, or its longest start that with "…" takes at most ``limit`` JSON bytes."""
+    if _json_bytes(text) <= limit:
+        return text
+    low, high = 0, len(text)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _json_bytes(text[:middle] + "…") <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return text[:low] + "…"
+
+
 def _lease_info(
     command: Sequence[str], *, hide_command: bool = False, extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -774,11 +795,7 @@ def _lease_info(
         arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         for arg in command
     ]
-    cmd = Path(shown[0]).name if hide_command else shlex.join(shown)
-    encoded = cmd.encode()
-    if len(encoded) > MAX_CMD_BYTES:  # cut by bytes, as info's size limit counts them
-        cut = len("…".encode())
-        cmd = encoded[: MAX_CMD_BYTES - cut].decode("utf-8", "ignore") + "…"
+    cmd = _cut(Path(shown[0]).name if hide_command else shlex.join(shown), MAX_CMD_BYTES)
     info: dict[str, Any] = {**(extra or {}), "cmd": cmd}
     info.update(host=socket.gethostname(), pid=os.getpid())
     user = _user()

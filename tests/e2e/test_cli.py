@@ -389,8 +389,9 @@ def test_run_shows_others_its_info_and_can_hide_the_commands_arguments(
     [
         (os.fsdecode(b"caf\xe9.txt"), "caf\\xe9.txt"),  # a file name that is not UTF-8
         ("é" * 1000, "é" * 400),  # 2000 bytes: cut, by bytes, to fit info's 4 KiB
+        ("\x01" * 2000, "\x01" * 100),  # 6 bytes each in JSON: cut by JSON bytes
     ],
-    ids=["not-utf-8", "long-non-ascii"],
+    ids=["not-utf-8", "long-non-ascii", "control-characters"],
 )
 def test_run_shows_any_command_line_it_can_run(
     argument: str, shown: str, store: str, env: dict[str, str]
@@ -402,7 +403,7 @@ def test_run_shows_any_command_line_it_can_run(
     seen = json.loads(keymutex("run", "job", "--store", store, "--", *runs_show, env=env).stdout)
     cmd = seen["info"]["cmd"]
     assert shown in cmd
-    assert len(cmd.encode()) <= 1024
+    assert len(json.dumps(cmd, ensure_ascii=False).encode()) - 2 <= 1024
 
 
 # -- ls, show, release ---------------------------------------------------------------
@@ -569,8 +570,11 @@ def test_store_defaults_to_the_user_data_directory(tmp_path: Path, env: dict[str
         (["run", "k", "--ttl", "nan", "--", "true"], "not NaN"),
         (["run", "k", "--ttl", "inf", "--", "true"], "ttl must be greater than 0"),
         (["run", "k", "--ttl", "soon", "--", "true"], "'soon' is not a number of seconds"),
-        (["run", "k", "--timeout", "-1", "--", "true"], "timeout must be None"),
-        (["run", "k", "--timeout", "inf", "--", "true"], "timeout must be None"),
+        (["run", "k", "--timeout", "-1", "--", "true"], "timeout must be left out (wait forever)"),
+        (
+            ["run", "k", "--timeout", "inf", "--", "true"],
+            "timeout must be left out (wait forever)",
+        ),
         (["run", "k", "--timeout", "nan", "--", "true"], "not NaN"),
         (["run", "", "--", "true"], "key must not be empty"),
         (["run", "k" * 1025, "--", "true"], "at most 1024 are accepted"),

@@ -122,9 +122,9 @@ ROWS = [
     cli("run-info-keymutex-field", ["run", KEY, "--info", '{"pid": 1, "cmd": "x"}', "--store", S, "--", CHILD], "Error: Invalid value for '--info': cmd, pid: keymutex sets these fields of the info itself (cmd, host, pid, user)"),
     cli("run-info-too-big", ["run", KEY, "--info", '{"a": "' + "x" * 5000 + '"}', "--store", S, "--", CHILD], "Error: Invalid value for '--info': info is"),
     # run: --timeout
-    cli("run-timeout-negative", ["run", KEY, "--timeout=-1", "--store", S, "--", CHILD], "Error: Invalid value for '--timeout': timeout must be None (wait forever), 0 (try once) or finite seconds > 0, not -1.0"),
+    cli("run-timeout-negative", ["run", KEY, "--timeout=-1", "--store", S, "--", CHILD], "Error: Invalid value for '--timeout': timeout must be left out (wait forever), 0 (try once) or finite seconds > 0, not -1.0"),
     cli("run-timeout-nan", ["run", KEY, "--timeout", "nan", "--store", S, "--", CHILD], "Error: Invalid value for '--timeout': timeout must be a number of seconds, not NaN"),
-    cli("run-timeout-inf", ["run", KEY, "--timeout", "inf", "--store", S, "--", CHILD], "Error: Invalid value for '--timeout': timeout must be None (wait forever), 0 (try once) or finite seconds > 0, not inf"),
+    cli("run-timeout-inf", ["run", KEY, "--timeout", "inf", "--store", S, "--", CHILD], "Error: Invalid value for '--timeout': timeout must be left out (wait forever), 0 (try once) or finite seconds > 0, not inf"),
     cli("run-timeout-word", ["run", KEY, "--timeout", "never", "--store", S, "--", CHILD], "Error: Invalid value for '--timeout': 'never' is not a number of seconds"),
     # run: --store and --namespace
     cli("run-store-unknown-scheme", ["run", KEY, "--store", "nosuch://x", "--", CHILD], UNKNOWN_SCHEME),
