@@ -250,6 +250,9 @@ function checkReason(reason) {
   if (length < 1 || length > MAX_REASON_CHARS) {
     throw new RangeError(`reason must be 1 to ${MAX_REASON_CHARS} characters, not ${length}`);
   }
+  if (!/** @type {string} */ (reason).trim()) {
+    throw new RangeError(`reason must say why, not be blank (${JSON.stringify(reason)})`);
+  }
   return /** @type {string} */ (reason);
 }
 

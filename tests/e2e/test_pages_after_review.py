@@ -146,7 +146,11 @@ def test_edit_page_shows_a_name_or_namespace_too_long_and_keeps_its_form(
     # 90 CJK characters fit the field's maxlength (100) but are 270 bytes as UTF-8,
     # and the name is the lease's owner: at most 256 bytes.
     page = windows.open("long name")
-    start_editing(page, f"{server.url}/demo/edit/doc%3Aname", "山" * 90)
+    start_editing(page, f"{server.url}/demo/edit/doc%3Aname", "   ")  # only spaces
+    expect(page.locator("#name-error")).to_have_text(re.compile("Enter your name"))
+    expect(page.locator("#name-form")).to_be_visible()
+    page.fill("#name", "山" * 90)
+    page.click("#start")
     expect(page.locator("#name-error")).to_have_text(re.compile("too long: 270 bytes"))
     expect(page.locator("#name-form")).to_be_visible()
     expect(page.locator("#lock-state")).to_be_hidden()

@@ -61,6 +61,11 @@ let watched = null; // the holder that the watch last saw
 let paused = null; // set while a watch is stopped because the page is hidden
 /** @type {string} */
 let heartbeatTrouble = ''; // why the last heartbeat failed, until one gets through
+
+/** "Cannot reach the lock server (why)", without saying it twice when the client did. */
+function unreachable(/** @type {string} */ why) {
+  return /^cannot reach the lock server/i.test(why) ? `${why[0].toUpperCase()}${why.slice(1)}` : `Cannot reach the lock server (${why})`;
+}
 /** @type {AbortController | null} */
 let guarding = null; // set while editing: learns at once when the lock is gone
 let releasedOnHide = false;
@@ -165,7 +170,7 @@ function showEditing() {
   }
   if (left >= AT_RISK) {
     const detail = heartbeatTrouble
-      ? `Cannot reach the lock server (${heartbeatTrouble}); retrying…`
+      ? `${unreachable(heartbeatTrouble)}; retrying…`
       : 'Others who open this document see that you are editing it.';
     show('editing', `Editing as ${name}`, detail, {stop: true});
     view.text.readOnly = false;
@@ -173,7 +178,7 @@ function showEditing() {
   }
   view.text.readOnly = true;
   const until = new Date(Date.now() + left * 1000).toLocaleTimeString();
-  const why = heartbeatTrouble ? `Cannot reach the lock server (${heartbeatTrouble}).` : 'The lock server has not answered the last renewal.';
+  const why = heartbeatTrouble ? `${unreachable(heartbeatTrouble)}.` : 'The lock server has not answered the last renewal.';
   show(
     'at-risk',
     'Your lock may be lost: editing is paused',
@@ -326,7 +331,7 @@ async function watch(holder) {
         askToken(() => watch(current));
         return;
       }
-      view.detail.textContent = `Cannot reach the lock server (${error.message}); retrying…`;
+      view.detail.textContent = `${unreachable(error.message)}; retrying…`;
       await sleep(2000, signal);
     }
   }
@@ -414,7 +419,11 @@ view.tokenForm.addEventListener('submit', (/** @type {SubmitEvent} */ event) => 
 view.nameForm.addEventListener('submit', (/** @type {SubmitEvent} */ event) => {
   event.preventDefault();
   const given = view.name.value.trim();
-  if (!given) return;
+  if (!given) {
+    view.name.setAttribute('aria-invalid', 'true');
+    showError(view.nameError, 'Enter your name: others see it while you edit.');
+    return;
+  }
   // maxlength counts characters; the server counts bytes (a CJK character is three).
   const size = new TextEncoder().encode(given).length;
   if (size > MAX_NAME_BYTES) {
