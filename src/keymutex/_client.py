@@ -1234,7 +1234,9 @@ class _AsyncRenewer:
 
     async def _end_callbacks(self) -> None:
         """Let the ``on_lost`` coroutines under way finish, for ``CALLBACK_GRACE``
-        seconds at most (they may use the store, still open), then cancel the rest.
+        seconds at most, then cancel the rest. (The ``AsyncLocks`` is closed already:
+        what they do with it raises; what they do elsewhere, such as stopping the work
+        the lease protected, gets its time.)
 
         One that calls ``aclose()`` is not waited for by it; one that will not end when
         cancelled is left behind after a second grace, with a warning.

@@ -503,18 +503,19 @@ class HttpStore:
         except StoreError as exc:
             if isinstance(exc.__cause__, httpx.TimeoutException):
                 raise  # a silent server: asking again would only wait as long again
-            answer = self._ask_again(key, token, call)
-        outcome = _Protocol.acquired(*answer)
+            outcome = self._ask_again(key, token, call)
+        else:
+            outcome = _Protocol.acquired(*answer)
         if waiter is not None and not outcome.ok:
             request = {"token": token, "ttl": ttl, "owner": owner, "info": info}
             waiter.refused(request)
         return outcome
 
-    def _ask_again(self, key: str, token: str, call: _Call) -> tuple[int, JSONDict]:
+    def _ask_again(self, key: str, token: str, call: _Call) -> Outcome:
         """An acquire whose answer did not come (see the module's docstring)."""
         try:
-            return self._send(call)
-        except StoreError:
+            return _Protocol.acquired(*self._send(call))
+        except StoreError:  # the second answer lost too, or a failure (a 5xx) of the server
             with contextlib.suppress(StoreError, ValueError):
                 self.release(key, token)
             raise
@@ -629,18 +630,19 @@ class AsyncHttpStore:
         except StoreError as exc:
             if isinstance(exc.__cause__, httpx.TimeoutException):
                 raise  # a silent server: asking again would only wait as long again
-            answer = await self._ask_again(key, token, call)
-        outcome = _Protocol.acquired(*answer)
+            outcome = await self._ask_again(key, token, call)
+        else:
+            outcome = _Protocol.acquired(*answer)
         if waiter is not None and not outcome.ok:
             request = {"token": token, "ttl": ttl, "owner": owner, "info": info}
             waiter.refused(request)
         return outcome
 
-    async def _ask_again(self, key: str, token: str, call: _Call) -> tuple[int, JSONDict]:
+    async def _ask_again(self, key: str, token: str, call: _Call) -> Outcome:
         """An acquire whose answer did not come (see the module's docstring)."""
         try:
-            return await self._send(call)
-        except StoreError:
+            return _Protocol.acquired(*await self._send(call))
+        except StoreError:  # as in HttpStore
             with contextlib.suppress(StoreError, ValueError):
                 await self.release(key, token)
             raise

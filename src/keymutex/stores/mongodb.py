@@ -442,8 +442,9 @@ class _Watcher:
                 )
                 self._thread.start()
         # Else the waiter relies on its rechecks.
+        give_up = time.monotonic() + patience
         if self._tried.wait(patience) and not self._failing:
-            self._open.wait(patience)
+            self._open.wait(max(0.0, give_up - time.monotonic()))
 
     def leave(self, waiter: _MongoWaiter) -> None:
         with self._mutex:
