@@ -106,11 +106,10 @@ def test_one_pipeline_per_user_at_a_time(record: list[dict[str, Any]]) -> None:
 
 
 def test_other_users_do_not_wait(record: list[dict[str, Any]]) -> None:
-    alice = one(record, "start", "a1")
     bob = one(record, "start", "b1")
-    alice_done = one(record, "done", "a1")["t"]
-    # bob was granted while alice's pipeline ran, at once.
-    assert alice["t"] < bob["t"] < alice_done
+    # bob was granted at once: alice's lock, on another key, did not hold him up. (Not
+    # checked: that alice's pipeline was still running then; on a loaded machine bob's
+    # request can come after it ended, by scheduling alone.)
     assert bob["answered_in"] < AT_ONCE
     assert all(start["answered_in"] < AT_ONCE for start in events(record, "start"))
 

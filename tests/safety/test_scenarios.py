@@ -855,7 +855,7 @@ DROP_FROM: dict[str, dict[str, bytes]] = {
 @pytest.mark.timeout(120)
 @stores(*NETWORKED)
 def test_acquire_reply_dropped_leaves_no_ghost_beyond_ttl(
-    store_url: str, namespace: str, record_property
+    store_url: str, namespace: str, record_property, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The store grants an acquire but the reply never comes back: the caller gets an
     error, the grant is a ghost nobody knows of, and it must be gone within its TTL.
@@ -864,6 +864,10 @@ def test_acquire_reply_dropped_leaves_no_ghost_beyond_ttl(
     deletes that node as soon as its connection is back (an "orphan"), so the ghost goes
     when the link is restored, before its TTL."""
     store = store_name(store_url)
+    if store == "postgresql":
+        # No sweeping acquire: its statement, not prepared by the warm-up yet, would be
+        # prepared first, and that reply dropped: nothing granted, nothing to test.
+        monkeypatch.setattr("keymutex.stores.postgresql.SWEEP_EVERY", 10**9)
     with Proxy(_upstream(store_url)) as proxy:
         client = keymutex.Locks(
             _proxied(store_url, proxy), namespace=namespace, ttl=REPLY_TTL, **REPLY_OPTIONS[store]

@@ -384,6 +384,17 @@ class LocksMachine(RuleBasedStateMachine):
         self._expect(
             expect, what, key, functools.partial(self.clients[client].release, key, token)
         )
+        if ok:
+            self._released_by_token(client, key, token)
+
+    def _released_by_token(self, client: int, key: str, token: str) -> None:
+        """A release by token from the client that granted the lease: its ``Lease``
+        object is released (not lost), as if its own ``release()`` had been called."""
+        for tracked in self.tracked:
+            view = tracked.view
+            mine = (view.client, view.key, view.token) == (client, key, token)
+            if mine and not (view.released or self.model.lost(view)):  # lost: past deadline
+                view.released = True
 
     def _expect(self, expect: Expect, what: str, key: str, call: Callable[[], Any]) -> Any:
         """Call ``call``; it must succeed, or raise ``LockLost``, as ``expect`` says."""
@@ -545,6 +556,7 @@ class AsyncMachine(LocksMachine):
         assert not task.done(), f"a waiting acquire of held {key!r} ended: {task}"
         await self.clients[releaser].release(key, holder.token)
         assert self.model.release_token(key, holder.token)
+        self._released_by_token(releaser, key, holder.token)
         return task, info
 
     @precondition(lambda self: self.model.live_keys())
