@@ -57,10 +57,12 @@ def worker(url: str, namespace: str, number: int, record: str, fire: Any) -> Non
             except keymutex.Locked as refused:
                 holder = refused.holder
                 who = holder.info if holder else None
-                print(
-                    f"worker {number}, tick {tick}: skipped, already running on {who}",
-                    flush=True,
+                # One write per line: print() writes the text and its newline apart, and
+                # the workers' lines ran into each other.
+                sys.stdout.write(
+                    f"worker {number}, tick {tick}: skipped, already running on {who}\n"
                 )
+                sys.stdout.flush()
                 write(record, {"worker": number, "tick": tick, "skipped_for": who})
 
 
@@ -76,6 +78,11 @@ def main() -> int:
     )
     parser.add_argument("--record", help="JSON-lines file of what each worker did")
     args = parser.parse_args()
+    try:  # one line if this store cannot be used here, not a traceback from every worker
+        with keymutex.Locks(args.url) as probe:
+            probe.holder("probe")
+    except (ImportError, ValueError, keymutex.StoreError) as exc:
+        parser.error(f"{exc}; give another store URL, e.g. sqlite:///tmp/jobs.db")
     record = args.record or str(Path(tempfile.mkdtemp()) / "runs.jsonl")
     namespace = f"periodic-{os.getpid()}"
     fire = multiprocessing.Barrier(WORKERS)
