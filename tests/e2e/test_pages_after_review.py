@@ -170,6 +170,32 @@ def test_edit_page_shows_a_name_or_namespace_too_long_and_keeps_its_form(
         assert locks.holder("doc:ns") is None
 
 
+def test_a_window_that_lost_its_lock_says_when_the_document_is_free_again(
+    server: Server, store: str, windows: Windows
+) -> None:
+    """Found trying the demo: after Bob took over and then left, Alice's window still
+    said "taken over by Bob … your changes would overwrite theirs", offering to take
+    over a document nobody held. It follows the key now, and never takes it by itself."""
+    url = f"{server.url}/demo/edit/doc%3Afree"
+    alice = windows.open("Alice")
+    start_editing(alice, url, "Alice")
+    expect(alice.locator("#state")).to_have_text("Editing as Alice")
+    bob = windows.open("Bob")
+    start_editing(bob, url, "Bob")
+    bob.click("#take-over")
+    expect(bob.locator("#state")).to_have_text("Editing as Bob")
+    expect(alice.locator("#state")).to_have_text("Your lock was taken over by Bob", timeout=10_000)
+    bob.click("#stop")  # Bob is done: the document is free
+    expect(alice.locator("#state")).to_have_text("The document is free now", timeout=10_000)
+    expect(alice.locator("#edit-again")).to_be_visible()
+    expect(alice.locator("#take-over")).to_be_hidden()
+    with keymutex.Locks(store) as locks:
+        assert locks.holder("doc:free") is None  # it did not take the lock by itself
+    screenshot(alice, "edit-free-after-loss")
+    alice.click("#edit-again")
+    expect(alice.locator("#state")).to_have_text("Editing as Alice")
+
+
 # ---------------------------------------------------------------------------------------
 # The dashboard: force release
 

@@ -57,8 +57,9 @@ let heartbeatTimer;
 let watching = null; // set while waiting for the holder to leave
 /** @type {import('./keymutex.js').Holder | null} */
 let watched = null; // the holder that the watch last saw
-/** @type {{holder: import('./keymutex.js').Holder | null} | null} */
+/** @type {{holder: import('./keymutex.js').Holder | null, follow: boolean} | null} */
 let paused = null; // set while a watch is stopped because the page is hidden
+let following = false; // the watch is follow()'s: after a loss, it never takes the lock
 /** @type {string} */
 let heartbeatTrouble = ''; // why the last heartbeat failed, until one gets through
 
@@ -134,6 +135,7 @@ function info() {
 async function open({steal = false} = {}) {
   stopWatching();
   paused = null;
+  following = false;
   releasedOnHide = false;
   show('', steal ? 'Taking over…' : 'Opening…', '');
   try {
@@ -257,6 +259,54 @@ function lost(holder) {
   setEditable(false);
   const text = holder ? `Your lock was taken over by ${who(holder)}` : 'Your lock expired or was released by someone else';
   show('lost', text, 'Editing is disabled: your changes here would overwrite theirs.', {takeOver: true});
+  follow(holder);
+}
+
+/**
+ * After this window lost its lock: follows the key as a waiting tab watches it (long
+ * polls, only while the tab is shown), to say who holds it now and when it is free.
+ * It never takes the lock by itself: what was typed since the loss was not saved, and
+ * its writer chooses ("Edit again" once free, "Take over" while someone holds it).
+ * @param {import('./keymutex.js').Holder | null} holder the holder that displaced us
+ */
+async function follow(holder) {
+  stopWatching();
+  paused = null;
+  following = true;
+  watched = holder;
+  if (document.visibilityState === 'hidden') {
+    paused = {holder, follow: true};
+    return;
+  }
+  const controller = new AbortController();
+  watching = controller;
+  const {signal} = controller;
+  const locks = /** @type {LockClient} */ (client);
+  let current = holder;
+  while (!signal.aborted) {
+    try {
+      if (current === null) current = await locks.holder(key); // expired: held by someone?
+      if (signal.aborted) return;
+      watched = current;
+      if (current === null) {
+        watching = null;
+        following = false;
+        show('lost', 'The document is free now', 'Your lock was lost: what you typed since was not saved here. Edit again to take the lock.', {editAgain: true});
+        return;
+      }
+      if (holder === null || current.fence !== holder.fence) {
+        show('lost', `Your lock was lost; ${who(current)} holds it now`, 'Editing is disabled: your changes here would overwrite theirs.', {takeOver: true});
+      }
+      const result = await locks.wait(key, current.fence, 30, {signal});
+      if (signal.aborted) return;
+      current = result.holder;
+      if (current === null) continue;
+      holder = null; // someone new: name them from now on
+    } catch (error) {
+      if (signal.aborted) return;
+      await sleep(2000, signal); // the message of the loss stays; look again
+    }
+  }
 }
 
 /** @param {import('./keymutex.js').Holder | null} holder */
@@ -281,10 +331,11 @@ function lockedBy(holder) {
 async function watch(holder) {
   stopWatching();
   paused = null;
+  following = false;
   watched = holder;
   lockedBy(holder);
   if (document.visibilityState === 'hidden') {
-    paused = {holder};
+    paused = {holder, follow: false};
     return;
   }
   const controller = new AbortController();
@@ -346,7 +397,7 @@ function stopWatching() {
 function pauseWatching() {
   if (!watching) return;
   stopWatching();
-  paused = {holder: watched};
+  paused = {holder: watched, follow: following};
 }
 
 /**
@@ -455,7 +506,7 @@ view.stop.addEventListener('click', () => stopEditing());
 document.addEventListener('visibilitychange', () => {
   if (document.visibilityState === 'visible') {
     if (lease) guard(lease);
-    if (paused) watch(paused.holder);
+    if (paused) (paused.follow ? follow : watch)(paused.holder);
   } else {
     stopGuarding();
     pauseWatching();
