@@ -200,6 +200,22 @@ def test_a_window_that_lost_its_lock_says_when_the_document_is_free_again(
 # The dashboard: force release
 
 
+def test_dashboard_fits_a_phones_width(server: Server, store: str, windows: Windows) -> None:
+    """Found trying the dashboard at 400 px: the page was 519 px wide and scrolled
+    sideways. The table scrolls in its own box now."""
+    with keymutex.Locks(store) as locks:
+        lease = locks.acquire(
+            "report:nightly", ttl=60, info={"job": "nightly-report", "host": "worker-7" * 4}
+        )
+        page = windows.open("phone")
+        page.set_viewport_size({"width": 400, "height": 800})
+        page.goto(server.url)
+        expect(page.locator("#locks tbody th").first).to_have_text("report:nightly")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 400
+        screenshot(page, "dashboard-phone")
+        lease.release()
+
+
 def test_force_release_names_the_lease_and_spares_one_that_took_the_key_meanwhile(
     server: Server, store: str, windows: Windows
 ) -> None:
