@@ -230,9 +230,10 @@ def main() -> int:
     parser.add_argument("--record", help="JSON-lines file of every request and its answer")
     args = parser.parse_args()
     try:  # one line, not a traceback, if this store cannot be used here
-        keymutex.Locks(args.url).close()
-    except (ImportError, ValueError) as exc:
-        parser.error(f"{exc}; give another store URL, e.g. sqlite:///tmp/cms.db")
+        with keymutex.Locks(args.url) as probe:
+            probe.holder("probe")
+    except (ImportError, ValueError, keymutex.StoreError) as exc:
+        parser.error(f"{str(exc).rstrip('.')}; give another store URL, e.g. sqlite:///tmp/cms.db")
     record = Path(args.record or Path(tempfile.mkdtemp()) / "cms-edit.jsonl")
     play(args.url, record)
     print(f"record: {record}")

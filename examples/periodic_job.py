@@ -82,7 +82,7 @@ def main() -> int:
         with keymutex.Locks(args.url) as probe:
             probe.holder("probe")
     except (ImportError, ValueError, keymutex.StoreError) as exc:
-        parser.error(f"{exc}; give another store URL, e.g. sqlite:///tmp/jobs.db")
+        parser.error(f"{str(exc).rstrip('.')}; give another store URL, e.g. sqlite:///tmp/jobs.db")
     record = args.record or str(Path(tempfile.mkdtemp()) / "runs.jsonl")
     namespace = f"periodic-{os.getpid()}"
     fire = multiprocessing.Barrier(WORKERS)

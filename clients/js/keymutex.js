@@ -242,6 +242,10 @@ function checkFence(fence) {
   return fence;
 }
 
+// What Python's str.strip() removes (the server refuses a reason of nothing else);
+// JavaScript's trim() differs (it takes U+FEFF, leaves U+001C-U+001F and U+0085).
+const PYTHON_BLANK = /^[\t\n\v\f\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*$/;
+
 /** @param {unknown} reason @returns {string} */
 function checkReason(reason) {
   // No byte limit of its own: 500 characters are at most the server's 2000 bytes.
@@ -250,7 +254,7 @@ function checkReason(reason) {
   if (length < 1 || length > MAX_REASON_CHARS) {
     throw new RangeError(`reason must be 1 to ${MAX_REASON_CHARS} characters, not ${length}`);
   }
-  if (!/** @type {string} */ (reason).trim()) {
+  if (PYTHON_BLANK.test(/** @type {string} */ (reason))) {
     throw new RangeError(`reason must say why, not be blank (${JSON.stringify(reason)})`);
   }
   return /** @type {string} */ (reason);

@@ -130,6 +130,20 @@ def test_a_relative_path_keeps_naming_the_file_after_a_change_of_directory(
         lease.release()
 
 
+def test_a_relative_path_through_a_symlink_names_the_file_the_os_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``link/../locks.db`` with ``link`` a symlink to ``real/sub``: the OS opens
+    ``real/locks.db``; normalised as text, the path named ``./locks.db``, another file."""
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    monkeypatch.chdir(tmp_path)
+    with keymutex.Locks("sqlite:link/../locks.db") as locks:
+        locks.acquire("k", timeout=0).release()
+    assert (tmp_path / "real" / "locks.db").exists()
+    assert not (tmp_path / "locks.db").exists()
+
+
 def test_a_killed_waiter_whose_forked_child_lives_on_is_seen_gone(tmp_path: Path) -> None:
     """A forked child kept its copy of the socket a waiter of its parent was waiting on:
     once the parent was killed, its address still looked alive, a release handed the

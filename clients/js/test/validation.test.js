@@ -153,6 +153,7 @@ describe('other arguments', () => {
   test('force release needs a reason of 1 to 500 characters', async () => {
     await rejects(() => client.forceRelease('k', ''), RangeError, /reason must be 1 to 500 characters, not 0/);
     await rejects(() => client.forceRelease('k', '   '), RangeError, /reason must say why, not be blank/);
+    await rejects(() => client.forceRelease('k', '\x1f\x85'), RangeError, /not be blank/); // blank to Python
     await rejects(() => client.forceRelease('k', '😀'.repeat(501)), RangeError, /not 501/);
     await client.forceRelease('k', '😀'.repeat(500)).catch((error) => assert.ok(error instanceof LockError));
   });

@@ -842,7 +842,9 @@ def _release(layout: _Layout, key: str, token: str, *, granted: bool) -> Flow[Ou
         if kv is None or kv.lease not in ids:
             holder = yield from _current_holder(key, kv)
             return Outcome(False, holder)
-        ids = (kv.lease,)
+        # The lease read first, then the other: a renewal with another TTL may move the
+        # key to the token's other lease meanwhile (a holder is never also queued).
+        ids = (kv.lease, *(lease for lease in ids if lease != kv.lease))
     for lease in ids:
         try:
             yield _revoke(lease)

@@ -26,7 +26,8 @@
 - ``HttpStore.force_release(key, reason)`` (what ``keymutex release --force`` uses on
   this store) is the server's admin ``/v1/force-release``, logged at the server.
 - An acquire whose answer does not come (the connection fails, or the reply does not
-  parse) may have been granted all the same: it is sent once more, with the same token,
+  parse), or is a server error (5xx: its store failed, perhaps after writing), may have
+  been granted all the same: it is sent once more, with the same token,
   which the server answers with the lease that token holds (docs/http-api.md: a retried
   acquire). If that fails too, the store releases by the token, as far as it can, and
   raises: a lease granted to nobody would block the key for its whole TTL. Not after a
@@ -505,7 +506,10 @@ class HttpStore:
                 raise  # a silent server: asking again would only wait as long again
             outcome = self._ask_again(key, token, call)
         else:
-            outcome = _Protocol.acquired(*answer)
+            if answer[0] >= 500:  # the server's store failed: perhaps after granting it
+                outcome = self._ask_again(key, token, call)
+            else:
+                outcome = _Protocol.acquired(*answer)
         if waiter is not None and not outcome.ok:
             request = {"token": token, "ttl": ttl, "owner": owner, "info": info}
             waiter.refused(request)
@@ -632,7 +636,10 @@ class AsyncHttpStore:
                 raise  # a silent server: asking again would only wait as long again
             outcome = await self._ask_again(key, token, call)
         else:
-            outcome = _Protocol.acquired(*answer)
+            if answer[0] >= 500:  # the server's store failed: perhaps after granting it
+                outcome = await self._ask_again(key, token, call)
+            else:
+                outcome = _Protocol.acquired(*answer)
         if waiter is not None and not outcome.ok:
             request = {"token": token, "ttl": ttl, "owner": owner, "info": info}
             waiter.refused(request)

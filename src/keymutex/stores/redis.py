@@ -1124,6 +1124,13 @@ def _not_a_lease(reply: Exception) -> bool:
     return isinstance(reply, redis.exceptions.ResponseError) and str(reply).startswith("WRONGTYPE")
 
 
+def _lost_if_not_a_lease(exc: StoreError) -> Outcome:
+    """A renewal whose lease key holds other data: lost (else ``exc`` is raised)."""
+    if isinstance(exc.__cause__, Exception) and _not_a_lease(exc.__cause__):
+        return Outcome(False, None)
+    raise exc
+
+
 def _renewed(calls: Sequence[_Call], replies: Sequence[Any]) -> list[Outcome]:
     """The outcomes of a batch of renewals. A lease whose key holds something else (a
     WRONGTYPE error) is not there: lost, without failing the others of the batch."""
@@ -1392,7 +1399,10 @@ class RedisStore:
             _LOG.warning("could not leave the queue of %r: %s", key, exc)
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
-        return self._run(self._steps.renew(RenewRequest(key, token, ttl)))
+        try:
+            return self._run(self._steps.renew(RenewRequest(key, token, ttl)))
+        except StoreError as exc:
+            return _lost_if_not_a_lease(exc)
 
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
         if not requests:
@@ -1560,7 +1570,10 @@ class AsyncRedisStore:
             _LOG.warning("could not leave the queue of %r: %s", key, exc)
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
-        return await self._run(self._steps.renew(RenewRequest(key, token, ttl)))
+        try:
+            return await self._run(self._steps.renew(RenewRequest(key, token, ttl)))
+        except StoreError as exc:
+            return _lost_if_not_a_lease(exc)
 
     async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
         if not requests:

@@ -438,7 +438,9 @@ class SqliteStore:
         self, path: str, namespace: str, *, synchronous: str, busy_timeout: float
     ) -> None:
         self._path = path
-        self._file = os.path.abspath(path)  # the file connected to, whatever the cwd later
+        # The file connected to, whatever the cwd later: joined, not normalised (".." after
+        # a symlink is the OS's to follow, as for every other opener of the path).
+        self._file = os.path.join(os.getcwd(), path)
         self._namespace = namespace
         self.synchronous = synchronous
         self._busy_timeout = busy_timeout
@@ -609,8 +611,10 @@ class SqliteStore:
         """
         try:
             found = os.stat(self._file)
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError:  # cannot tell (a permission changed): take it to be the same
+            return getattr(self, "_identity", None)
         return found.st_dev, found.st_ino
 
     # -- the queue of waiters -----------------------------------------------------

@@ -255,11 +255,12 @@ async function heartbeat() {
 function lost(holder) {
   clearTimeout(heartbeatTimer);
   stopGuarding();
+  const gone = lease;
   lease = null;
   setEditable(false);
   const text = holder ? `Your lock was taken over by ${who(holder)}` : 'Your lock expired or was released by someone else';
   show('lost', text, 'Editing is disabled: your changes here would overwrite theirs.', {takeOver: true});
-  follow(holder);
+  follow(holder, gone);
 }
 
 /**
@@ -268,8 +269,11 @@ function lost(holder) {
  * It never takes the lock by itself: what was typed since the loss was not saved, and
  * its writer chooses ("Edit again" once free, "Take over" while someone holds it).
  * @param {import('./keymutex.js').Holder | null} holder the holder that displaced us
+ * @param {import('./keymutex.js').Lease | null} [gone] the lease lost: by the page's
+ *   own clock it may still be held at the server (a heartbeat that got through late);
+ *   it is given back, rather than shown as someone else's
  */
-async function follow(holder) {
+async function follow(holder, gone = null) {
   stopWatching();
   paused = null;
   following = true;
@@ -287,6 +291,12 @@ async function follow(holder) {
     try {
       if (current === null) current = await locks.holder(key); // expired: held by someone?
       if (signal.aborted) return;
+      if (current && gone && current.fence === gone.fence) {
+        await locks.release(key, gone.token).catch(() => {}); // ours still: give it back
+        gone = null;
+        current = null;
+        continue;
+      }
       watched = current;
       if (current === null) {
         watching = null;
@@ -299,11 +309,16 @@ async function follow(holder) {
       }
       const result = await locks.wait(key, current.fence, 30, {signal});
       if (signal.aborted) return;
+      if (!result.changed) continue; // the time ran out, nothing happened
       current = result.holder;
       if (current === null) continue;
       holder = null; // someone new: name them from now on
     } catch (error) {
       if (signal.aborted) return;
+      if (error instanceof Unauthorized) {
+        askToken(() => follow(current));
+        return;
+      }
       await sleep(2000, signal); // the message of the loss stays; look again
     }
   }
