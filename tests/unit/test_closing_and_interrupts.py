@@ -11,25 +11,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import keymutex
 from keymutex import _client
-
-STORES = ["memory", "sqlite"]
-
-
-@pytest.fixture(params=STORES)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "memory":
-        yield f"memory://t{uuid.uuid4().hex}"  # a store of this test's own
-    else:
-        yield f"sqlite:///{tmp_path}/locks.db"
 
 
 class _Interrupted(Exception):

@@ -24,9 +24,7 @@ import asyncio
 import sys
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -37,18 +35,8 @@ from keymutex import _client
 from keymutex._lease import Outcome
 from keymutex._store import RenewRequest
 
-STORES = ["memory", "sqlite"]
-
 # Long enough for anything that should happen on a loaded machine; reached only on failure.
 PATIENCE = 20.0
-
-
-@pytest.fixture(params=STORES)
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "memory":
-        yield f"memory://t{uuid.uuid4().hex}"  # a store of this test's own
-    else:
-        yield f"sqlite:///{tmp_path}/locks.db"
 
 
 async def await_until(condition: Callable[[], bool], what: str) -> None:

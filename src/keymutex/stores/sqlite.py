@@ -441,6 +441,7 @@ class SqliteStore:
         # The file connected to, whatever the cwd later: joined, not normalised (".." after
         # a symlink is the OS's to follow, as for every other opener of the path).
         self._file = os.path.join(os.getcwd(), path)
+        self._identity: tuple[int, int] | None = None  # of the file connected to
         self._namespace = namespace
         self.synchronous = synchronous
         self._busy_timeout = busy_timeout
@@ -614,7 +615,7 @@ class SqliteStore:
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError:  # cannot tell (a permission changed): take it to be the same
-            return getattr(self, "_identity", None)
+            return self._identity
         return found.st_dev, found.st_ino
 
     # -- the queue of waiters -----------------------------------------------------

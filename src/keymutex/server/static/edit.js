@@ -274,17 +274,8 @@ function lost(holder) {
  *   it is given back, rather than shown as someone else's
  */
 async function follow(holder, gone = null) {
-  stopWatching();
-  paused = null;
-  following = true;
-  watched = holder;
-  if (document.visibilityState === 'hidden') {
-    paused = {holder, follow: true};
-    return;
-  }
-  const controller = new AbortController();
-  watching = controller;
-  const {signal} = controller;
+  const signal = startWatching(holder, true);
+  if (!signal) return;
   const locks = /** @type {LockClient} */ (client);
   let current = holder;
   while (!signal.aborted) {
@@ -344,18 +335,9 @@ function lockedBy(holder) {
  * @param {import('./keymutex.js').Holder | null} holder
  */
 async function watch(holder) {
-  stopWatching();
-  paused = null;
-  following = false;
-  watched = holder;
   lockedBy(holder);
-  if (document.visibilityState === 'hidden') {
-    paused = {holder, follow: false};
-    return;
-  }
-  const controller = new AbortController();
-  watching = controller;
-  const {signal} = controller;
+  const signal = startWatching(holder, false);
+  if (!signal) return;
   const locks = /** @type {LockClient} */ (client);
   let current = holder;
   while (!signal.aborted) {
@@ -401,6 +383,26 @@ async function watch(holder) {
       await sleep(2000, signal);
     }
   }
+}
+
+/**
+ * The start of watch() and follow(): the watch before is stopped, and the new one's
+ * signal returned; null in a hidden tab, which starts it when shown (see watch()).
+ * @param {import('./keymutex.js').Holder | null} holder
+ * @param {boolean} follow
+ * @returns {AbortSignal | null}
+ */
+function startWatching(holder, follow) {
+  stopWatching();
+  paused = null;
+  following = follow;
+  watched = holder;
+  if (document.visibilityState === 'hidden') {
+    paused = {holder, follow};
+    return null;
+  }
+  watching = new AbortController();
+  return watching.signal;
 }
 
 function stopWatching() {
