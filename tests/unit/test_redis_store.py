@@ -15,13 +15,14 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
 
 import keymutex
 from _processes import free_port
+from _redis_servers import RedisCluster
 from keymutex import _clock as clock
 from keymutex._store import RenewRequest
 from keymutex.stores.redis import RedisStore
@@ -625,7 +626,8 @@ while true do
 end
 """
 BUSY_FOR = 0.5  # seconds Redis serves nobody else
-SLOW_CLIENT = "socket_timeout=0.3"  # a client that gives up before then
+SLOW_TIMEOUT = 0.3  # a client that gives up before then
+SLOW_CLIENT = f"socket_timeout={SLOW_TIMEOUT}"
 
 
 def _slow_url(redis_url: str) -> str:
@@ -644,15 +646,29 @@ def _busy(server: redis.Redis) -> Iterator[None]:
         thread.join(30)
 
 
+@pytest.fixture(params=["single", "cluster"])
+def slow_topology(
+    request: pytest.FixtureRequest, redis_url: str, server: redis.Redis
+) -> tuple[str, Callable[[str], redis.Redis]]:
+    """A Redis URL, and the server that serves an item's name there (to keep busy)."""
+    if request.param == "single":
+        return redis_url, lambda name: server
+    cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+    return cluster.url, lambda name: cluster.owner_of(name).client()
+
+
 def test_a_release_that_timed_out_is_not_sent_again(
-    server: redis.Redis, redis_url: str, namespace: str
+    slow_topology: tuple[str, Callable[[str], redis.Redis]], namespace: str
 ) -> None:
     """Sent again on a new connection, the release ran twice in Redis, and the second
     run, finding the lease gone (the first had released it), told the user
     ``LockLost``. A release whose answer did not come is a ``StoreError``: its outcome
-    is unknown (Redis may run it, or drop it with the connection)."""
-    with keymutex.Locks(_slow_url(redis_url), namespace=namespace) as locks:
+    is unknown (Redis may run it, or drop it with the connection). On a cluster it was
+    redis-py's cluster client that sent it again (up to three times, after a pause)."""
+    url, serving = slow_topology
+    with keymutex.Locks(url, namespace=namespace, socket_timeout=SLOW_TIMEOUT) as locks:
         lease = locks.acquire("k", timeout=0)
+        server = serving(locks._store._layout.lease("k"))  # type: ignore[attr-defined]
         with _busy(server), pytest.raises(keymutex.StoreError, match="Timeout"):
             lease.release()
         with contextlib.suppress(keymutex.LockLost):  # if Redis did not run it
@@ -662,10 +678,12 @@ def test_a_release_that_timed_out_is_not_sent_again(
 
 @pytest.mark.asyncio
 async def test_async_a_release_that_timed_out_is_not_sent_again(
-    server: redis.Redis, redis_url: str, namespace: str
+    slow_topology: tuple[str, Callable[[str], redis.Redis]], namespace: str
 ) -> None:
-    async with keymutex.AsyncLocks(_slow_url(redis_url), namespace=namespace) as locks:
+    url, serving = slow_topology
+    async with keymutex.AsyncLocks(url, namespace=namespace, socket_timeout=SLOW_TIMEOUT) as locks:
         lease = await locks.acquire("k", timeout=0)
+        server = serving(locks._store._layout.lease("k"))  # type: ignore[attr-defined]
         with _busy(server), pytest.raises(keymutex.StoreError, match="Timeout"):
             await lease.release()
         with contextlib.suppress(keymutex.LockLost):

@@ -1278,6 +1278,29 @@ class _NodeClients:
 _DRIVER_ERRORS = (RedisError, RedisClusterException, OSError)
 
 
+# redis-py's cluster clients send a command again after these errors. Not after a
+# timeout here: Redis may have run the command (a release run twice says "not held").
+# What is left is sent again only after nothing ran: a refused connection, a cluster
+# that is down or a slot nobody serves (MOVED and ASK are followed apart from these).
+_CLUSTER_RETRY = tuple(
+    error
+    for error in redis.cluster.RedisCluster.ERRORS_ALLOW_RETRY
+    if not issubclass(error, _SLOW)
+)
+
+
+class _Cluster(redis.cluster.RedisCluster):
+    """redis-py's sync cluster client, but a command that timed out is not sent again."""
+
+    ERRORS_ALLOW_RETRY = _CLUSTER_RETRY  # type: ignore[assignment]
+
+
+class _AsyncCluster(redis.asyncio.cluster.RedisCluster):
+    """redis-py's async cluster client, but a command that timed out is not sent again."""
+
+    ERRORS_ALLOW_RETRY = _CLUSTER_RETRY  # type: ignore[assignment]
+
+
 class _LazyCluster:
     """A sync ``RedisCluster``, made at its first use rather than in ``Locks()``.
 
@@ -1888,9 +1911,7 @@ class RedisDriver:
                 redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
                 for host, port in target.nodes
             ]
-            cluster: Any = _LazyCluster(
-                lambda: redis.cluster.RedisCluster(startup_nodes=nodes, **target.options)
-            )
+            cluster: Any = _LazyCluster(lambda: _Cluster(startup_nodes=nodes, **target.options))
 
             def on_node(channel: str) -> tuple[str, Callable[[], Any]]:
                 # A sharded channel is served by the node that owns its slot.
@@ -1928,7 +1949,7 @@ class RedisDriver:
         if target.kind == "cluster":
             nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in target.nodes]
             cluster_options = {k: v for k, v in target.options.items() if k != "max_connections"}
-            cluster = redis.asyncio.cluster.RedisCluster(startup_nodes=nodes, **cluster_options)
+            cluster = _AsyncCluster(startup_nodes=nodes, **cluster_options)
 
             async def on_node(channel: str) -> tuple[str, Callable[[], Any]]:
                 await cluster.initialize()  # learns the slots once; a no-op afterwards
