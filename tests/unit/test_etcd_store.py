@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -661,3 +663,347 @@ async def test_a_cancelled_async_waiter_leaves_the_queue(
         assert int(entry["lease"]) not in etcd.lease_ids()
         await held.release()
         assert (await bob.acquire("doc", timeout=0)).fence > held.fence
+
+
+# -- a release by token from another store, racing what the holder does meanwhile -------
+#
+# A store that was not granted the key to a token (a release by token from another
+# process, or after the granting Locks is gone) reads the key first, then revokes the
+# token's lease it found the key on, then the token's other one. A hook on the real
+# HTTP client of the releasing store runs what the holder does at the one moment that
+# matters: after that read, before the first revoke reaches etcd.
+
+
+class Interleaving:
+    """The requests a store sent (path, and the lease of a revoke); ``between`` ran
+    once, just before the first revoke went."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int | None]] = []
+        self.ran = False
+
+    def runs_before(self, url: str, content: bytes) -> bool:
+        """Note a request about to go; whether ``between`` must run first."""
+        path = urlsplit(url).path
+        revoke = path == "/v3/lease/revoke"
+        self.sent.append((path, int(json.loads(content)["ID"]) if revoke else None))
+        first, self.ran = revoke and not self.ran, self.ran or revoke
+        return first
+
+    def revoked(self) -> list[int]:
+        return [lease for path, lease in self.sent if lease is not None]
+
+
+def interleave(
+    monkeypatch: pytest.MonkeyPatch, locks: keymutex.Locks, between: Callable[[], object]
+) -> Interleaving:
+    store = locks._store
+    assert isinstance(store, etcd_store.EtcdStore)
+    client = store._transport._client
+    post = client.post
+    seen = Interleaving()
+
+    def hooked(url: str, **options: Any) -> httpx.Response:
+        if seen.runs_before(url, options["content"]):
+            between()
+        return post(url, **options)
+
+    monkeypatch.setattr(client, "post", hooked)
+    return seen
+
+
+def interleave_async(
+    monkeypatch: pytest.MonkeyPatch,
+    locks: keymutex.AsyncLocks,
+    between: Callable[[], Awaitable[object]],
+) -> Interleaving:
+    store = locks._store
+    assert isinstance(store, etcd_store.AsyncEtcdStore)
+    client = store._transport._client
+    post = client.post
+    seen = Interleaving()
+
+    async def hooked(url: str, **options: Any) -> httpx.Response:
+        if seen.runs_before(url, options["content"]):
+            await between()
+        return await post(url, **options)
+
+    monkeypatch.setattr(client, "post", hooked)
+    return seen
+
+
+async def nothing() -> None:
+    return None
+
+
+def lease_of(etcd: Etcd, key: str) -> int:
+    """The etcd lease ``key`` is attached to."""
+    kv = etcd.kv(key)
+    assert kv is not None, f"{key!r} is not held"
+    return int(kv["lease"])
+
+
+def test_a_release_by_token_finds_the_key_moved_to_the_tokens_other_lease_meanwhile(
+    etcd_url: str, namespace: str, etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder renewed with another TTL between the release's read and its revoke:
+    the key moved to the token's other etcd lease, and the lease the read found was
+    revoked by the move. Revoking only that one found nothing: the release raised
+    LockLost for a key its token held, and the key stayed locked for the renewal's
+    whole TTL (40 s) after the holder asked to let it go."""
+    with (
+        keymutex.Locks(etcd_url, namespace=namespace, owner="alice") as alice,
+        keymutex.Locks(etcd_url, namespace=namespace, owner="web") as elsewhere,
+    ):
+        lease = alice.acquire("doc", ttl=10, renew=False, timeout=0)
+        first, second = etcd.layout.lease_ids("doc", lease.token)
+        assert lease_of(etcd, "doc") == first
+        moved: list[tuple[int, bool]] = []
+
+        def renewal_with_another_ttl() -> None:
+            lease.renew(ttl=40)  # 10 s -> 40 s: the key moves to the token's other lease
+            moved.append((lease_of(etcd, "doc"), first in etcd.lease_ids()))
+
+        seen = interleave(monkeypatch, elsewhere, renewal_with_another_ttl)
+        elsewhere.release("doc", lease.token)  # another store: never granted this token
+        # The read found the key on the first lease; the move ran before its revoke.
+        assert seen.sent[:2] == [("/v3/kv/range", None), ("/v3/lease/revoke", first)]
+        assert moved == [(second, False)]  # the lease the read found is gone
+        assert set(seen.revoked()) <= {first, second}  # only the token's own leases
+        assert etcd.kv("doc") is None
+        assert not {first, second} & etcd.lease_ids()
+        alice.acquire("doc", timeout=0).release()  # free at once, not 40 s later
+
+
+@pytest.mark.asyncio
+async def test_an_async_release_by_token_finds_the_key_moved_to_the_tokens_other_lease(
+    etcd_url: str, namespace: str, etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the sync test: AsyncLocks said LockLost for a key its token held, and the key
+    stayed locked for the renewal's whole TTL."""
+    async with (
+        keymutex.AsyncLocks(etcd_url, namespace=namespace, owner="alice") as alice,
+        keymutex.AsyncLocks(etcd_url, namespace=namespace, owner="web") as elsewhere,
+    ):
+        lease = await alice.acquire("doc", ttl=10, renew=False, timeout=0)
+        first, second = etcd.layout.lease_ids("doc", lease.token)
+        assert lease_of(etcd, "doc") == first
+        moved: list[tuple[int, bool]] = []
+
+        async def renewal_with_another_ttl() -> None:
+            await lease.renew(ttl=40)
+            moved.append((lease_of(etcd, "doc"), first in etcd.lease_ids()))
+
+        seen = interleave_async(monkeypatch, elsewhere, renewal_with_another_ttl)
+        await elsewhere.release("doc", lease.token)
+        assert seen.sent[:2] == [("/v3/kv/range", None), ("/v3/lease/revoke", first)]
+        assert moved == [(second, False)]
+        assert set(seen.revoked()) <= {first, second}
+        assert etcd.kv("doc") is None
+        assert not {first, second} & etcd.lease_ids()
+        await (await alice.acquire("doc", timeout=0)).release()
+
+
+def bob_kept_the_key(
+    etcd: Etcd,
+    seen: Interleaving,
+    lost: keymutex.LockLost,
+    ids: tuple[int, int],
+    bobs: keymutex.Lease | keymutex.AsyncLease,
+) -> None:
+    """The release by alice's token read the key, revoked her leases alone, and said
+    LockLost naming bob, whose key is still on his live lease."""
+    assert seen.sent[:2] == [("/v3/kv/range", None), ("/v3/lease/revoke", ids[0])]
+    assert lost.holder is not None
+    assert (lost.holder.owner, lost.holder.fence) == ("bob", bobs.fence)
+    assert set(seen.revoked()) <= set(ids)
+    bobs_lease = etcd.layout.lease_ids("doc", bobs.token)[0]
+    assert lease_of(etcd, "doc") == bobs_lease
+    assert bobs_lease in etcd.lease_ids()
+
+
+def test_a_release_by_token_racing_a_handover_leaves_the_new_holders_lease_alone(
+    etcd_url: str, namespace: str, etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the release's read (the key on the token's lease) and its revoke, the
+    holder released the key and bob took it. The release must say LockLost, naming
+    bob, and revoke only the token's own leases: one that went after the key where it
+    is now would revoke bob's lease, and etcd delete his key while he believed he held
+    it (anyone could take it)."""
+    with (
+        keymutex.Locks(etcd_url, namespace=namespace, owner="alice") as alice,
+        keymutex.Locks(etcd_url, namespace=namespace, owner="bob") as bob,
+        keymutex.Locks(etcd_url, namespace=namespace, owner="web") as elsewhere,
+    ):
+        lease = alice.acquire("doc", ttl=10, renew=False, timeout=0)
+        ids = etcd.layout.lease_ids("doc", lease.token)
+        taken: list[keymutex.Lease] = []
+
+        def handover() -> None:
+            lease.release()
+            taken.append(bob.acquire("doc", ttl=10, renew=False, timeout=0))
+
+        seen = interleave(monkeypatch, elsewhere, handover)
+        with pytest.raises(keymutex.LockLost) as lost:
+            elsewhere.release("doc", lease.token)
+        (bobs,) = taken
+        bob_kept_the_key(etcd, seen, lost.value, ids, bobs)
+        bobs.renew()
+        bobs.release()
+
+
+@pytest.mark.asyncio
+async def test_an_async_release_by_token_racing_a_handover_leaves_the_new_holder_alone(
+    etcd_url: str, namespace: str, etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the sync test: bob's lease must outlive a release by a token he took over from."""
+    async with (
+        keymutex.AsyncLocks(etcd_url, namespace=namespace, owner="alice") as alice,
+        keymutex.AsyncLocks(etcd_url, namespace=namespace, owner="bob") as bob,
+        keymutex.AsyncLocks(etcd_url, namespace=namespace, owner="web") as elsewhere,
+    ):
+        lease = await alice.acquire("doc", ttl=10, renew=False, timeout=0)
+        ids = etcd.layout.lease_ids("doc", lease.token)
+        taken: list[keymutex.AsyncLease] = []
+
+        async def handover() -> None:
+            await lease.release()
+            taken.append(await bob.acquire("doc", ttl=10, renew=False, timeout=0))
+
+        seen = interleave_async(monkeypatch, elsewhere, handover)
+        with pytest.raises(keymutex.LockLost) as lost:
+            await elsewhere.release("doc", lease.token)
+        (bobs,) = taken
+        bob_kept_the_key(etcd, seen, lost.value, ids, bobs)
+        await bobs.renew()
+        await bobs.release()
+
+
+def test_a_stale_tokens_release_by_token_is_lock_lost_and_revokes_nothing(
+    etcd_url: str, namespace: str, etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bob took the key over; alice's old token, released by token from another
+    process, must raise LockLost naming bob and revoke nothing. The key it reads is on
+    bob's lease: a release that revoked the lease it found would have said released,
+    and etcd deleted bob's key under him."""
+    with (
+        keymutex.Locks(etcd_url, namespace=namespace, owner="alice") as alice,
+        keymutex.Locks(etcd_url, namespace=namespace, owner="bob") as bob,
+        keymutex.Locks(etcd_url, namespace=namespace, owner="web") as elsewhere,
+    ):
+        lease = alice.acquire("doc", ttl=10, renew=False, timeout=0)
+        lease.renew(ttl=40)  # on the token's second lease: both have been used
+        stolen = bob.acquire("doc", ttl=10, renew=False, steal=True, timeout=0)
+        bobs_lease = lease_of(etcd, "doc")
+        assert bobs_lease not in etcd.layout.lease_ids("doc", lease.token)
+        seen = interleave(monkeypatch, elsewhere, lambda: None)
+        with pytest.raises(keymutex.LockLost) as lost:
+            elsewhere.release("doc", lease.token)
+        assert lost.value.holder is not None
+        assert (lost.value.holder.owner, lost.value.holder.fence) == ("bob", stolen.fence)
+        assert seen.revoked() == []
+        assert lease_of(etcd, "doc") == bobs_lease
+        assert bobs_lease in etcd.lease_ids()
+        stolen.renew()
+        stolen.release()
+
+
+@pytest.mark.asyncio
+async def test_an_async_stale_tokens_release_by_token_is_lock_lost_and_revokes_nothing(
+    etcd_url: str, namespace: str, etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the sync test: AsyncLocks must not delete bob's key for alice's old token."""
+    async with (
+        keymutex.AsyncLocks(etcd_url, namespace=namespace, owner="alice") as alice,
+        keymutex.AsyncLocks(etcd_url, namespace=namespace, owner="bob") as bob,
+        keymutex.AsyncLocks(etcd_url, namespace=namespace, owner="web") as elsewhere,
+    ):
+        lease = await alice.acquire("doc", ttl=10, renew=False, timeout=0)
+        await lease.renew(ttl=40)
+        stolen = await bob.acquire("doc", ttl=10, renew=False, steal=True, timeout=0)
+        bobs_lease = lease_of(etcd, "doc")
+        assert bobs_lease not in etcd.layout.lease_ids("doc", lease.token)
+        seen = interleave_async(monkeypatch, elsewhere, nothing)
+        with pytest.raises(keymutex.LockLost) as lost:
+            await elsewhere.release("doc", lease.token)
+        assert lost.value.holder is not None
+        assert (lost.value.holder.owner, lost.value.holder.fence) == ("bob", stolen.fence)
+        assert seen.revoked() == []
+        assert lease_of(etcd, "doc") == bobs_lease
+        assert bobs_lease in etcd.lease_ids()
+        await stolen.renew()
+        await stolen.release()
+
+
+def around_posts(
+    monkeypatch: pytest.MonkeyPatch,
+    locks: keymutex.Locks,
+    before: Callable[[str, int | None], object],
+    after: Callable[[str, int | None], object],
+) -> None:
+    """Run ``before`` and ``after`` each request of ``locks``' store (with its path, and
+    the lease of a revoke)."""
+    store = locks._store
+    assert isinstance(store, etcd_store.EtcdStore)
+    client = store._transport._client
+    post = client.post
+
+    def hooked(url: str, **options: Any) -> httpx.Response:
+        path = urlsplit(url).path
+        lease = int(json.loads(options["content"])["ID"]) if path == "/v3/lease/revoke" else None
+        before(path, lease)
+        reply = post(url, **options)
+        after(path, lease)
+        return reply
+
+    monkeypatch.setattr(client, "post", hooked)
+
+
+def test_a_release_by_token_between_a_moves_put_and_its_revoke_releases_the_key(
+    etcd_url: str, namespace: str, etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The narrower window of the same race: the release's revoke of the lease it read
+    lands after the holder's move put the key on the token's other lease, and before
+    the move revoked the old one. That revoke found its lease (holding nothing by then):
+    the release said released, and the key stayed held for the renewal's 40 s."""
+    with (
+        keymutex.Locks(etcd_url, namespace=namespace, owner="alice") as alice,
+        keymutex.Locks(etcd_url, namespace=namespace, owner="web") as elsewhere,
+    ):
+        lease = alice.acquire("doc", ttl=10, renew=False, timeout=0)
+        first, second = etcd.layout.lease_ids("doc", lease.token)
+        read, moved, revoked = threading.Event(), threading.Event(), threading.Event()
+        by_release: list[int] = []
+
+        def move_waits_for_the_release(path: str, lease: int | None) -> None:
+            # The move's first revoke is of the lease it moved from: the put is done.
+            if lease is not None and not moved.is_set():
+                moved.set()
+                assert revoked.wait(10), "the release never revoked"
+
+        def release_waits_for_the_put(path: str, lease: int | None) -> None:
+            if lease is not None:
+                by_release.append(lease)
+                if not read.is_set():  # its read went: let the holder move the key
+                    read.set()
+                    assert moved.wait(10), "the move never put the key on the other lease"
+
+        def release_revoked(path: str, lease: int | None) -> None:
+            if lease is not None:
+                revoked.set()
+
+        around_posts(monkeypatch, alice, move_waits_for_the_release, lambda *_: None)
+        around_posts(monkeypatch, elsewhere, release_waits_for_the_put, release_revoked)
+        said: list[object] = []
+        release = threading.Thread(
+            target=lambda: said.append(elsewhere.release("doc", lease.token))
+        )
+        release.start()
+        assert read.wait(10), "the release never read the key"
+        lease.renew(ttl=40)  # 10 s -> 40 s: the key moves to the token's second lease
+        release.join(10)
+        assert said == [None], "the release by token did not finish"
+        assert by_release[0] == first  # the lease its read found the key on
+        assert set(by_release) == {first, second}  # then the other: only the token's own
+        assert etcd.kv("doc") is None, "the key stayed held after its release"
+        alice.acquire("doc", timeout=0).release()  # free at once, not 40 s later

@@ -68,10 +68,10 @@ or a delete, revoke — is a raft entry, fsynced before etcd replies):
   revoke that finds neither lease is a loss [+1 to read the new holder]. A token this
   store was not granted the key to (a release by token from another process) may be
   only waiting, its lease holding a queue entry: the key is read first [+1], and the
-  token told it does not hold the key unless the key is on its lease. (A release
-  racing a renewal *with another TTL* of the same token can find the old lease after
-  the key moved: it then says released while the key is held until its new lease
-  expires. Same-token calls do not otherwise race: a lease renews under its own lock.)
+  token told it does not hold the key unless the key is on its lease; then both of the
+  token's leases are revoked [+1], as a renewal *with another TTL* of the same token
+  may move the key from one to the other meanwhile. (Same-token calls of one store do
+  not race: a lease renews under its own lock.)
 - holder / holders [1 + 1 per lease]: a range read, then each lease's remaining TTL
   (whole seconds: ``expires_at`` is for display, up to a second early).
 
@@ -842,9 +842,12 @@ def _release(layout: _Layout, key: str, token: str, *, granted: bool) -> Flow[Ou
         if kv is None or kv.lease not in ids:
             holder = yield from _current_holder(key, kv)
             return Outcome(False, holder)
-        # The lease read first, then the other: a renewal with another TTL may move the
-        # key to the token's other lease meanwhile (a holder is never also queued).
+        # The lease read first, then the other, even after the first was found: a
+        # renewal with another TTL may move the key to the token's other lease
+        # meanwhile, and revoke the first lease only after (a holder is never also
+        # queued: the other lease holds no queue entry).
         ids = (kv.lease, *(lease for lease in ids if lease != kv.lease))
+    released = False
     for lease in ids:
         try:
             yield _revoke(lease)
@@ -852,7 +855,11 @@ def _release(layout: _Layout, key: str, token: str, *, granted: bool) -> Flow[Ou
             if exc.code != _NOT_FOUND:
                 raise
         else:
-            return Outcome(True)
+            if granted:
+                return Outcome(True)
+            released = True
+    if released:
+        return Outcome(True)
     reply = yield _Call("/v3/kv/range", {"key": _b64(layout.name(key))})
     holder = yield from _current_holder(key, _first_kv(reply))
     return Outcome(False, holder)
