@@ -116,6 +116,29 @@ def test_proxy_lose_reply_cuts_the_connection_once(echo: tuple[str, int]) -> Non
             assert _round_trip(again) == b"ping"
 
 
+def test_proxy_fail_reply_answers_matched_requests_with_the_answer(
+    echo: tuple[str, int],
+) -> None:
+    """Each of the next ``times`` matched requests reaches the server, whose reply is
+    replaced by ``answer`` and the connection closed; other requests pass, and so does
+    everything once those are spent."""
+    answer = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n"
+    with Proxy(echo) as proxy:
+        proxy.set_mode("fail_reply", after_request=b"ping", times=2, answer=answer)
+        with _connect(proxy) as sock:
+            assert _round_trip(sock, b"pong") == b"pong"  # not matched: passes
+            assert _round_trip(sock) == answer
+            assert sock.recv(100) == b"", "the connection was closed after the answer"
+        assert proxy.dropped_bytes == len(b"ping"), "the request reached the echo server"
+        assert proxy.mode == "fail_reply"
+        with _connect(proxy) as again:
+            assert _round_trip(again, b"ping again") == answer
+        assert proxy.failed_replies == 2
+        assert proxy.mode == "pass"
+        with _connect(proxy) as third:
+            assert _round_trip(third) == b"ping"
+
+
 def test_proxy_reset_breaks_open_and_new_connections(echo: tuple[str, int]) -> None:
     with Proxy(echo) as proxy, _connect(proxy) as sock:
         assert _round_trip(sock) == b"ping"

@@ -294,7 +294,7 @@ class _Protocol:
         return dataclasses.replace(CAPABILITIES, durable_fences=durable)
 
 
-def _decode(response: httpx.Response) -> tuple[int, JSONDict]:
+def _decode(call: _Call, response: httpx.Response) -> tuple[int, JSONDict]:
     status = response.status_code
     try:
         payload = response.json()
@@ -302,7 +302,8 @@ def _decode(response: httpx.Response) -> tuple[int, JSONDict]:
         payload = None
     if not isinstance(payload, dict):
         raise StoreError(
-            f"the lock server answered {status} with a body that is not a JSON object"
+            f"the lock server answered {call.method} {call.path} with {status} and a body"
+            " that is not a JSON object (a proxy or gateway in between?)"
         )
     return status, payload
 
@@ -477,7 +478,7 @@ class HttpStore:
             # from before its request was sent, and must not lose this round trip.
             self._asked_capabilities = True
             self._ask_capabilities()
-        return _decode(response)
+        return _decode(call, response)
 
     def _ask_capabilities(self) -> None:
         with contextlib.suppress(StoreError):
@@ -607,7 +608,7 @@ class AsyncHttpStore:
             # from before its request was sent, and must not lose this round trip.
             self._asked_capabilities = True
             await self._ask_capabilities()
-        return _decode(response)
+        return _decode(call, response)
 
     async def _ask_capabilities(self) -> None:
         with contextlib.suppress(StoreError):

@@ -18,6 +18,14 @@ bytes from then on, on every connection, old and new:
 - ``lose_reply``: the first reply containing ``from_reply`` is lost: the client's
   connection is cut (RST) instead of getting it, after the store acted on the request;
   then back to ``pass``. A client that asks again (on a new connection) is answered;
+- ``fail_reply``: the reply to each of the next ``times`` requests containing
+  ``after_request`` is replaced by ``answer`` (by default a bare HTTP ``500``, sent with
+  ``connection: close``), as a failing server or a gateway in front of it would answer:
+  the request is forwarded, and the store's first reply bytes (the store acted) are
+  dropped, ``answer`` sent in their place and the connection closed (the rest of the
+  store's reply goes nowhere). Then back to ``pass``. Each request is matched within
+  one read, as for ``drop_replies``: an HTTP request's head (its request line) comes
+  whole;
 - ``reset``: every connection is closed with a TCP RST, and so is each new one.
 """
 
@@ -34,9 +42,24 @@ from typing import Literal, Self
 
 __all__ = ["MODES", "Proxy"]
 
-Mode = Literal["pass", "latency", "blackhole", "drop_replies", "lose_reply", "reset"]
-MODES: tuple[Mode, ...] = ("pass", "latency", "blackhole", "drop_replies", "lose_reply", "reset")
+Mode = Literal["pass", "latency", "blackhole", "drop_replies", "lose_reply", "fail_reply", "reset"]
+MODES: tuple[Mode, ...] = (
+    "pass",
+    "latency",
+    "blackhole",
+    "drop_replies",
+    "lose_reply",
+    "fail_reply",
+    "reset",
+)
 HOST = "127.0.0.1"
+SERVER_ERROR = (
+    b"HTTP/1.1 500 Internal Server Error\r\n"
+    b"content-type: text/plain\r\n"
+    b"content-length: 21\r\n"
+    b"connection: close\r\n\r\n"
+    b"Internal Server Error"
+)
 
 
 def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
@@ -45,6 +68,15 @@ def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.transport.abort()
+
+
+class _Link:
+    """One proxied connection: its two ends, and whether its next reply is to fail."""
+
+    def __init__(self, client: asyncio.StreamWriter, upstream: asyncio.StreamWriter) -> None:
+        self.client = client
+        self.upstream = upstream
+        self.failing = False  # fail_reply: the reply to a matched request is on its way
 
 
 async def _settle() -> None:
@@ -63,9 +95,13 @@ class Proxy:
         # drop_replies: replies pass until a request (a reply) contains these bytes
         self.after_request = b""
         self.from_reply = b""
+        # fail_reply: how many more matched requests get ``answer`` as their reply
+        self.times = 0
+        self.answer = SERVER_ERROR
         self.port = 0
         self.connections = 0  # accepted so far
         self.dropped_bytes = 0
+        self.failed_replies = 0  # replies replaced by ``answer`` so far
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._server: asyncio.Server | None = None
@@ -90,19 +126,25 @@ class Proxy:
         *,
         after_request: bytes = b"",
         from_reply: bytes = b"",
+        times: int = 1,
+        answer: bytes = SERVER_ERROR,
     ) -> None:
         """Switch every connection to ``mode`` (``reset`` also resets the open ones).
 
         ``after_request``, ``from_reply`` (``drop_replies`` only, one of them): drop
         replies only from the reply to the first request containing these bytes, or
         from the first reply containing them, on any connection.
+
+        ``after_request``, ``times``, ``answer`` (``fail_reply``): the replies to the
+        next ``times`` requests containing ``after_request`` become ``answer``.
         """
         assert mode in MODES, mode
-        assert mode == "drop_replies" or not after_request, mode
+        assert mode in ("drop_replies", "fail_reply") or not after_request, mode
         assert mode in ("drop_replies", "lose_reply") or not from_reply, mode
         assert mode != "lose_reply" or from_reply, "lose_reply needs from_reply"
+        assert mode != "fail_reply" or (after_request and times > 0), "fail_reply needs both"
         assert not (after_request and from_reply), "one trigger at a time"
-        self._call(self._switch(mode, latency, after_request, from_reply))
+        self._call(self._switch(mode, latency, after_request, from_reply, times, answer))
 
     def stop(self) -> None:
         if not self._thread.is_alive():
@@ -159,10 +201,17 @@ class Proxy:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
     async def _switch(
-        self, mode: Mode, latency: float, after_request: bytes, from_reply: bytes
+        self,
+        mode: Mode,
+        latency: float,
+        after_request: bytes,
+        from_reply: bytes,
+        times: int,
+        answer: bytes,
     ) -> None:
         self.mode, self.latency = mode, latency
         self.after_request, self.from_reply = after_request, from_reply
+        self.times, self.answer = (times, answer) if mode == "fail_reply" else (0, SERVER_ERROR)
         if mode == "reset":
             for client, upstream in list(self._open):
                 _abort_with_rst(client)
@@ -220,19 +269,34 @@ class Proxy:
         self._open.discard(connecting)
         pair = (writer, up_writer)
         self._open.add(pair)
+        link = _Link(writer, up_writer)
         for task in (
-            asyncio.create_task(self._pump(reader, up_writer, reply=False)),
-            asyncio.create_task(self._pump(up_reader, writer, reply=True)),
+            asyncio.create_task(self._pump(reader, up_writer, link, reply=False)),
+            asyncio.create_task(self._pump(up_reader, writer, link, reply=True)),
         ):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
     async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, reply: bool
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: _Link,
+        *,
+        reply: bool,
     ) -> None:
         try:
             while data := await reader.read(65536):
+                if reply and link.failing:  # the store answered: that answer fails
+                    await self._fail(link, data)
+                    return
                 mode = self.mode
+                if mode == "fail_reply" and not reply and self.after_request in data:
+                    # Armed before the request leaves, so that its reply is the one.
+                    link.failing = True
+                    self.times -= 1
+                    if self.times == 0:
+                        self.mode, self.after_request = "pass", b""
                 if mode == "lose_reply" and reply and self.from_reply in data:
                     self.mode, self.from_reply = "pass", b""
                     self.dropped_bytes += len(data)
@@ -255,3 +319,13 @@ class Proxy:
             writer.write_eof()
         except (ConnectionError, OSError, RuntimeError):
             writer.transport.abort()
+
+    async def _fail(self, link: _Link, data: bytes) -> None:
+        """``answer`` instead of the store's reply (of which ``data`` came), and the
+        connection closed: a clean end for the client, the store's side cut."""
+        self.dropped_bytes += len(data)
+        self.failed_replies += 1
+        link.upstream.transport.abort()
+        link.client.write(self.answer)
+        await link.client.drain()
+        link.client.close()
