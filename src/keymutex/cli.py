@@ -51,7 +51,7 @@ from click.core import ParameterSource
 from keymutex import AsyncLease, AsyncLocks, Holder, Locked, LockLost, Locks, StoreError
 from keymutex._client import MAX_NAMESPACE_BYTES
 from keymutex._store import max_ttl_of
-from keymutex._urls import driver_for, redacted
+from keymutex._urls import driver_for, redacted, scheme_of
 from keymutex._validate import (
     check_info,
     check_key,
@@ -62,6 +62,8 @@ from keymutex._validate import (
     check_ttl,
 )
 from keymutex._version import __version__
+from keymutex.stores.memory import table_name as memory_table_name
+from keymutex.stores.sqlite import url_path as sqlite_url_path
 
 __all__ = ["main"]
 
@@ -269,12 +271,36 @@ def _check_ttl_for(ctx: click.Context, url: str, ttl: float) -> None:
         raise click.BadParameter(str(exc), ctx, param_hint="'--ttl'") from None
 
 
+def _scheme(url: str) -> str | None:
+    """The URL's scheme, or ``None`` when it has none (opening it says what is wrong)."""
+    try:
+        return scheme_of(url)
+    except (TypeError, ValueError):
+        return None
+
+
 def _open(ctx: click.Context, kind: type[AnyLocks], url: str, namespace: str) -> AnyLocks:
     """``Locks`` or ``AsyncLocks`` on the store; a bad URL is a usage error.
 
     The namespace was checked when the arguments were parsed, so a ``ValueError`` or
-    ``TypeError`` here is about the URL.
+    ``TypeError`` here is about the URL. A ``memory://`` store is refused: it lives in
+    this one process, so a command on it would see no other program's locks and hold
+    none against them (``keymutex serve`` takes one: the server is that process).
     """
+    if _scheme(url) == "memory":
+        try:
+            memory_table_name(url)
+        except ValueError as exc:
+            _bad_store(ctx, exc)
+        _bad_store(
+            ctx,
+            ValueError(
+                f"{url!r} lives inside one process: this keymutex command would see none"
+                " of the locks your programs hold there, nor hold any against them. Pass"
+                " the store they lock in: sqlite:///path, redis://..., or a lock server's"
+                " http://..."
+            ),
+        )
     with _store_errors(url):
         try:
             return kind(url, namespace=namespace)
@@ -282,6 +308,29 @@ def _open(ctx: click.Context, kind: type[AnyLocks], url: str, namespace: str) ->
             _bad_store(ctx, exc)
         except ImportError as exc:  # the store's client library is an extra
             raise _Unavailable(str(exc)) from exc
+
+
+def _no_sqlite_file(url: str) -> bool:
+    """Whether ``url`` is a SQLite store whose file does not exist (yet).
+
+    Opening it would create the file: a command that only looks (``ls``, ``show``,
+    ``release``) says instead that nothing is held there, and creates nothing, so a
+    mistyped path does not leave an empty database behind.
+    """
+    if _scheme(url) != "sqlite":
+        return False
+    try:
+        path = sqlite_url_path(url)
+    except (TypeError, ValueError):
+        return False  # opening it says what is wrong
+    if os.path.exists(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        return False  # there, or a directory missing: opening it says so (exit 69)
+    click.echo(
+        f"note: there is no SQLite database at {path!r}: nothing has been locked in it"
+        " (it is made by the first lock taken there)",
+        err=True,
+    )
+    return True
 
 
 def _store_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -442,8 +491,10 @@ def ls_command(
     fence, acquired_at and expires_at (UNIX seconds).
     """
     url = _store_url(store)
-    with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
-        holders = locks.holders(prefix)
+    holders: list[Holder] = []
+    if not _no_sqlite_file(url):
+        with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
+            holders = locks.holders(prefix)
     if as_json:
         click.echo(json.dumps([_as_json(holder) for holder in holders], indent=2))
     elif not holders:
@@ -468,8 +519,10 @@ def show_command(
     in both cases: test the JSON output to tell them apart.
     """
     url = _store_url(store)
-    with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
-        holder = locks.holder(key)
+    holder: Holder | None = None
+    if not _no_sqlite_file(url):
+        with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
+            holder = locks.holder(key)
     if as_json:
         click.echo(json.dumps(_as_json(holder), indent=2))
         return
@@ -536,6 +589,9 @@ def release_command(
         )
     url = _store_url(store)
     info = {"cmd": "keymutex release --force", "host": socket.gethostname(), "pid": os.getpid()}
+    if _no_sqlite_file(url):
+        click.echo(f"{_shown(key)} is free; nothing to release")
+        return
     with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
         force_release = getattr(locks._store, "force_release", None)
         if force_release is not None:  # a lock server: its admin step, logged there

@@ -471,12 +471,47 @@ def test_ls_show_and_release_force(
 
 
 def test_show_and_release_a_free_key(store: str, env: dict[str, str]) -> None:
+    keymutex("run", "other", "--store", store, "--", sys.executable, "-c", "pass", env=env)
     assert keymutex("show", "free", "--store", store, env=env).stdout == "free is free\n"
     assert keymutex("show", "free", "--store", store, "--json", env=env).stdout == "null\n"
     released = keymutex("release", "free", "--force", "--store", store, env=env)
     assert "free is free" in released.stdout
     assert keymutex("ls", "--store", store, env=env).stdout == "no locks are held\n"
     assert keymutex("ls", "--store", store, "--json", env=env).stdout == "[]\n"
+
+
+def test_looking_at_a_sqlite_store_that_does_not_exist_creates_nothing(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """Before: ``ls``, ``show`` and ``release --force`` on a mistyped path created an
+    empty database there and said nothing is held, as if it were the store in use."""
+    store = f"sqlite://{tmp_path}/mistyped.db"
+    note = f"no SQLite database at '{tmp_path}/mistyped.db'"
+    listed = keymutex("ls", "--store", store, env=env)
+    assert (listed.stdout, note in listed.stderr) == ("no locks are held\n", True)
+    shown = keymutex("show", "k", "--store", store, "--json", env=env)
+    assert (shown.stdout, note in shown.stderr) == ("null\n", True)
+    released = keymutex("release", "k", "--force", "--store", store, env=env)
+    assert (released.stdout, note in released.stderr) == ("k is free; nothing to release\n", True)
+    assert list(tmp_path.iterdir()) == []
+    # The first lock taken there makes it; then nothing is noted.
+    keymutex("run", "k", "--store", store, "--", sys.executable, "-c", "pass", env=env)
+    assert keymutex("ls", "--store", store, env=env).stderr == ""
+
+
+@pytest.mark.parametrize("command", [["ls"], ["show", "k"], ["release", "k", "--force"]])
+@pytest.mark.parametrize("url", ["memory://", "memory://shared"])
+def test_a_memory_store_is_refused_where_it_could_only_mislead(
+    command: list[str], url: str, env: dict[str, str]
+) -> None:
+    """A memory store lives in one process: a new keymutex process always found it
+    empty, said nobody holds anything, and its run held a lock nobody else saw."""
+    result = keymutex(*command, "--store", url, env=env, check=2)
+    assert f"{url!r} lives inside one process" in result.stderr
+    run = keymutex(
+        "run", "k", "--store", url, "--", sys.executable, "-c", "pass", env=env, check=2
+    )
+    assert "lives inside one process" in run.stderr
 
 
 def test_release_force_shows_an_odd_key_escaped_on_every_line(

@@ -146,6 +146,7 @@ ROWS = [
     cli("ls-store-bad-ipv6", ["ls", "--store", "redis://[::1"], "Error: Invalid value for '--store': 'redis://[::1' is not a Redis URL (redis://host:port/db, rediss://…, unix://…, redis+cluster://…, redis+sentinel://…): Invalid IPv6 URL"),
     cli("ls-store-password-hidden", ["ls", "--store", "redis://me:s3cret@localhost:abc"], "Error: Invalid value for '--store': 'redis://me:***@localhost:abc' is not a Redis URL"),
     cli("ls-store-memory-path", ["ls", "--store", "memory:///x"], "Error: Invalid value for '--store': memory URLs are memory:// or memory://NAME, not 'memory:///x'"),
+    cli("ls-store-memory", ["ls", "--store", "memory://"], "Error: Invalid value for '--store': 'memory://' lives inside one process: this keymutex command would see none of the locks your programs hold there, nor hold any against them."),
     cli("ls-namespace-surrogate", ["ls", "--namespace", b"n\xff", "--store", S], "Error: Invalid value for '--namespace': namespace " + LONE),
     # show
     cli("show-key-empty", ["show", "", "--store", S], INVALID_KEY + "key must not be empty"),

@@ -248,7 +248,8 @@ class MemoryStore:
         """Nothing to close: the table lives as long as the process."""
 
 
-def _table_name(url: str) -> str:
+def table_name(url: str) -> str:
+    """The table a memory URL names (``""`` for ``memory://``); ``ValueError`` if malformed."""
     parts = split_url(url, "memory", "memory:// or memory://NAME")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError(f"memory URLs are memory:// or memory://NAME, not {redacted(url)!r}")
@@ -257,7 +258,7 @@ def _table_name(url: str) -> str:
 
 class MemoryDriver:
     def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> MemoryStore:
-        name = _table_name(url)
+        name = table_name(url)
         if options:
             raise TypeError(f"the memory store takes no options, got {sorted(options)}")
         with _TABLES_MUTEX:

@@ -961,6 +961,11 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
     return path, str(synchronous), busy
 
 
+def url_path(url: str) -> str:
+    """The file a ``sqlite:`` URL names (``ValueError`` if the URL is not a valid one)."""
+    return _options(url, {})[0]
+
+
 class SqliteDriver:
     def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> SqliteStore:
         path, synchronous, busy_timeout = _options(url, options)
