@@ -15,7 +15,8 @@ temporary directories), one store at a time, and stopped before the next.
 
 The peers, per store:
 
-- PostgreSQL: tooz's ``postgresql://`` driver (session advisory locks, psycopg2);
+- PostgreSQL: tooz's ``postgresql://`` driver (session advisory locks, psycopg2), and pals
+  (session advisory locks on a SQLAlchemy pool);
 - memcached: tooz's ``memcached://`` driver (pymemcache), sherlock's ``MCLock`` (pylibmc);
 - etcd: tooz's ``etcd3+http://`` driver (etcd3gw, etcd's JSON gateway), and python-etcd3's
   ``Lock`` (gRPC) when it can run: its generated code needs pure-Python protobuf
@@ -175,6 +176,21 @@ def _tooz(where: dict[str, Any], namespace: str) -> Client:
     return Client(hold, coordinator.stop)
 
 
+def _pals(where: dict[str, Any], namespace: str) -> Client:
+    import pals
+
+    # Its defaults (a SQLAlchemy engine's pool on psycopg2), but the wait: 60 s as the
+    # others' (its default is 30 s, in ms, PostgreSQL's lock_timeout).
+    locker = pals.Locker(namespace, where["url"], acquire_timeout_default=int(WAIT_S * 1000))
+    lock = _per_key(locker.lock)
+
+    def hold(key: str) -> contextlib.AbstractContextManager[None]:
+        this = lock(key)
+        return _held(lambda: this.acquire(blocking=True), this.release)
+
+    return Client(hold, locker.engine.dispose)
+
+
 def _sherlock(where: dict[str, Any], namespace: str) -> Client:
     import pylibmc
     from sherlock import LockTimeoutException, MCLock
@@ -279,6 +295,7 @@ FACTORIES: dict[str, Callable[[dict[str, Any], str], Client]] = {
     "keymutex": _keymutex,
     "keymutex-try-once": _keymutex_try_once,
     "tooz": _tooz,
+    "pals": _pals,
     "sherlock": _sherlock,
     "etcd3": _etcd3,
     "kazoo": _kazoo,
@@ -287,6 +304,7 @@ DISTRIBUTIONS = {  # whose install failure stops a case
     "keymutex": "keymutex",
     "keymutex-try-once": "keymutex",
     "tooz": "tooz",
+    "pals": "pals",
     "sherlock": "sherlock",
     "etcd3": "etcd3",
     "kazoo": "kazoo",
@@ -425,6 +443,11 @@ STORES = [
                 "tooz `postgresql://` (advisory lock)",
                 "a new connection, `BEGIN`, lock; unlock, close",
             ),
+            Case(
+                "pals",
+                "pals `Locker` (advisory lock, SQLAlchemy pool)",
+                "`lock_timeout` set, lock, each in a transaction; unlock, pool check-in",
+            ),
         ),
         (
             "**tooz `postgresql://`** takes a session-level `pg_advisory_lock` on a *new*"
@@ -437,6 +460,15 @@ STORES = [
             " 2 bytes of the name's MD5: names collide (65,536 slots), and two unrelated"
             " names can exclude each other. A waiter blocks inside PostgreSQL's lock manager,"
             " so a release wakes the next one at once. tooz 9.1.0 marks the driver deprecated.",
+            "**pals** (0.4.0, 2024) takes a session-level `pg_advisory_lock` on a connection"
+            " of its SQLAlchemy pool, held until release; before each blocking acquire it sets"
+            " `lock_timeout` (the wait) in a transaction of its own, every statement runs in"
+            " a transaction, and each check-in of the connection unlocks all and rolls back:"
+            " many round trips, and SQLAlchemy's work around each. The lock lives as long as that connection, as tooz's does (a crash frees"
+            " it, so does a dropped connection, unseen by the holder); no TTL, no fence, no"
+            " holder information. The lock's id is 8 bytes of SHA-1 of the app name and key"
+            " (collisions are negligible). A waiter blocks in PostgreSQL's lock manager, so a"
+            " release wakes the next one at once.",
             "**keymutex `postgresql://`**: a lease row per key, TTL by the server's clock,"
             " a fence from a sequence, holder information; it survives a dropped connection"
             " (it ends at its TTL or release, not with a socket). Waiters queue in the row"
@@ -856,6 +888,8 @@ def _run_store(store: Store, args: argparse.Namespace, skip: dict[str, str], beg
 LIBRARIES = [
     "keymutex",
     "tooz",
+    "pals",
+    "sqlalchemy",
     "psycopg2-binary",
     "psycopg",
     "pymemcache",
