@@ -11,6 +11,7 @@ before anything touches a store.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
@@ -24,10 +25,23 @@ class LockError(Exception):
     """Base of every error keymutex raises on purpose."""
 
 
+def _utc(timestamp: float) -> str:
+    """A UNIX time as ISO 8601, UTC, to the second: ``2026-11-27T17:30:05Z``."""
+    try:
+        moment = datetime.datetime.fromtimestamp(timestamp, datetime.UTC)
+    except (OverflowError, OSError, ValueError):  # out of the platform's range
+        return f"{timestamp:.0f} (UNIX time)"
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _describe(holder: Holder | None) -> str:
+    """Who holds the key, since when and until when (unless renewed), and its fence."""
     if holder is None:
         return "no current holder"
-    return f"held by {holder.owner!r} (fence {holder.fence})"
+    return (
+        f"held by {holder.owner!r} since {_utc(holder.acquired_at)}, until"
+        f" {_utc(holder.expires_at)} unless renewed (fence {holder.fence})"
+    )
 
 
 class _KeyedError(LockError):

@@ -36,7 +36,9 @@ class Holder:
     """What anyone may see about a current lease. It never contains the token.
 
     ``acquired_at`` and ``expires_at`` are wall-clock UNIX seconds, for display only:
-    decisions use the monotonic clock.
+    decisions use the monotonic clock. Two holders are equal when they describe the
+    same grant (key, owner, info, fence, acquired_at): ``expires_at`` is left out, as
+    each read works it out from the time left then, and a renewal moves it.
     """
 
     key: str
@@ -45,7 +47,7 @@ class Holder:
     info: JSONDict | None = field(hash=False)
     fence: int
     acquired_at: float
-    expires_at: float
+    expires_at: float = field(compare=False)
 
 
 @dataclass(frozen=True, slots=True)

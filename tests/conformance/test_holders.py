@@ -55,6 +55,26 @@ def test_holder_describes_the_lease(make_locks: Callable[..., keymutex.Locks]) -
     assert make_locks().holder("doc") is None
 
 
+def test_two_reads_of_one_lease_are_equal_holders_and_another_grant_is_not(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    """Each read works ``expires_at`` out from the time left then: two reads of the same
+    lease differed by microseconds, so ``locks.holder(k) == refused.holder`` ("is it
+    still the one that refused me?") was almost always False."""
+    lease = make_locks(owner="alice").acquire("doc", ttl=30, info={"n": 1})
+    with pytest.raises(keymutex.Locked) as refused:
+        make_locks().acquire("doc", timeout=0)
+    first = make_locks().holder("doc")
+    time.sleep(0.05)
+    lease.renew()
+    assert make_locks().holder("doc") == first == refused.value.holder
+    assert hash(make_locks().holder("doc")) == hash(first)
+    lease.release()
+    again = make_locks(owner="alice").acquire("doc", ttl=30, info={"n": 1})
+    assert make_locks().holder("doc") != first  # a new grant: a new fence
+    again.release()
+
+
 def test_holders_lists_exactly_the_live_leases_under_a_prefix(
     make_locks: Callable[..., keymutex.Locks], other_namespace: str
 ) -> None:

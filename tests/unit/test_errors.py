@@ -75,3 +75,17 @@ def test_locked_raised_in_a_process_pool_job_reaches_the_caller() -> None:
     assert refused.value.key == "order:7"
     assert refused.value.holder is not None
     assert (refused.value.holder.owner, refused.value.holder.info) == ("worker", {"job": 12})
+
+
+def test_a_refusal_says_who_holds_the_key_since_when_and_until_when() -> None:
+    """Story 1: "the refusal should say who holds it and since when". The message named
+    the owner and the fence only; the times were on ``.holder`` alone."""
+    holder = keymutex.Holder("doc", "alice@web-3", None, 7, 1_795_800_000.0, 1_795_800_030.4)
+    said = str(keymutex.Locked("doc", holder))
+    assert said == (
+        "'doc' is locked: held by 'alice@web-3' since 2026-11-27T17:20:00Z, until"
+        " 2026-11-27T17:20:30Z unless renewed (fence 7)"
+    )
+    lost = str(keymutex.LockLost("doc", holder))
+    assert lost.startswith("lease on 'doc' was lost: held by 'alice@web-3' since 2026-11-27")
+    assert str(keymutex.Locked("doc", None)) == "'doc' is locked: no current holder"
