@@ -46,7 +46,7 @@ from keymutex._errors import Locked, LockError, LockLost, StoreError
 from keymutex._lease import AsyncLease, Holder, Lease, LeaseState, Outcome
 from keymutex._local import AsyncKeyedLock, KeyedLock
 from keymutex._store import AsyncStore, AsyncWaiter, RenewRequest, Store, Waiter, max_ttl_of
-from keymutex._urls import driver_for, redacted
+from keymutex._urls import driver_for, redacted, scheme_of
 from keymutex._validate import (
     check_bool,
     check_callback,
@@ -128,7 +128,10 @@ class _Config:
     ) -> None:
         self.driver = driver_for(url)
         assert isinstance(url, str)
-        self.url = url
+        # The scheme in lower case, as the drivers' clients expect it (redis-py and
+        # pymongo refuse REDIS:// and MONGODB://): schemes are case-insensitive (RFC 3986).
+        scheme = scheme_of(url)
+        self.url = scheme + url[len(scheme) :]
         self.asynchronous = asynchronous
         self.namespace = check_text(
             namespace, "namespace", allow_empty=True, max_bytes=MAX_NAMESPACE_BYTES

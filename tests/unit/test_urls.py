@@ -1,4 +1,5 @@
-"""Store URL -> driver (``keymutex._urls``): the entry points are read once per process."""
+"""Store URL -> driver (``keymutex._urls``): the entry points are read once per process, and a
+scheme is case-insensitive."""
 
 from __future__ import annotations
 
@@ -41,3 +42,19 @@ def test_a_missing_client_library_still_names_the_extra_after_the_registry_is_re
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
     )
     assert "pip install 'keymutex[memcached]'" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_scheme_in_capitals_names_the_same_store(redis_url: str) -> None:
+    """Schemes are case-insensitive (RFC 3986): REDIS:// was taken for the Redis store,
+    then refused by redis-py ("must specify one of the following schemes")."""
+    pytest.importorskip("redis")
+    upper = "REDIS" + redis_url.removeprefix("redis")
+    with keymutex.Locks(upper, namespace="capitals") as locks:
+        assert locks.url == redis_url
+        locks.acquire("k", timeout=0).release()
+
+
+def test_a_mongodb_url_in_capitals_is_taken_too() -> None:
+    pytest.importorskip("pymongo")
+    with keymutex.Locks("MongoDB://127.0.0.1:1/db", namespace="capitals") as locks:
+        assert locks.url == "mongodb://127.0.0.1:1/db"
