@@ -3,7 +3,9 @@
 Run: make bench   (or .venv/bin/python benchmarks/run_all.py [NAME ...])
 
 ``NAME ...`` runs only those benchmarks; ``--gather`` runs none and only gathers the
-tables already in benchmarks/results/ (each says when and how it was made).
+tables already in benchmarks/results/ (each says when and how it was made), each followed
+by ``results/<name>.notes.md`` if there is one: what was found by hand (a profile, an
+A/B run), which a new run of the script does not overwrite.
 
 Each script measures keymutex side by side with its peers in one run (ratios, not
 absolute times, are what to compare: these machines are shared and noisy) and writes
@@ -53,6 +55,9 @@ def main() -> None:
         table = result.read_text().strip()
         if "Command:" not in table:  # most scripts write their own, with their options
             table += f"\n\nCommand: `.venv/bin/python benchmarks/{' '.join(command)}`"
+        notes = HERE / "results" / f"{name}.notes.md"  # written by hand: kept across runs
+        if notes.exists():
+            table += "\n\n" + notes.read_text().strip()
         sections.append(table)
     header = (
         "# Benchmark results\n\n"
