@@ -101,14 +101,23 @@ def _utf8_length(value: str, name: str) -> int:
         ) from None
 
 
-def check_text(value: object, name: str, *, allow_empty: bool, max_bytes: int) -> str:
-    """A ``str`` without NUL or lone surrogates, at most ``max_bytes`` as UTF-8."""
+def check_text(
+    value: object, name: str, *, allow_empty: bool, max_bytes: int, accepted: str = ""
+) -> str:
+    """A ``str`` without NUL or lone surrogates, at most ``max_bytes`` as UTF-8.
+
+    ``accepted`` says what is, for the message of an empty one (by default: 1 to
+    ``max_bytes`` bytes of UTF-8 text).
+    """
     if not isinstance(value, str):
         raise TypeError(f"{name} must be {_words('a str', 'a string')}, not {_type_name(value)}")
     if not value and not allow_empty:
-        raise ValueError(f"{name} must not be empty")
+        accepted = accepted or f"1 to {max_bytes} bytes of UTF-8 text"
+        raise ValueError(f"{name} must not be empty: {accepted} are accepted")
     if "\x00" in value:
-        raise ValueError(f"{name} must not contain NUL characters")
+        raise ValueError(
+            f"{name} must not contain NUL characters; any other Unicode character is accepted"
+        )
     size = _utf8_length(value, name)
     if size > max_bytes:
         raise ValueError(f"{name} is {size} bytes as UTF-8; at most {max_bytes} are accepted")
@@ -128,7 +137,13 @@ def check_prefix(prefix: object) -> str:
 def check_reason(value: object, name: str = "reason") -> str:
     """Why a lock is force-released (logged): 1 to ``MAX_REASON_CHARS`` characters, not
     all of them blank."""
-    text = check_text(value, name, allow_empty=False, max_bytes=4 * MAX_REASON_CHARS)
+    text = check_text(
+        value,
+        name,
+        allow_empty=False,
+        max_bytes=4 * MAX_REASON_CHARS,
+        accepted=f"1 to {MAX_REASON_CHARS} characters",
+    )
     if not text.strip():
         raise ValueError(f"{name} must say why, not be blank ({text!r})")
     if len(text) > MAX_REASON_CHARS:

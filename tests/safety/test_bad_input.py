@@ -152,11 +152,11 @@ def _info_of(size: int) -> dict[str, str]:
 # fmt: off
 # Keys: (id, value, error, message), run through every entry point that takes a key.
 BAD_KEYS: list[tuple[str, object, type[Exception], str]] = [
-    ("empty", "", ValueError, "key must not be empty"),
+    ("empty", "", ValueError, "key must not be empty: 1 to 1024 bytes of UTF-8 text are accepted"),
     ("1025-bytes", "k" * 1025, ValueError, "key is 1025 bytes as UTF-8; at most 1024 are accepted"),
     ("1025-utf8-bytes", "é" * 512 + "a", ValueError, "key is 1025 bytes as UTF-8; at most 1024 are accepted"),  # 513 characters
     ("huge", "k" * 1_000_000, ValueError, "key is 1000000 bytes as UTF-8; at most 1024 are accepted"),
-    ("nul", "a\x00b", ValueError, "key must not contain NUL characters"),
+    ("nul", "a\x00b", ValueError, "key must not contain NUL characters; any other Unicode character is accepted"),
     ("lone-surrogate", "a\ud800b", ValueError, "key must be valid Unicode text; it contains a lone surrogate"),
     ("lone-low-surrogate", "\udfff", ValueError, "key must be valid Unicode text; it contains a lone surrogate"),
     ("int", 42, TypeError, "key must be a str, not int"),
@@ -731,7 +731,7 @@ BAD_CONSTRUCTIONS: list[Any] = [
         for name, value, error, message in [
             ("int", 42, TypeError, "owner must be a str, not int"),
             ("bytes", b"me", TypeError, "owner must be a str, not bytes"),
-            ("empty", "", ValueError, "owner must not be empty"),
+            ("empty", "", ValueError, "owner must not be empty: 1 to 256 bytes of UTF-8 text are accepted"),
             ("257-bytes", "o" * 257, ValueError, "owner is 257 bytes as UTF-8; at most 256 are accepted"),
             ("nul", "me\x00", ValueError, "owner must not contain NUL characters"),
             ("lone-surrogate", "\udc80", ValueError, "owner must be valid Unicode text; it contains a lone surrogate"),

@@ -162,7 +162,7 @@ ROWS = [
     cli("release-key-surrogate", ["release", b"held\xff", "--force", "--store", S], INVALID_KEY + "key " + LONE),
     cli("release-key-missing", ["release", "--force", "--store", S], "Error: Missing argument 'KEY'."),
     cli("release-force-with-value", ["release", HELD, "--force=yes", "--store", S], "Error: Option '--force' does not take a value.", usage=False),
-    cli("release-reason-empty", ["release", HELD, "--force", "--reason", "", "--store", S], "Error: Invalid value for '--reason': reason must not be empty"),
+    cli("release-reason-empty", ["release", HELD, "--force", "--reason", "", "--store", S], "Error: Invalid value for '--reason': reason must not be empty: 1 to 500 characters are accepted"),
     cli("release-reason-501-chars", ["release", HELD, "--force", "--reason", "x" * 501, "--store", S], "Error: Invalid value for '--reason': reason must be 1 to 500 characters, not 501"),
     cli("release-reason-missing-value", ["release", HELD, "--force", "--store", S, "--reason"], "Error: Option '--reason' requires an argument.", usage=False),
     cli("release-store-unknown-scheme", ["release", HELD, "--force", "--store", "nosuch://x"], UNKNOWN_SCHEME),

@@ -291,7 +291,7 @@ ROWS = [
     post("wait-holding-without-fence", "/v1/wait", {"key": HELD, "fence": None, "timeout": 0, "holding": True}, "holding: true needs fence, the fence of the caller's own lease"),
     # force-release (admin)
     post("force-release-reason-missing", "/v1/force-release", {"key": HELD}, "field 'reason' is required"),
-    post("force-release-reason-empty", "/v1/force-release", {"key": HELD, "reason": ""}, "reason must not be empty"),
+    post("force-release-reason-empty", "/v1/force-release", {"key": HELD, "reason": ""}, "reason must not be empty: 1 to 500 characters are accepted"),
     post("force-release-reason-501-chars", "/v1/force-release", {"key": HELD, "reason": "r" * 501}, "reason must be 1 to 500 characters, not 501"),
     post("force-release-reason-blank", "/v1/force-release", {"key": HELD, "reason": "   "}, "reason must say why, not be blank ('   ')"),
     post("force-release-fence-text", "/v1/force-release", {"key": HELD, "reason": "stuck", "fence": "7"}, "fence must be an integer (a lease's fence) or null, not \"7\""),
