@@ -323,8 +323,15 @@ def _no_sqlite_file(url: str) -> bool:
         path = sqlite_url_path(url)
     except (TypeError, ValueError):
         return False  # opening it says what is wrong
-    if os.path.exists(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        return False  # there, or a directory missing: opening it says so (exit 69)
+    try:
+        os.stat(path)
+        return False  # there: look in it
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False  # there but out of reach (EACCES, a symlink loop): opening it says so
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        return False  # a directory missing: opening it says so (exit 69)
     click.echo(
         f"note: there is no SQLite database at {path!r}: nothing has been locked in it"
         " (it is made by the first lock taken there)",

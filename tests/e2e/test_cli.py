@@ -499,6 +499,19 @@ def test_looking_at_a_sqlite_store_that_does_not_exist_creates_nothing(
     assert keymutex("ls", "--store", store, env=env).stderr == ""
 
 
+def test_a_sqlite_file_out_of_reach_is_not_taken_for_a_missing_one(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """A database the caller cannot stat (here a symlink loop; a directory it may not
+    enter alike) was said to hold nothing, exit 0: it is the store's error, exit 69."""
+    (tmp_path / "locks.db").symlink_to(tmp_path / "locks.db")
+    store = f"sqlite://{tmp_path}/locks.db"
+    for command in (["ls"], ["show", "k"], ["release", "k", "--force"]):
+        result = keymutex(*command, "--store", store, env=env, check=69)
+        assert "no SQLite database" not in result.stderr
+        assert result.stderr.startswith(f"keymutex: store {store} failed:"), result.stderr
+
+
 @pytest.mark.parametrize("command", [["ls"], ["show", "k"], ["release", "k", "--force"]])
 @pytest.mark.parametrize("url", ["memory://", "memory://shared"])
 def test_a_memory_store_is_refused_where_it_could_only_mislead(

@@ -14,6 +14,8 @@ reaches the server and is granted, and the server's answer is replaced by the 5x
 from __future__ import annotations
 
 import contextlib
+import http.server
+import threading
 from collections.abc import Iterator
 from http import HTTPStatus
 
@@ -147,3 +149,31 @@ async def test_async_an_acquire_whose_retry_fails_too_gives_the_key_back(
             assert await other.holder("k") is None, "the key was left to a token nobody has"
             await (await other.acquire("k", timeout=0)).release()
             assert _acquires(live) - before == 3, "the server granted both acquires"
+
+
+def test_an_answer_that_is_not_json_names_the_path_asked_under_a_prefix() -> None:
+    """A lock server behind a gateway at a path prefix: the message named the path
+    without the prefix (``/v1/holder``), not the one the gateway was asked."""
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(502)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(BAD_GATEWAY_PAGE)))
+            self.end_headers()
+            self.wfile.write(BAD_GATEWAY_PAGE)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway) as gateway:
+        threading.Thread(target=gateway.serve_forever, daemon=True).start()
+        try:
+            url = f"http://127.0.0.1:{gateway.server_address[1]}/locks"
+            with (
+                keymutex.Locks(url) as locks,
+                pytest.raises(keymutex.StoreError, match="answered GET /locks/v1/holder with 502"),
+            ):
+                locks.holder("k")
+        finally:
+            gateway.shutdown()

@@ -294,7 +294,7 @@ class _Protocol:
         return dataclasses.replace(CAPABILITIES, durable_fences=durable)
 
 
-def _decode(call: _Call, response: httpx.Response) -> tuple[int, JSONDict]:
+def _decode(request: httpx.Request, response: httpx.Response) -> tuple[int, JSONDict]:
     status = response.status_code
     try:
         payload = response.json()
@@ -302,8 +302,8 @@ def _decode(call: _Call, response: httpx.Response) -> tuple[int, JSONDict]:
         payload = None
     if not isinstance(payload, dict):
         raise StoreError(
-            f"the lock server answered {call.method} {call.path} with {status} and a body"
-            " that is not a JSON object (a proxy or gateway in between?)"
+            f"the lock server answered {request.method} {request.url.path} with {status} and"
+            " a body that is not a JSON object (a proxy or gateway in between?)"
         )
     return status, payload
 
@@ -468,7 +468,8 @@ class HttpStore:
         if self._pid != os.getpid():  # a forked child must not share the parent's sockets
             self._pid, self._transport = os.getpid(), self._new_transport()
         with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
-            response = self._transport.handle_request(self._requests.build(call))
+            request = self._requests.build(call)
+            response = self._transport.handle_request(request)
             try:
                 response.read()
             finally:
@@ -478,7 +479,7 @@ class HttpStore:
             # from before its request was sent, and must not lose this round trip.
             self._asked_capabilities = True
             self._ask_capabilities()
-        return _decode(call, response)
+        return _decode(request, response)
 
     def _ask_capabilities(self) -> None:
         with contextlib.suppress(StoreError):
@@ -598,7 +599,8 @@ class AsyncHttpStore:
         if self._pid != os.getpid():  # a forked child must not share the parent's sockets
             self._pid, self._transport = os.getpid(), self._new_transport()
         with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
-            response = await self._transport.handle_async_request(self._requests.build(call))
+            request = self._requests.build(call)
+            response = await self._transport.handle_async_request(request)
             try:
                 await response.aread()
             finally:
@@ -608,7 +610,7 @@ class AsyncHttpStore:
             # from before its request was sent, and must not lose this round trip.
             self._asked_capabilities = True
             await self._ask_capabilities()
-        return _decode(call, response)
+        return _decode(request, response)
 
     async def _ask_capabilities(self) -> None:
         with contextlib.suppress(StoreError):
