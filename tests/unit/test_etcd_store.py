@@ -748,9 +748,9 @@ def test_a_release_by_token_finds_the_key_moved_to_the_tokens_other_lease_meanwh
 ) -> None:
     """The holder renewed with another TTL between the release's read and its revoke:
     the key moved to the token's other etcd lease, and the lease the read found was
-    revoked by the move. Revoking only that one found nothing: the release raised
-    LockLost for a key its token held, and the key stayed locked for the renewal's
-    whole TTL (40 s) after the holder asked to let it go."""
+    revoked by the move. A release that revoked only that one (as before 4a0896f)
+    found nothing, raised LockLost for a key its token held, and left the key locked
+    for the renewal's whole TTL (40 s) after the holder asked to let it go."""
     with (
         keymutex.Locks(etcd_url, namespace=namespace, owner="alice") as alice,
         keymutex.Locks(etcd_url, namespace=namespace, owner="web") as elsewhere,
@@ -779,8 +779,8 @@ def test_a_release_by_token_finds_the_key_moved_to_the_tokens_other_lease_meanwh
 async def test_an_async_release_by_token_finds_the_key_moved_to_the_tokens_other_lease(
     etcd_url: str, namespace: str, etcd: Etcd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """As the sync test: AsyncLocks said LockLost for a key its token held, and the key
-    stayed locked for the renewal's whole TTL."""
+    """As the sync test: AsyncLocks must not say LockLost for a key its token held, nor
+    leave it locked for the renewal's whole TTL."""
     async with (
         keymutex.AsyncLocks(etcd_url, namespace=namespace, owner="alice") as alice,
         keymutex.AsyncLocks(etcd_url, namespace=namespace, owner="web") as elsewhere,
@@ -1007,3 +1007,50 @@ def test_a_release_by_token_between_a_moves_put_and_its_revoke_releases_the_key(
         assert set(by_release) == {first, second}  # then the other: only the token's own
         assert etcd.kv("doc") is None, "the key stayed held after its release"
         alice.acquire("doc", timeout=0).release()  # free at once, not 40 s later
+
+
+def test_a_release_by_token_racing_two_moves_does_not_leave_the_key_held(
+    etcd_url: str, namespace: str, etcd: Etcd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two renewals with other TTLs between the release's read and its revokes: the
+    first moved the key from lease a to b (so the revoke of a found nothing), the
+    second put it back on a and revoked b after the release had revoked b (found,
+    empty by then). The release said released, and the key stayed on a."""
+    with (
+        keymutex.Locks(etcd_url, namespace=namespace, owner="alice") as alice,
+        keymutex.Locks(etcd_url, namespace=namespace, owner="web") as elsewhere,
+    ):
+        lease = alice.acquire("doc", ttl=10, renew=False, timeout=0)
+        a, b = etcd.layout.lease_ids("doc", lease.token)
+        put_back, revoked_b = threading.Event(), threading.Event()
+        second_move = threading.Event()
+        by_release: list[int] = []
+
+        def second_move_waits_for_the_release(path: str, lease_id: int | None) -> None:
+            # The second move's revoke of b comes after its put on a.
+            if lease_id == b and second_move.is_set() and not put_back.is_set():
+                put_back.set()
+                assert revoked_b.wait(10), "the release never revoked b"
+
+        def release_meets_both_moves(path: str, lease_id: int | None) -> None:
+            if lease_id is None:
+                return
+            by_release.append(lease_id)
+            if len(by_release) == 1:  # before revoking a: the key moves to b
+                lease.renew(ttl=40)
+            elif len(by_release) == 2:  # before revoking b: it moves back onto a
+                second_move.set()
+                threading.Thread(target=lambda: lease.renew(ttl=10), daemon=True).start()
+                assert put_back.wait(10), "the second move never put the key back on a"
+
+        def release_revoked(path: str, lease_id: int | None) -> None:
+            if lease_id == b:
+                revoked_b.set()
+
+        around_posts(monkeypatch, alice, second_move_waits_for_the_release, lambda *_: None)
+        around_posts(monkeypatch, elsewhere, release_meets_both_moves, release_revoked)
+        elsewhere.release("doc", lease.token)
+        assert by_release[:2] == [a, b]
+        assert set(by_release) <= {a, b}  # only the token's own leases
+        assert etcd.kv("doc") is None, "the release said released, yet the key is held"
+        alice.acquire("doc", timeout=0).release()  # free at once, not 10 s later

@@ -69,9 +69,9 @@ or a delete, revoke — is a raft entry, fsynced before etcd replies):
   store was not granted the key to (a release by token from another process) may be
   only waiting, its lease holding a queue entry: the key is read first [+1], and the
   token told it does not hold the key unless the key is on its lease; then both of the
-  token's leases are revoked [+1], as a renewal *with another TTL* of the same token
-  may move the key from one to the other meanwhile. (Same-token calls of one store do
-  not race: a lease renews under its own lock.)
+  token's leases are revoked [+1] and the key read again [+1], as renewals *with
+  another TTL* by its holder may move the key from one to the other meanwhile. (Calls
+  with one token through one store do not race: a lease renews under its own lock.)
 - holder / holders [1 + 1 per lease]: a range read, then each lease's remaining TTL
   (whole seconds: ``expires_at`` is for display, up to a second early).
 
@@ -501,6 +501,9 @@ class _Handovers:
 
 
 STEAL_ATTEMPTS = 5
+# Reads of a key after a release by token revoked its token's leases, while the holder's
+# renewals move it between them (each move is three requests: this is plenty).
+RACE_ROUNDS = 3
 # A kept lease with at least this long to live is used as it is and refreshed after
 # the grant (its transaction cannot outlast it).
 REFRESH_AFTER_MIN = 0.5
@@ -832,8 +835,11 @@ def _release(layout: _Layout, key: str, token: str, *, granted: bool) -> Flow[Ou
     before it takes the key), so a revoke that finds the lease is a release; one that
     finds neither lease is a loss. Another token (a release by token from elsewhere)
     may only be *waiting* for the key, its lease holding a queue entry: the key is read
-    first [+1], and only a lease it is attached to is revoked; else the token is told
-    it does not hold the key, and its wait goes on.
+    first [+1], and unless it is on one of the token's leases the token is told it does
+    not hold the key, and its wait goes on. If it is, both of the token's leases are
+    revoked, and the key read again [+1]: renewals with another TTL by its holder may
+    have moved it from one lease to the other meanwhile, onto one already revoked
+    before it arrived; that one is revoked again, a few rounds at most.
     """
     ids: tuple[int, ...] = layout.lease_ids(key, token)
     if not granted:
@@ -858,8 +864,17 @@ def _release(layout: _Layout, key: str, token: str, *, granted: bool) -> Flow[Ou
             if granted:
                 return Outcome(True)
             released = True
+    for _ in range(RACE_ROUNDS if released else 0):
+        reply = yield _Call("/v3/kv/range", {"key": _b64(layout.name(key))})
+        kv = _first_kv(reply)
+        if kv is None or kv.lease not in ids:
+            return Outcome(True)
+        yield from _quietly_revoke(kv.lease)  # moved there after its revoke
     if released:
-        return Outcome(True)
+        raise StoreError(
+            f"etcd release of {key!r}: its holder's renewals kept moving the key between"
+            f" the token's leases ({RACE_ROUNDS} rounds); try again"
+        )
     reply = yield _Call("/v3/kv/range", {"key": _b64(layout.name(key))})
     holder = yield from _current_holder(key, _first_kv(reply))
     return Outcome(False, holder)
