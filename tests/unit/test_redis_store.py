@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from _redis_servers import RedisCluster
 from keymutex import _clock as clock
 from keymutex._store import RenewRequest
 from keymutex.stores.redis import RedisStore
+from safety._tools.proxy import Proxy
 
 
 @pytest.fixture
@@ -689,6 +691,101 @@ async def test_async_a_release_that_timed_out_is_not_sent_again(
         with contextlib.suppress(keymutex.LockLost):
             await locks.release("k", lease.token)
         await (await locks.acquire("k", timeout=0)).release()
+
+
+# In the release script's reply when it released: {1, ...} (set just before a release,
+# nothing else answers meanwhile).
+RELEASED_REPLY = b":1\r\n"
+
+
+@contextlib.contextmanager
+def _release_answer_lost(redis_url: str) -> Iterator[tuple[str, Proxy]]:
+    """A URL through a proxy; ``lose()`` arms it to cut the connection (RST) instead of
+    passing the next release's answer, after Redis ran the release."""
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    with Proxy(("127.0.0.1", port)) as proxy:
+        yield f"redis://127.0.0.1:{proxy.port}/0", proxy
+
+
+def test_a_release_whose_answer_was_lost_to_a_reset_is_not_lock_lost(
+    redis_url: str, namespace: str
+) -> None:
+    """Its connection (used before) broke after the release went out: the store sent it
+    again on a new one, which found the lease gone (the first had released it) and told
+    the user ``LockLost``. It cannot tell that from a lease lost before: StoreError."""
+    with (
+        _release_answer_lost(redis_url) as (url, proxy),
+        keymutex.Locks(url, namespace=namespace) as locks,
+    ):
+        lease = locks.acquire("k", timeout=0)
+        proxy.set_mode("lose_reply", from_reply=RELEASED_REPLY)
+        with pytest.raises(keymutex.StoreError, match="outcome unknown"):
+            lease.release()
+        assert proxy.mode == "pass", "the release's answer was lost"
+        assert locks.holder("k") is None  # released, by the first one
+        locks.acquire("k", timeout=0).release()
+
+
+@pytest.mark.asyncio
+async def test_async_a_release_whose_answer_was_lost_to_a_reset_is_not_lock_lost(
+    redis_url: str, namespace: str
+) -> None:
+    with _release_answer_lost(redis_url) as (url, proxy):
+        async with keymutex.AsyncLocks(url, namespace=namespace) as locks:
+            lease = await locks.acquire("k", timeout=0)
+            proxy.set_mode("lose_reply", from_reply=RELEASED_REPLY)
+            with pytest.raises(keymutex.StoreError, match="outcome unknown"):
+                await lease.release()
+            assert proxy.mode == "pass", "the release's answer was lost"
+            assert await locks.holder("k") is None
+
+
+@contextlib.contextmanager
+def _cluster_through_proxies(
+    redis_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[Proxy]]:
+    """The store's sync cluster client reaches every node through a proxy of its own
+    (redis-py's ``address_remap``); the rest is the real cluster."""
+    from keymutex.stores import redis as store
+
+    with contextlib.ExitStack() as stack:
+        proxies = {
+            node.port: stack.enter_context(Proxy(("127.0.0.1", node.port)))
+            for node in redis_cluster.nodes
+        }
+
+        def through_proxy(address: tuple[str, int]) -> tuple[str, int]:
+            proxy = proxies.get(address[1])
+            return address if proxy is None else ("127.0.0.1", proxy.port)
+
+        proxied = type("_Cluster", (store._Cluster,), {})
+        proxied.__init__ = functools.partialmethod(  # type: ignore[misc]
+            store._Cluster.__init__, address_remap=through_proxy
+        )
+        monkeypatch.setattr(store, "_Cluster", proxied)
+        yield list(proxies.values())
+
+
+def test_a_release_whose_answer_was_lost_to_a_reset_on_a_cluster_is_not_lock_lost(
+    redis_cluster: RedisCluster, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py's cluster client sends a command again after a broken connection: the
+    release ran twice on its master and said ``LockLost`` although it had released.
+    It is sent once: a StoreError, outcome unknown."""
+    with (
+        _cluster_through_proxies(redis_cluster, monkeypatch) as proxies,
+        keymutex.Locks(redis_cluster.url, namespace=namespace) as locks,
+    ):
+        lease = locks.acquire("k", timeout=0)
+        for proxy in proxies:
+            proxy.set_mode("lose_reply", from_reply=RELEASED_REPLY)
+        with pytest.raises(keymutex.StoreError, match="Redis release of 'k'"):
+            lease.release()
+        assert any(proxy.dropped_bytes for proxy in proxies), "no answer was lost"
+        for proxy in proxies:
+            proxy.set_mode("pass")
+        assert locks.holder("k") is None  # released, by the one release sent
+        locks.acquire("k", timeout=0).release()
 
 
 def test_a_waiter_whose_queueing_try_timed_out_leaves_the_queue(

@@ -1156,15 +1156,19 @@ class _Connections:
         self._free: list[Any] = []  # list.append / pop are atomic: no lock needed
         self._pid = os.getpid()
 
-    def call(self, *args: Any) -> Any:
+    def call(self, *args: Any, resent: list[bool] | None = None) -> Any:
+        """Send a command and read its reply. ``resent``: told (``True`` appended) when
+        the command went out whole before the connection broke, and was sent again."""
         if self._pid != os.getpid():  # forked: the parent's sockets are not ours
             self._free, self._pid = [], os.getpid()
         try:
             conn, used = self._free.pop(), True
         except IndexError:
             conn, used = self._pool.get_connection(), False
+        sent = False
         try:
             conn.send_command(*args)
+            sent = True
             reply = conn.read_response()
         except redis.exceptions.ResponseError:
             self._free.append(conn)  # an error reply: the connection is fine
@@ -1174,6 +1178,8 @@ class _Connections:
             self._pool.release(conn)
             if not used or isinstance(exc, _SLOW):
                 raise
+            if sent and resent is not None:
+                resent.append(True)
             return self.call(*args)
         except BaseException:
             conn.disconnect()
@@ -1217,13 +1223,15 @@ class _AsyncConnections:
         self._pool = pool
         self._free: list[Any] = []
 
-    async def call(self, *args: Any) -> Any:
+    async def call(self, *args: Any, resent: list[bool] | None = None) -> Any:
         try:
             conn, used = self._free.pop(), True
         except IndexError:
             conn, used = await self._pool.get_connection(), False
+        sent = False
         try:
             await _send(conn, args)
+            sent = True
             reply = await conn.read_response()
         except redis.exceptions.ResponseError:
             self._free.append(conn)
@@ -1233,6 +1241,8 @@ class _AsyncConnections:
             await self._pool.release(conn)
             if not used or isinstance(exc, _SLOW):
                 raise
+            if sent and resent is not None:
+                resent.append(True)
             return await self.call(*args)
         except BaseException:  # cancelled mid-step: the reply may be on its way
             await asyncio.shield(conn.disconnect())
@@ -1280,13 +1290,19 @@ _DRIVER_ERRORS = (RedisError, RedisClusterException, OSError)
 
 # redis-py's cluster clients send a command again after these errors. Not after a
 # timeout here: Redis may have run the command (a release run twice says "not held").
-# What is left is sent again only after nothing ran: a refused connection, a cluster
-# that is down or a slot nobody serves (MOVED and ASK are followed apart from these).
+# After the others (a refused or broken connection, a cluster that is down, a slot
+# nobody serves) they still do: harmless for every step but a release (see _ONCE).
 _CLUSTER_RETRY = tuple(
     error
     for error in redis.cluster.RedisCluster.ERRORS_ALLOW_RETRY
     if not issubclass(error, _SLOW)
 )
+
+
+# _ONCE: a release on a cluster goes to the node of its key's slot (target_nodes): redis-py
+# then sends it once (following MOVED and ASK, which nothing ran), and a connection that
+# breaks after it went out is a StoreError, outcome unknown: sent again, a release that
+# had released says "not held". Other steps run twice answer alike, and are resent.
 
 
 class _Cluster(redis.cluster.RedisCluster):
@@ -1338,6 +1354,20 @@ def _step_name(call: _Call) -> str:
     return f"Redis {call.script.name} of {call.key!r}"
 
 
+def _read_once_more(call: _Call, reply: Any, resent: list[bool]) -> Outcome:
+    """``call``'s outcome from ``reply``. A release sent again after its connection broke
+    with the first one out (Redis may have run it) that finds the lease gone cannot tell
+    whether the first released it or it was lost before: not ``LockLost``, unknown."""
+    outcome = call.read(call.key, reply)
+    if resent and call.script is _RELEASE and not outcome.ok:
+        raise StoreError(
+            f"{_step_name(call)}: the connection broke after the release was sent; sent"
+            " again, it found the lease gone: released by the first, or lost before it"
+            " (outcome unknown)"
+        )
+    return outcome
+
+
 class RedisStore:
     """The Redis store for one namespace (sync, on redis-py)."""
 
@@ -1362,9 +1392,17 @@ class RedisStore:
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
 
     def _run(self, call: _Call) -> Outcome:
+        resent: list[bool] = []
         try:
             # (A cluster client is made here, at its first use: see _LazyCluster.)
-            send = self._client.execute_command if self._conns is None else self._conns.call
+            send: Callable[..., Any]
+            if self._conns is not None:
+                send = functools.partial(self._conns.call, resent=resent)
+            elif call.script is _RELEASE:  # to its node: never sent twice (_ONCE)
+                node = self._client.get_node_from_key(call.keys[0])
+                send = functools.partial(self._client.execute_command, target_nodes=node)
+            else:
+                send = self._client.execute_command
             try:
                 reply = send("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
             except NoScriptError:  # a restarted or flushed server: load and go again
@@ -1375,7 +1413,7 @@ class RedisStore:
             # it cost about as much as the rest of this method.
             with translate_errors(*_DRIVER_ERRORS, what=_step_name(call)):
                 raise
-        return call.read(call.key, reply)
+        return _read_once_more(call, reply, resent)
 
     def try_acquire(
         self,
@@ -1535,8 +1573,17 @@ class AsyncRedisStore:
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
 
     async def _run(self, call: _Call) -> Outcome:
+        resent: list[bool] = []
         try:
-            send = self._client.execute_command if self._conns is None else self._conns.call
+            send: Callable[..., Any]
+            if self._conns is not None:
+                send = functools.partial(self._conns.call, resent=resent)
+            elif call.script is _RELEASE:  # to its node: never sent twice (_ONCE)
+                await self._client.initialize()  # learns the slots once; a no-op afterwards
+                node = self._client.get_node_from_key(call.keys[0])
+                send = functools.partial(self._client.execute_command, target_nodes=node)
+            else:
+                send = self._client.execute_command
             try:
                 reply = await send(
                     "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
@@ -1549,7 +1596,7 @@ class AsyncRedisStore:
         except _DRIVER_ERRORS:
             with translate_errors(*_DRIVER_ERRORS, what=_step_name(call)):  # as in RedisStore
                 raise
-        return call.read(call.key, reply)
+        return _read_once_more(call, reply, resent)
 
     async def try_acquire(
         self,
