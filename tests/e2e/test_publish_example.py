@@ -18,8 +18,9 @@ import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "publish_per_user.py"
 TTL = 2.0  # the example's lease TTL
-# "At once": a refusal is one round trip, far below one pipeline step (0.3 s).
-AT_ONCE = 0.25
+# The example asks with timeout=0: every answer, grant or refusal, is one try, never a
+# wait. How fast it comes is a benchmark's business (it was asserted here under 0.25 s,
+# and a loaded CI machine took 0.39 s); what these tests check is who got what, when.
 # Wall-clock stamps of different processes: allowance for their ordering.
 SLACK = 0.05
 
@@ -106,19 +107,17 @@ def test_one_pipeline_per_user_at_a_time(record: list[dict[str, Any]]) -> None:
 
 
 def test_other_users_do_not_wait(record: list[dict[str, Any]]) -> None:
-    bob = one(record, "start", "b1")
-    # bob was granted at once: alice's lock, on another key, did not hold him up. (Not
-    # checked: that alice's pipeline was still running then; on a loaded machine bob's
-    # request can come after it ended, by scheduling alone.)
-    assert bob["answered_in"] < AT_ONCE
-    assert all(start["answered_in"] < AT_ONCE for start in events(record, "start"))
+    # bob was granted on his one try: alice's lock, on another key, did not refuse him.
+    # (Not checked: that alice's pipeline was still running then; on a loaded machine
+    # bob's request can come after it ended, by scheduling alone.)
+    one(record, "start", "b1")
+    assert not events(record, "refused", "b1")
 
 
 def test_a_second_upload_is_answered_at_once_with_who_holds_the_lock(
     record: list[dict[str, Any]],
 ) -> None:
     refused = one(record, "refused", "a2")
-    assert refused["answered_in"] < AT_ONCE
     holder = refused["holder"]
     assert holder is not None
     # The holder it was told about is the upload that held alice's lock at that moment.
@@ -136,8 +135,7 @@ def test_a_failing_step_releases_the_lock(record: list[dict[str, Any]]) -> None:
     failed = one(record, "failed", "c1")
     assert [e["step"] for e in events(record, "step", "c1")] == ["store", "resize"]
     retry = one(record, "start", "c2")
-    # Granted at once, long before c1's lease would have expired by itself.
-    assert retry["answered_in"] < AT_ONCE
+    # Granted after c1 failed, long before c1's lease would have expired by itself.
     assert failed["t"] <= retry["t"] + SLACK
     assert retry["t"] < one(record, "start", "c1")["expires_at"]
 
@@ -149,7 +147,6 @@ def test_a_dead_workers_lock_expires_and_says_who_held_it(record: list[dict[str,
     d3 = one(record, "start", "d3")
     # While the dead worker's lease lived, the next upload was refused, naming it.
     assert crash["t"] < refused["t"] < d1["expires_at"]
-    assert refused["answered_in"] < AT_ONCE
     assert refused["holder"]["info"]["worker"] == d1["worker"]
     assert refused["holder"]["info"]["upload"] == "d1"
     # Nobody renewed it after the crash: it ran out one TTL after its grant, and only
