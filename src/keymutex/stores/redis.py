@@ -1228,10 +1228,8 @@ class _AsyncConnections:
             conn, used = self._free.pop(), True
         except IndexError:
             conn, used = await self._pool.get_connection(), False
-        sent = False
         try:
             await _send(conn, args)
-            sent = True
             reply = await conn.read_response()
         except redis.exceptions.ResponseError:
             self._free.append(conn)
@@ -1241,7 +1239,7 @@ class _AsyncConnections:
             await self._pool.release(conn)
             if not used or isinstance(exc, _SLOW):
                 raise
-            if sent and resent is not None:
+            if resent is not None:  # a failed drain may follow a write that went out
                 resent.append(True)
             return await self.call(*args)
         except BaseException:  # cancelled mid-step: the reply may be on its way
