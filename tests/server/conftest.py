@@ -93,6 +93,15 @@ class Live:
     url: str
     app: Starlette
 
+    def metric(self, name: str) -> float:
+        """The server's counter ``name`` from ``/metrics``, summed over its labels."""
+        metrics = httpx.get(f"{self.url}/metrics").text
+        return sum(
+            float(line.rpartition(" ")[2])
+            for line in metrics.splitlines()
+            if line.startswith(name)
+        )
+
 
 def _run(server: uvicorn.Server, sock: socket.socket) -> None:
     """``server.run()``, then the connections uvicorn leaves open closed in their loop.

@@ -78,12 +78,7 @@ def test_a_waiter_that_gives_up_leaves_the_key_free(live: Live) -> None:
 
 
 def _refusals(live: Live) -> float:
-    metrics = httpx.get(f"{live.url}/metrics").text
-    return sum(
-        float(line.rpartition(" ")[2])
-        for line in metrics.splitlines()
-        if line.startswith("keymutex_refusals_total")
-    )
+    return live.metric("keymutex_refusals_total")
 
 
 def test_a_long_wait_is_one_request_at_the_server(live: Live) -> None:

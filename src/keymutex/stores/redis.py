@@ -1352,6 +1352,21 @@ def _step_name(call: _Call) -> str:
     return f"Redis {call.script.name} of {call.key!r}"
 
 
+def _sender(
+    client: Any, conns: _Connections | _AsyncConnections | None, call: _Call, resent: list[bool]
+) -> Callable[..., Any]:
+    """What sends ``call``'s command: the store's own connections (noting in ``resent``
+    a command sent again), else the cluster client; a cluster release to its key's node,
+    so that it is sent once (_ONCE)."""
+    if conns is not None:
+        return functools.partial(conns.call, resent=resent)
+    if call.script is _RELEASE:
+        node = client.get_node_from_key(call.keys[0])
+        return functools.partial(client.execute_command, target_nodes=node)
+    send: Callable[..., Any] = client.execute_command
+    return send
+
+
 def _read_once_more(call: _Call, reply: Any, resent: list[bool]) -> Outcome:
     """``call``'s outcome from ``reply``. A release sent again after its connection broke
     with the first one out (Redis may have run it) that finds the lease gone cannot tell
@@ -1393,14 +1408,7 @@ class RedisStore:
         resent: list[bool] = []
         try:
             # (A cluster client is made here, at its first use: see _LazyCluster.)
-            send: Callable[..., Any]
-            if self._conns is not None:
-                send = functools.partial(self._conns.call, resent=resent)
-            elif call.script is _RELEASE:  # to its node: never sent twice (_ONCE)
-                node = self._client.get_node_from_key(call.keys[0])
-                send = functools.partial(self._client.execute_command, target_nodes=node)
-            else:
-                send = self._client.execute_command
+            send = _sender(self._client, self._conns, call, resent)
             try:
                 reply = send("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
             except NoScriptError:  # a restarted or flushed server: load and go again
@@ -1573,15 +1581,9 @@ class AsyncRedisStore:
     async def _run(self, call: _Call) -> Outcome:
         resent: list[bool] = []
         try:
-            send: Callable[..., Any]
-            if self._conns is not None:
-                send = functools.partial(self._conns.call, resent=resent)
-            elif call.script is _RELEASE:  # to its node: never sent twice (_ONCE)
+            if self._conns is None and call.script is _RELEASE:
                 await self._client.initialize()  # learns the slots once; a no-op afterwards
-                node = self._client.get_node_from_key(call.keys[0])
-                send = functools.partial(self._client.execute_command, target_nodes=node)
-            else:
-                send = self._client.execute_command
+            send = _sender(self._client, self._conns, call, resent)
             try:
                 reply = await send(
                     "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
