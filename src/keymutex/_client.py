@@ -662,7 +662,9 @@ class _Renewer:
         return lost
 
     def close(self) -> None:
-        """Stop renewing; wait for the ``on_lost`` calls already due (unless made by one)."""
+        """Stop renewing; wait for the calls already due (unless made by one of them):
+        the releases of leases renewed too late, before the store closes, and the
+        ``on_lost`` callbacks. Bounded, as ``AsyncLocks.aclose``: one may hang."""
         with self._wakeup:
             self._closed = True
             self._wakeup.notify()
@@ -670,7 +672,9 @@ class _Renewer:
             self._thread.join()
         self._calls.close()
         self._callbacks.close()
-        self._callbacks.join(CALLBACK_GRACE)  # bounded, as AsyncLocks' aclose: one may hang
+        grace_ends = _clock.monotonic() + CALLBACK_GRACE
+        self._calls.join(CALLBACK_GRACE)
+        self._callbacks.join(max(0.0, grace_ends - _clock.monotonic()))
 
 
 def _release_quietly(store: Store, lease: LeaseState) -> None:
@@ -711,8 +715,9 @@ def _after_loss(lease: LeaseState, holder: Holder | None) -> Holder | None:
     return None if holder is None or holder.fence == lease.fence else holder
 
 
-def _closed_while_waiting(locks: Locks | AsyncLocks, key: str) -> str:
-    return f"this {type(locks).__name__} was closed while an acquire of {key!r} waited"
+def _closed_while_waiting(locks: Locks | AsyncLocks, key: str, *, waited: bool = True) -> str:
+    during = "waited" if waited else "was under way"
+    return f"this {type(locks).__name__} was closed while an acquire of {key!r} {during}"
 
 
 def _quiet_if(closed: bool) -> contextlib.AbstractContextManager[None]:
@@ -951,12 +956,25 @@ class Locks:
             raise
 
     def _attempt_once(self, request: _Request, token: str) -> tuple[float, Outcome]:
-        """(when the try was sent, its granting outcome); ``Locked`` if refused."""
-        sent_at = _clock.monotonic()
-        outcome = self._try(request, token, None)
-        if not outcome.ok:
-            raise Locked(request.key, outcome.holder)
-        return sent_at, outcome
+        """(when the try was sent, its granting outcome); ``Locked`` if refused.
+
+        Counted as a contender, like a wait: ``close()`` meanwhile leaves the store open
+        until the try is answered, and a grant that lands after it is given back.
+        """
+        if not self._contenders.enter():
+            raise RuntimeError("this Locks is closed")
+        try:
+            sent_at = _clock.monotonic()
+            outcome = self._try(request, token, None)
+            if not outcome.ok:
+                raise Locked(request.key, outcome.holder)
+            if self._closed:  # granted as the client closed: nobody could release it
+                self._give_back(request.key, token)
+                raise RuntimeError(_closed_while_waiting(self, request.key, waited=False))
+            return sent_at, outcome
+        finally:
+            if self._contenders.leave():
+                self._store.close()
 
     def _contend(self, request: _Request, token: str, deadline: Deadline) -> tuple[float, Outcome]:
         """Try, wait, try again until granted: as ``_attempt_once``, by ``deadline``."""
@@ -1549,11 +1567,21 @@ class AsyncLocks:
             self._gate.release(request.key)
 
     async def _attempt_once(self, request: _Request, token: str) -> AsyncLease:
-        sent_at = _clock.monotonic()
-        outcome = await self._try(request, token, None)
-        if not outcome.ok:
-            raise Locked(request.key, outcome.holder)
-        return self._granted(request, token, outcome, sent_at)
+        """As ``Locks._attempt_once``: counted as a contender, a late grant given back."""
+        if not self._contenders.enter():
+            raise RuntimeError("this AsyncLocks is closed")
+        try:
+            sent_at = _clock.monotonic()
+            outcome = await self._try(request, token, None)
+            if not outcome.ok:
+                raise Locked(request.key, outcome.holder)
+            if self._closed:  # granted as the client closed: nobody could release it
+                await asyncio.shield(self._release_quietly(request.key, token))
+                raise RuntimeError(_closed_while_waiting(self, request.key, waited=False))
+            return self._granted(request, token, outcome, sent_at)
+        finally:
+            if self._contenders.leave():
+                await asyncio.shield(self._store.aclose())
 
     async def _contend(self, request: _Request, token: str, deadline: Deadline) -> AsyncLease:
         if not self._contenders.enter():

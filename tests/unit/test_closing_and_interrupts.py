@@ -169,3 +169,101 @@ def test_leaving_a_block_normally_after_close_says_the_lock_was_not_released(url
     locks = keymutex.Locks(url)
     with pytest.raises(RuntimeError, match="this Locks is closed"), locks.lock("doc"):
         locks.close()
+
+
+# -- close() racing a single try (timeout=0, steal=True), found by a review ----------
+# Before: only the waiting path was counted as a contender and gave back a grant that
+# landed after close(); a single try came back with a lease its caller could no longer
+# release (held for its whole TTL: an edit session's), and close() closed the store
+# under the try.
+
+TRY_ONCE = [
+    pytest.param({"timeout": 0}, id="timeout=0"),
+    pytest.param({"steal": True}, id="steal"),
+]
+
+
+@pytest.mark.parametrize("how", TRY_ONCE)
+def test_a_single_try_granted_after_close_is_given_back(
+    url: str, how: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locks = keymutex.Locks(url, ttl=600)
+    granting = locks._store.try_acquire
+    at_store, answer = threading.Event(), threading.Event()
+
+    def slow_try(key: str, **kwargs: Any) -> Any:  # the step reached the store; slow answer
+        at_store.set()
+        answer.wait(10)
+        return granting(key, **kwargs)
+
+    monkeypatch.setattr(locks._store, "try_acquire", slow_try)
+    thread, result = _acquire_in_thread(lambda: locks.acquire("doc", renew=False, **how))
+    assert at_store.wait(10)
+    locks.close()  # returns at once: the try keeps the store open until it is answered
+    answer.set()
+    thread.join(10)
+    assert len(result) == 1
+    assert isinstance(result[0], RuntimeError), result
+    assert "this Locks was closed while an acquire of 'doc' was under way" in str(result[0])
+    with keymutex.Locks(url) as other:
+        assert other.holder("doc") is None  # given back, not held for 600 s
+        other.acquire("doc", timeout=0).release()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", TRY_ONCE)
+async def test_a_single_async_try_granted_after_aclose_is_given_back(
+    url: str, how: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locks = keymutex.AsyncLocks(url, ttl=600)
+    granting = locks._store.try_acquire
+    at_store, answer = asyncio.Event(), asyncio.Event()
+
+    async def slow_try(key: str, **kwargs: Any) -> Any:
+        at_store.set()
+        await answer.wait()
+        return await granting(key, **kwargs)
+
+    monkeypatch.setattr(locks._store, "try_acquire", slow_try)
+    task = asyncio.create_task(locks.acquire("doc", renew=False, **how))
+    await asyncio.wait_for(at_store.wait(), 10)
+    await locks.aclose()
+    answer.set()
+    with pytest.raises(RuntimeError, match="closed while an acquire of 'doc' was under way"):
+        await asyncio.wait_for(task, 10)
+    async with keymutex.AsyncLocks(url) as other:
+        assert await other.holder("doc") is None
+        await (await other.acquire("doc", timeout=0)).release()
+
+
+def test_close_waits_for_the_release_of_a_lease_renewed_too_late(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal answered after the lease's deadline (its holder was told it is lost)
+    is released by the renewer; before, ``close()`` closed the store under that release,
+    and the key stayed held by a lease nobody had for another TTL."""
+    ttl = 3.0
+    locks = keymutex.Locks(url)
+    store = locks._store
+    renew_many, release = store.renew_many, store.release
+
+    def late_renewal(requests: Any) -> Any:  # reaches the store in time, answered late
+        time.sleep(ttl * 0.6)
+        outcomes = renew_many(requests)
+        time.sleep(ttl / 6)
+        return outcomes
+
+    def slow_release(key: str, token: str) -> Any:
+        time.sleep(0.2)
+        return release(key, token)
+
+    monkeypatch.setattr(store, "renew_many", late_renewal)
+    monkeypatch.setattr(store, "release", slow_release)
+    lease = locks.acquire("job", ttl=ttl, renew=True)
+    deadline = time.monotonic() + 20
+    while not lease.lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lease.lost
+    locks.close()
+    with keymutex.Locks(url) as other:
+        assert other.holder("job") is None  # released before the store closed

@@ -311,6 +311,40 @@ async def test_async_steps_never_hold_the_event_loop_while_the_database_is_busy(
         await lease.release()
 
 
+@pytest.mark.asyncio
+async def test_an_async_waiter_cancelled_as_its_wake_up_arrives_logs_nothing(
+    tmp_path: Path,
+) -> None:
+    """Found by a review: the wake-up's reader callback, run in the turn the waiting
+    task was cancelled, set the cancelled future's result, and the event loop logged
+    ``Exception in callback ... InvalidStateError`` (nothing was left held)."""
+    url = f"sqlite:///{tmp_path}/locks.db"
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    with keymutex.Locks(url) as holder:
+        lease = holder.acquire("doc")
+        async with keymutex.AsyncLocks(url) as locks:
+            waiting = asyncio.create_task(locks.acquire("doc", timeout=30))
+            await asyncio.sleep(0.3)  # queued at the store, parked on its socket
+
+            def release_then_cancel() -> None:
+                # The loop is busy meanwhile: the wake-up is readable before the cancel
+                # runs, and its callback comes right after it, in the same turn.
+                releasing = threading.Thread(target=lease.release)
+                releasing.start()
+                releasing.join(10)
+                time.sleep(0.1)
+                loop.call_soon(waiting.cancel)
+
+            loop.call_soon(release_then_cancel)
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await asyncio.sleep(0.1)
+            assert await locks.holders() == []  # the key handed to it was given back
+    assert errors == []
+
+
 def test_a_missing_directory_is_a_store_error(tmp_path: Path) -> None:
     with pytest.raises(keymutex.StoreError, match="cannot open"):
         keymutex.Locks(f"sqlite:///{tmp_path}/no/such/dir/locks.db")

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import threading
 
-__all__ = ["Doorbell", "LoopDoorbell"]
+__all__ = ["Doorbell", "LoopDoorbell", "wake"]
 
 
 class Doorbell:
@@ -91,3 +91,10 @@ class LoopDoorbell:
         rung = self._event.is_set()
         self._event.clear()
         return rung
+
+
+def wake(future: asyncio.Future[None]) -> None:
+    """Resolve ``future`` unless it is done: a reader callback scheduled in the turn
+    its waiter was cancelled (or timed out) would otherwise log ``InvalidStateError``."""
+    if not future.done():
+        future.set_result(None)

@@ -103,7 +103,7 @@ from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
-from keymutex.stores._doorbell import Doorbell, LoopDoorbell
+from keymutex.stores._doorbell import Doorbell, LoopDoorbell, wake
 from keymutex.stores._settings import count, digits, seconds
 
 __all__ = ["AsyncPostgresStore", "PostgresStore", "driver"]
@@ -1183,11 +1183,6 @@ class _Sessions:
 # -- connections and the wire (async) ----------------------------------------------------
 
 
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 def _expire(future: asyncio.Future[None], timeout: float) -> None:
     if not future.done():
         future.set_exception(_no_reply(timeout))
@@ -1247,8 +1242,8 @@ class _AsyncSession:
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()
         if writing:
-            loop.add_writer(self.fd, _wake, ready)
-        loop.add_reader(self.fd, _wake, ready)
+            loop.add_writer(self.fd, wake, ready)
+        loop.add_reader(self.fd, wake, ready)
         timer = loop.call_at(deadline, _expire, ready, timeout)
         try:
             await ready

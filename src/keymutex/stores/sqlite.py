@@ -66,6 +66,7 @@ from keymutex._store import (
     translate_errors,
 )
 from keymutex._urls import redacted, split_url
+from keymutex.stores._doorbell import wake
 from keymutex.stores._settings import seconds
 
 __all__ = ["SqliteStore", "driver"]
@@ -313,7 +314,7 @@ class _SqliteWaiter:
             return True
         loop = asyncio.get_running_loop()
         readable = loop.create_future()
-        loop.add_reader(self._socket.fileno(), readable.set_result, None)
+        loop.add_reader(self._socket.fileno(), wake, readable)
         try:
             async with asyncio.timeout(timeout):
                 await readable
