@@ -121,7 +121,14 @@ def check_text(
     size = _utf8_length(value, name)
     if size > max_bytes:
         raise ValueError(f"{name} is {size} bytes as UTF-8; at most {max_bytes} are accepted")
-    return value
+    return _exact_str(value)
+
+
+def _exact_str(value: str) -> str:
+    """``value``'s text as a plain ``str``: a subclass (``class Kind(str, Enum)``) may
+    format as another text (``Kind.REPORTS``), and a store that named it by formatting
+    would hold a lock of another name than the other stores and clients."""
+    return value if type(value) is str else str.__str__(value)
 
 
 def check_key(key: object, name: str = "key") -> str:
@@ -281,7 +288,7 @@ def check_token(token: object) -> str:
             f"token must be 1 to {MAX_TOKEN_CHARS} URL-safe characters (A-Z a-z 0-9 - _)"
             f" as returned {_words('in Lease.token', 'by acquire')}"
         )
-    return token
+    return _exact_str(token)
 
 
 def check_bool(value: object, name: str) -> bool:

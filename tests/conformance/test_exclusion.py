@@ -9,6 +9,7 @@ each grant's fence is larger than every fence before it on the key.
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import multiprocessing
 import threading
@@ -259,3 +260,38 @@ def test_release_here_wakes_a_waiter_in_another_process(
     assert owner == "patient"
     assert info == {"pid": waiter.pid}
     assert make_locks().holder("doc") is None
+
+
+class _Resource(str, enum.Enum):  # noqa: UP042  # StrEnum formats as its text: not this case
+    REPORTS = "reports"
+
+
+def test_a_str_subclass_key_or_namespace_is_the_lock_of_its_text(
+    make_locks: Callable[..., keymutex.Locks], namespace: str
+) -> None:
+    """Found by a review: the Redis store named items by formatting the key and the
+    namespace, and a ``(str, Enum)`` member formats as ``_Resource.REPORTS``: the member
+    and ``"reports"`` (from another process, or the lock server's JSON) were two locks,
+    both granted at once."""
+    first = make_locks(owner="enum-user").acquire(_Resource.REPORTS, timeout=0)
+    assert type(first.key) is str
+    with pytest.raises(keymutex.Locked):
+        make_locks(owner="plain-user").acquire("reports", timeout=0).release()
+    assert [h.key for h in make_locks().holders("rep")] == ["reports"]
+    first.release()
+    by_member = enum.Enum("Space", {"X": namespace}, type=str).X  # type: ignore[attr-defined]
+    second = make_locks(namespace=by_member).acquire("k", timeout=0)
+    with pytest.raises(keymutex.Locked):
+        make_locks(namespace=namespace).acquire("k", timeout=0).release()
+    second.release()
+
+
+@pytest.mark.asyncio
+async def test_a_str_subclass_key_is_the_lock_of_its_text_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    first = await make_alocks().acquire(_Resource.REPORTS, timeout=0)
+    with pytest.raises(keymutex.Locked):
+        await (await make_alocks().acquire("reports", timeout=0)).release()
+    assert [h.key for h in await make_alocks().holders("rep")] == ["reports"]
+    await first.release()
