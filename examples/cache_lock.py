@@ -55,7 +55,18 @@ def main() -> int:
         if len(sys.argv) > 1
         else os.environ.get("KEYMUTEX_STORE", "redis://127.0.0.1:6379/0")
     )
+    if not url.lower().startswith(("redis://", "rediss://", "unix://")):
+        sys.exit(
+            f"error: {url!r}: this example compares with a lock hand-rolled on Redis"
+            " and needs a redis:// URL"
+        )
     r = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        r.ping()
+    except redis.RedisError as exc:
+        sys.exit(
+            f"error: Redis at {url} cannot be used: {str(exc).rstrip('.')}; give another redis:// URL"
+        )
     run = uuid.uuid4().hex[:8]
     info = {"host": socket.gethostname(), "pid": os.getpid()}
 

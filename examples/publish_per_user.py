@@ -131,7 +131,7 @@ def publish(locks: keymutex.Locks, request: Request, record: Record) -> None:
                     print(f"{request.user}: worker {record.worker} dies while resizing")
                     os._exit(3)  # no clean-up of any kind: the lease is left to expire
                 if request.fault == "reject" and step == "compliance":
-                    raise ComplianceError(f"upload {request.upload} was refused")
+                    raise ComplianceError(f"the compliance check refused upload {request.upload}")
                 time.sleep(STEP_SECONDS)
                 record.write("step", request, step=step)
         record.write("done", request)
@@ -194,6 +194,11 @@ def main() -> int:
     args = parser.parse_args()
     if not args.url:
         parser.error("give a store URL (postgresql://…, mongodb://…) or set $KEYMUTEX_STORE")
+    try:  # one line if this store cannot be used here, not a traceback from every worker
+        with keymutex.Locks(args.url) as probe:
+            probe.holder("probe")
+    except (ImportError, ValueError, keymutex.StoreError) as exc:
+        parser.error(f"{str(exc).rstrip('.')}; give another store URL, e.g. sqlite:///tmp/p.db")
     record = args.record or str(Path(tempfile.mkdtemp()) / "publish.jsonl")
     Path(record).touch()
     namespace = f"publish-{uuid.uuid4().hex[:8]}"

@@ -941,6 +941,14 @@ class Locks:
                 sent_at, outcome = self._attempt_once(request, token)
             else:
                 deadline = Deadline(request.timeout)
+                if request.token is not None:
+                    # A token named by the caller (the lock server's clients) may hold
+                    # the key already: a retry whose first answer was lost. Queued at
+                    # the gate behind waiters for its own lease, it waited out its
+                    # timeout, refused, the key kept from all. One try first.
+                    with contextlib.suppress(Locked):
+                        sent_at, outcome = self._attempt_once(request, token)
+                        return self._granted(request, token, outcome, sent_at)
                 if not self._gate.acquire(request.key, timeout=deadline.remaining()):
                     raise Locked(request.key, self._holder_if_known(request.key))
                 try:
@@ -1559,6 +1567,9 @@ class AsyncLocks:
         if request.steal or request.timeout == 0:
             return await self._attempt_once(request, token)
         deadline = Deadline(request.timeout)
+        if request.token is not None:  # maybe held by it already: see Locks._acquire
+            with contextlib.suppress(Locked):
+                return await self._attempt_once(request, token)
         if not await self._gate.acquire(request.key, timeout=deadline.remaining()):
             raise Locked(request.key, await self._holder_if_known(request.key))
         try:

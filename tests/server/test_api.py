@@ -93,6 +93,30 @@ async def test_waiting_acquire_gets_the_key_on_release(api: httpx.AsyncClient) -
     assert (await api.get("/v1/holders")).json()["waiting"] == {}
 
 
+async def test_a_holders_waiting_retry_is_answered_with_its_lease_while_others_wait(
+    api: httpx.AsyncClient,
+) -> None:
+    """docs/http-api.md: an acquire whose token holds the key is answered with that
+    lease. Found by a review: a retry with a ``timeout`` (the JS client's, after a lost
+    answer) queued behind the waiters for its own lease, was refused at its timeout,
+    and the key stayed held by a lease its holder did not know it had."""
+    token = "R" * 24
+    lease = await acquire(api, token=token, ttl=30)
+    waiting = asyncio.create_task(api.post("/v1/acquire", json={"key": "doc:1", "timeout": 10}))
+    for _ in range(200):
+        if (await api.get("/v1/holders")).json()["waiting"].get("doc:1") == 1:
+            break
+        await asyncio.sleep(0.01)
+    again = await api.post("/v1/acquire", json={"key": "doc:1", "token": token, "timeout": 1.5})
+    assert again.status_code == 200, again.text
+    assert again.json()["fence"] == lease["fence"]
+    released = await api.post("/v1/release", json={"key": "doc:1", "token": token})
+    assert released.json() == {"released": True}
+    granted = await waiting
+    assert granted.status_code == 200
+    assert granted.json()["fence"] > lease["fence"]
+
+
 async def test_renew_extends_and_renew_many_answers_in_order(api: httpx.AsyncClient) -> None:
     one, two = await acquire(api, "a", ttl=5), await acquire(api, "b", ttl=5)
     renewed = await api.post("/v1/renew", json={"key": "a", "token": one["token"], "ttl": 60})
@@ -327,6 +351,20 @@ async def test_pages_and_static_files(api: httpx.AsyncClient) -> None:
     assert missing.json()["error"] == "not_found"
     escape = await api.get("/static/..%2F_app.py")
     assert escape.status_code == 404
+
+
+@pytest.mark.parametrize("asked", ["bytes=abc", "bytes=5-2", "bytes=999999-", "items=0-5"])
+async def test_static_files_are_sent_whole_whatever_range_asks(
+    api: httpx.AsyncClient, asked: str
+) -> None:
+    """Found by a review: Starlette answered these with a plain-text 400 or 416 of its
+    own (not the JSON error of every other 4xx). A server may ignore Range: the files
+    are small, and sent whole."""
+    whole = (ROOT / "clients" / "js" / "keymutex.js").read_bytes()
+    for headers in ({"Range": asked}, {"Range": "bytes=0-9", "If-Range": '"x"'}):
+        reply = await api.get("/static/keymutex.js", headers=headers)
+        assert reply.status_code == 200
+        assert reply.content == whole
 
 
 async def test_unknown_routes_and_methods_answer_json(api: httpx.AsyncClient) -> None:

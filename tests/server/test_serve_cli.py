@@ -243,7 +243,10 @@ def test_a_store_whose_extra_is_missing_is_named_without_a_traceback(tmp_path: P
             [*KEYMUTEX, *args], capture_output=True, text=True, timeout=WAIT, env=env, cwd=tmp_path
         )
         assert done.returncode == 69, done.stderr
-        assert "the redis:// store needs 'redis': pip install 'keymutex[redis]'" in done.stderr
+        assert (
+            "the redis:// store needs its client library (module 'redis' is missing):"
+            " pip install 'keymutex[redis]'"
+        ) in done.stderr
         assert "Traceback" not in done.stderr
 
 

@@ -44,6 +44,27 @@ def test_a_missing_client_library_still_names_the_extra_after_the_registry_is_re
     assert "pip install 'keymutex[memcached]'" in result.stdout, result.stdout + result.stderr
 
 
+def test_a_missing_client_library_is_named_by_its_extra_not_its_module() -> None:
+    """pymongo's module is ``bson``: "the store needs 'bson'" sent users to PyPI's
+    unrelated ``bson`` package, which breaks pymongo."""
+    code = (
+        "import sys\n"
+        "import keymutex\n"
+        "sys.modules['bson'] = None\n"
+        "try:\n"
+        "    keymutex.Locks('mongodb://127.0.0.1:1')\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert result.stdout.strip() == (
+        "the mongodb:// store needs its client library (module 'bson' is missing):"
+        " pip install 'keymutex[mongodb]'"
+    ), result.stdout + result.stderr
+
+
 def test_a_scheme_in_capitals_names_the_same_store(redis_url: str) -> None:
     """Schemes are case-insensitive (RFC 3986): REDIS:// was taken for the Redis store,
     then refused by redis-py ("must specify one of the following schemes")."""

@@ -877,10 +877,28 @@ class _Server:
                 "/static",
                 # keymutex.js links to clients/js/keymutex.js in a checkout (a wheel has
                 # the file itself); a path still cannot leave the directory.
-                app=StaticFiles(directory=STATIC, check_dir=False, follow_symlink=True),
+                app=_WholeFiles(
+                    StaticFiles(directory=STATIC, check_dir=False, follow_symlink=True)
+                ),
                 name="static",
             ),
         ]
+
+
+class _WholeFiles:
+    """Static files answered whole, whatever ``Range`` asks: Starlette answers a range
+    it cannot serve (``bytes=abc``, ``bytes=5-2``, past the end) with a plain-text 400
+    or 416 of its own, past the app's JSON errors. The files are small; a server may
+    ignore ``Range`` (RFC 9110, 14.2)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = [(n, v) for n, v in scope["headers"] if n not in (b"range", b"if-range")]
+            scope = {**scope, "headers": headers}
+        await self._app(scope, receive, send)
 
 
 def _log_runtime() -> None:
