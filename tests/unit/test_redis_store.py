@@ -11,8 +11,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -371,21 +369,6 @@ def test_an_unreachable_cluster_is_a_store_error_for_async_clients_too() -> None
 def test_url_query_options_that_redis_py_parses_are_accepted() -> None:
     url = "redis://127.0.0.1:1/2?socket_timeout=0.5&health_check_interval=10&client_name=me"
     keymutex.Locks(url).close()  # no connection is made until the first step
-
-
-def test_without_redis_py_the_error_names_the_extra_to_install() -> None:
-    code = (
-        "import sys; sys.modules['redis'] = None\n"
-        "import keymutex\n"
-        "try:\n"
-        "    keymutex.Locks('redis+cluster://127.0.0.1:7000')\n"
-        "except ImportError as exc:\n"
-        "    print(exc)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
-    )
-    assert "pip install 'keymutex[redis]'" in result.stdout, result.stdout + result.stderr
 
 
 def test_releases_hand_the_key_to_waiters_in_arrival_order(

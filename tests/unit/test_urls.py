@@ -27,42 +27,46 @@ def test_entry_points_are_scanned_once(monkeypatch: pytest.MonkeyPatch) -> None:
         _urls.driver_for("nosuch://")
 
 
-def test_a_missing_client_library_still_names_the_extra_after_the_registry_is_read() -> None:
-    code = (
-        "import sys\n"
-        "import keymutex\n"
-        "keymutex.Locks('memory://').close()  # the registry is read first\n"
-        "sys.modules['pymemcache'] = None\n"
-        "try:\n"
-        "    keymutex.Locks('memcached://127.0.0.1:1')\n"
-        "except ImportError as exc:\n"
-        "    print(exc)\n"
-    )
+def _error_without(module: str, url: str, *, registry_read: bool = False) -> str:
+    """What ``Locks(url)`` raises in a fresh interpreter that cannot import ``module``
+    (blocked before keymutex is imported, or after its store registry was read)."""
+    block = f"sys.modules[{module!r}] = None"
+    lines = ["import sys", block, "import keymutex"]
+    if registry_read:
+        lines = ["import sys", "import keymutex", "keymutex.Locks('memory://').close()", block]
+    lines += [
+        "try:",
+        f"    keymutex.Locks({url!r})",
+        "except ImportError as exc:",
+        "    print(exc)",
+    ]
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+        [sys.executable, "-c", "\n".join(lines)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     )
-    assert "pip install 'keymutex[memcached]'" in result.stdout, result.stdout + result.stderr
+    return result.stdout.strip() or result.stderr
+
+
+def test_a_missing_client_library_names_the_extra_to_install() -> None:
+    error = _error_without("redis", "redis+cluster://127.0.0.1:7000")
+    assert "pip install 'keymutex[redis]'" in error
+
+
+def test_a_missing_client_library_still_names_the_extra_after_the_registry_is_read() -> None:
+    error = _error_without("pymemcache", "memcached://127.0.0.1:1", registry_read=True)
+    assert "pip install 'keymutex[memcached]'" in error
 
 
 def test_a_missing_client_library_is_named_by_its_extra_not_its_module() -> None:
     """pymongo's module is ``bson``: "the store needs 'bson'" sent users to PyPI's
     unrelated ``bson`` package, which breaks pymongo."""
-    code = (
-        "import sys\n"
-        "import keymutex\n"
-        "sys.modules['bson'] = None\n"
-        "try:\n"
-        "    keymutex.Locks('mongodb://127.0.0.1:1')\n"
-        "except ImportError as exc:\n"
-        "    print(exc)\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
-    )
-    assert result.stdout.strip() == (
+    assert _error_without("bson", "mongodb://127.0.0.1:1") == (
         "the mongodb:// store needs its client library (module 'bson' is missing):"
         " pip install 'keymutex[mongodb]'"
-    ), result.stdout + result.stderr
+    )
 
 
 def test_a_scheme_in_capitals_names_the_same_store(redis_url: str) -> None:
