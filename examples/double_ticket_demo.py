@@ -157,6 +157,11 @@ def main() -> int:
         print(f"  result with keymutex: {locked_total} tickets for {len(USERS)} users,"
               f" {locked_duplicates} duplicates\n")  # fmt: skip
 
+    return verdict(duplicates, locked_duplicates)
+
+
+def verdict(duplicates: int, locked_duplicates: int) -> int:
+    """Say what the two rounds showed; the exit status (0: the race, then its fix)."""
     if duplicates > 0 and locked_duplicates == 0:
         print(
             f"Verdict: without a lock the double clicks created {duplicates} duplicate"

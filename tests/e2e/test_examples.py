@@ -9,9 +9,12 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -190,3 +193,68 @@ def test_cache_lock_shows_the_holes_of_the_hand_rolled_lock_and_their_fixes(
     # Polling every 100 ms for a second costs about ten commands; notification a few.
     assert int(notified[1]) < int(polled[1])
     assert re.search(r"held by \S+ with info \{'host': '[^']+', 'pid': \d+\}", output)
+
+
+# -- story 3 across languages: Node.js and Python clicks on one lock server ----------
+
+NODE = shutil.which("node")
+# A click's line: user, language, pid, [locked (fence N) …,] what it created or saw.
+CLICK = re.compile(
+    r"^  (\w+)\s+(node|python)\s+pid \d+\s+\+\d+\.\d+s (?:locked \(fence (\d+)\)[^,]*, )?"
+    r"(?:no ticket yet; \+\d+\.\d+s created ticket #(\d+)|has ticket #(\d+): done)$"
+)
+
+
+def clicks_per_round(output: str) -> list[dict[str, dict[str, tuple[int | None, bool, int]]]]:
+    """Per round, per user, per language: (fence, created, ticket number)."""
+    rounds: list[dict[str, dict[str, tuple[int | None, bool, int]]]] = []
+    for line in output.splitlines():
+        if line.startswith("Round "):
+            rounds.append({})
+        elif rounds and (match := CLICK.match(line)):
+            user, lang, fence, created, seen = match.groups()
+            clicks = rounds[-1].setdefault(user, {})
+            assert lang not in clicks, f"two {lang} clicks for {user}\n{output}"
+            fence_number = None if fence is None else int(fence)
+            clicks[lang] = (fence_number, created is not None, int(created or seen))
+    return rounds
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    NODE is None, reason="node is not installed: the JavaScript client needs Node >= 18"
+)
+def test_double_ticket_js_shares_one_lock_between_node_and_python() -> None:
+    output = run_example("double_ticket_js.py")
+    results = {m[1]: (int(m[2]), int(m[3]), int(m[4])) for m in RESULT.finditer(output)}
+    assert set(results) == {"without a lock", "with keymutex"}, output
+    unlocked, locked = clicks_per_round(output)
+    # Every user double-clicked: one click in Node, the other in Python.
+    for clicks in (unlocked, locked):
+        assert len(clicks) == results["without a lock"][1], output
+        assert all(set(by_lang) == {"node", "python"} for by_lang in clicks.values()), output
+
+    # Round 1: no fences, and duplicates: both clicks of some user created a ticket.
+    tickets, users, duplicates = results["without a lock"]
+    assert duplicates > 0, output
+    assert tickets == users + duplicates
+    created = [sum(c[1] for c in by_lang.values()) for by_lang in unlocked.values()]
+    assert sum(created) == tickets, output
+    assert all(fence is None for by_lang in unlocked.values() for fence, *_ in by_lang.values())
+
+    # Round 2: per user, both languages held the lock; the one with the smaller fence
+    # created the ticket, and the other one, which waited for it, saw that very ticket.
+    tickets, users, duplicates = results["with keymutex"]
+    assert duplicates == 0, output
+    assert tickets == users
+    for user, by_lang in locked.items():
+        (first_fence, first_created, ticket), (second_fence, second_created, seen) = sorted(
+            by_lang.values(), key=lambda click: click[0] or 0
+        )
+        assert first_fence is not None, f"{user}: a click without the lock\n{output}"
+        assert second_fence is not None, f"{user}: a click without the lock\n{output}"
+        assert first_fence < second_fence
+        assert first_created, f"{user}: the first holder did not create the ticket\n{output}"
+        assert not second_created, f"{user}: the second holder created another\n{output}"
+        assert seen == ticket
+    assert "Verdict: without a lock" in output
