@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import errno
 import gc
 import getpass
 import ipaddress
@@ -38,6 +39,7 @@ import shlex
 import shutil
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -85,6 +87,10 @@ FORWARDED_SIGNALS = (
 )
 # Signals that a terminal sends to its whole foreground process group (Ctrl-C, Ctrl-\).
 TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGQUIT})
+# Forwarded signals that end a job: sent to COMMAND's own children too, as a terminal
+# (its foreground group) or systemd (the unit's processes) would; SIGUSR1 and SIGUSR2
+# mean something to COMMAND only.
+ENDING_SIGNALS = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM})
 MAX_CMD_BYTES = 1024  # JSON bytes of the command line shown to others in the lease's info
 RUN_INFO_FIELDS = ("cmd", "host", "pid", "user")  # what `run` shows of itself
 RELEASE_TTL = 5.0  # lifetime of the lease that `release --force` takes and gives back
@@ -867,16 +873,48 @@ def _lease_info(
     return info
 
 
-def _signal(process: asyncio.subprocess.Process, signum: int) -> None:
-    """Send ``signum`` to the child, unless it has ended.
+def _signal(process: asyncio.subprocess.Process, signum: int, *, descendants: bool) -> None:
+    """Send ``signum`` to the child, unless it has ended, and with ``descendants`` to the
+    processes it started and theirs (collected first: a shell that the signal ends
+    leaves its jobs to init, still running, where nothing would find them after).
 
     Not ``Process.send_signal``: ``Popen.send_signal`` first polls, and may reap a child
     that a signal to the whole process group has just killed, behind asyncio's child
     watcher, which then loses its status ("Unknown child process pid …", status 255).
     """
     if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signum)
+        for pid in [process.pid, *(_descendants(process.pid) if descendants else ())]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs, from ``/proc`` (Linux; none found
+    elsewhere). A process that left the tree (daemonised: its parent ended) is not
+    among them."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as file:
+                stat = file.read()
+            # After the command name, which may hold spaces and ")": state, then ppid.
+            parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile, or not a process we may read
+        children.setdefault(parent, []).append(int(entry))
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        for child in children.get(pending.pop(), ()):
+            found.append(child)
+            pending.append(child)
+    return found
 
 
 class _Run:
@@ -884,8 +922,11 @@ class _Run:
 
     Phases, in order: ``waiting`` for the lock (a signal cancels the wait and ends
     keymutex with 128+N), ``starting`` the child (signals are kept, and forwarded once
-    it runs), ``running`` (signals are forwarded as they come), ``done``. Everything
-    runs on the event loop, so the phase changes only between awaits.
+    it runs), ``running`` (signals are forwarded as they come; once the child has
+    ended, the release is under way, and a signal ends keymutex at once with 128+N:
+    the lease expires by its TTL), ``done``. Everything runs on the event loop,
+    so the phase changes only between awaits. A signal that keymutex was started
+    ignoring (``nohup``, a script's ``&``) is left ignored, for the child too.
     """
 
     def __init__(
@@ -909,18 +950,38 @@ class _Run:
 
     def on_signal(self, signum: int) -> None:
         if self.phase == "waiting":
-            if self._task is not None and self.interrupted_by is None:
-                self.interrupted_by = signum
-                self._task.cancel()
+            self._interrupt(signum)
         elif self.phase == "starting":
             self.pending.append(signum)
         elif self.phase == "running":
-            self._forward(signum)
+            assert self.process is not None
+            if self.process.returncode is None:
+                self._forward(signum)
+            else:  # the child has ended: only the release is left, which may hang
+                self._abandon_release(signum)
+
+    def _interrupt(self, signum: int) -> None:
+        if self._task is not None and self.interrupted_by is None:
+            self.interrupted_by = signum
+            self._task.cancel()
+
+    def _abandon_release(self, signum: int) -> NoReturn:
+        """Exit at once, 128+N: the release waits for a store that does not answer (a
+        closing client would wait for it too, and so would the interpreter's exit, for
+        the thread it runs in). The lease expires by its TTL."""
+        click.echo(
+            f"keymutex: {signal.Signals(signum).name} while releasing {self.key!r} after"
+            f" {self.name} ended; the lease expires by its TTL",
+            err=True,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)
 
     def _forward(self, signum: int) -> None:
         assert self.process is not None
         if not _terminal_delivered_to_child(signum):
-            _signal(self.process, signum)
+            _signal(self.process, signum, descendants=signum in ENDING_SIGNALS)
 
     def on_lost(self, lease: object) -> None:
         """The lease is gone: warn, and terminate the child if it runs."""
@@ -930,10 +991,10 @@ class _Run:
             return  # not started yet (it will not be), or already ended
         click.echo(
             f"keymutex: warning: lost the lock on {self.key!r} while {self.name} runs;"
-            f" sending SIGTERM to it (pid {process.pid})",
+            f" sending SIGTERM to it (pid {process.pid}) and the processes it started",
             err=True,
         )
-        _signal(process, signal.SIGTERM)
+        _signal(process, signal.SIGTERM, descendants=True)
 
     async def main(
         self, open_locks: Callable[[], AsyncLocks], ttl: float | None, timeout: float | None
@@ -941,7 +1002,8 @@ class _Run:
         """Acquire, run the child, release; the exit status."""
         self._task = asyncio.current_task()
         loop = asyncio.get_running_loop()
-        for signum in FORWARDED_SIGNALS:
+        handled = [s for s in FORWARDED_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+        for signum in handled:
             loop.add_signal_handler(signum, self.on_signal, signum)
         try:
             async with open_locks() as locks:
@@ -957,7 +1019,7 @@ class _Run:
             )
             return 128 + self.interrupted_by
         finally:
-            for signum in FORWARDED_SIGNALS:
+            for signum in handled:
                 loop.remove_signal_handler(signum)
 
     async def _acquire(
@@ -1044,7 +1106,15 @@ class _Run:
             KEYMUTEX_TOKEN=lease.token,
         )
         try:
-            process = await asyncio.create_subprocess_exec(*self.command, env=env)
+            try:
+                process = await asyncio.create_subprocess_exec(*self.command, env=env)
+            except OSError as exc:
+                if exc.errno != errno.ENOEXEC:
+                    raise
+                # A script without #!: run by /bin/sh, as a shell, env or flock do.
+                path = shutil.which(self.name) if os.sep not in self.name else self.name
+                script = [path or self.name, *self.command[1:]]
+                process = await asyncio.create_subprocess_exec("/bin/sh", *script, env=env)
         except FileNotFoundError:
             click.echo(f"keymutex: {self.name}: command not found{self._key_hint()}", err=True)
             return EX_NOTFOUND
@@ -1059,7 +1129,7 @@ class _Run:
         for signum in self.pending:
             self._forward(signum)
         if self.lost:
-            _signal(process, signal.SIGTERM)
+            _signal(process, signal.SIGTERM, descendants=True)
         returncode = await process.wait()
         return 128 - returncode if returncode < 0 else returncode
 
@@ -1139,22 +1209,35 @@ def run_command(
 
     \b
     Signals: SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1 and SIGUSR2 sent to keymutex
-    are forwarded to COMMAND, and keymutex exits once COMMAND has. Ctrl-C and Ctrl-\\
-    at a terminal already reach COMMAND (it is in the terminal's foreground process
-    group), so they are not forwarded twice; keymutex cannot tell them from a SIGINT or
-    SIGQUIT sent to it with kill while it runs in a terminal's foreground, which is
-    therefore not forwarded either (send SIGTERM, or signal COMMAND itself). A signal
-    that arrives while waiting for the lock stops the wait: COMMAND is not started and
-    the exit status is 128+N.
+    are forwarded to COMMAND, and keymutex exits once COMMAND has; the first four also
+    reach the processes COMMAND started (a script's own commands), as a terminal's
+    would. Ctrl-C and Ctrl-\\ at a terminal already reach COMMAND (it is in the
+    terminal's foreground process group), so they are not forwarded twice; keymutex
+    cannot tell them from a SIGINT or SIGQUIT sent to it with kill while it runs in a
+    terminal's foreground, which is therefore not forwarded either (send SIGTERM, or
+    signal COMMAND itself). A signal keymutex was started ignoring (nohup, a script's
+    &) stays ignored, by COMMAND too. A signal that arrives while waiting for the lock
+    stops the wait: COMMAND is not started and the exit status is 128+N; one that
+    arrives after COMMAND ended stops the release: the lease expires by its TTL, exit
+    status 128+N.
 
     \b
     Lost lease: if renewing fails (the key was force-released or taken over, or the
     store stayed unreachable until the lease expired), the lock no longer protects
     COMMAND and another holder may already be running. keymutex then warns on stderr
-    and sends SIGTERM to COMMAND rather than letting two holders overlap; it waits for
-    COMMAND to end and exits 70, whatever COMMAND's status. A resource that checks
-    KEYMUTEX_FENCE rejects its late writes either way.
+    and sends SIGTERM to COMMAND and the processes it started (on Linux) rather than
+    letting two holders overlap; it waits for COMMAND to end and exits 70, whatever
+    COMMAND's status. A resource that checks KEYMUTEX_FENCE rejects its late writes
+    either way.
+
+    \b
+    A KEY that begins with - follows --: keymutex run -- -KEY -- COMMAND. A script
+    without a #! line is run by /bin/sh.
     """
+    if command[:1] == ("--",):  # `run -- -KEY -- COMMAND`: the first -- ended the options
+        command = command[1:]
+        if not command:
+            raise click.UsageError("Missing argument '-- COMMAND [ARG]...'.", ctx)
     try:
         info = check_info(_lease_info(command, hide_command=hide_command, extra=extra_info))
     except ValueError as exc:

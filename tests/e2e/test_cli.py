@@ -13,6 +13,7 @@ import os
 import shlex
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -363,6 +364,132 @@ def test_non_executable_command_exits_126_and_releases(
     result = keymutex("run", "job", "--store", store, "--", str(script), env=env, check=126)
     assert "permission denied" in result.stderr
     assert holder_json("job", store, env) is None
+
+
+# -- run, after a review: scripts, signals ignored at start, a stuck release ----------
+
+
+def wait_for_line(path: Path, line: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not (path.exists() and line in path.read_text().splitlines()):
+        assert time.monotonic() < deadline, f"{line!r} never appeared in {path}"
+        time.sleep(0.01)
+
+
+def script_running(child: list[str], *args: str) -> list[str]:
+    """COMMAND as a shell script whose own child does the work (the usual cron job):
+    the shell waits for it, then has more to do."""
+    return ["sh", "-c", f"{shlex.join([*child, *args])}; true"]
+
+
+@pytest.mark.parametrize("how", ["lost lease", "SIGTERM to keymutex"])
+def test_the_work_of_a_script_is_stopped_not_only_its_shell(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any, how: str
+) -> None:
+    """Before: SIGTERM went to the shell alone, which ended and left its job running
+    (to init): after a lost lease the old holder's work overlapped the next holder's,
+    and after a forwarded SIGTERM the lock was released under it."""
+    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
+    holder = background(
+        "run", "job", "--store", store, "--ttl", "1.5", "--",
+        *script_running(child, "--log", str(log), "W", "--trap", "SIGTERM", "0",
+                        "--ready", str(ready), "--wait", str(go)),
+    )  # fmt: skip
+    try:
+        wait_for_file(ready)
+        if how == "lost lease":
+            keymutex("release", "job", "--force", "--store", store, env=env)
+        else:
+            os.kill(holder.pid, signal.SIGTERM)
+        status, _, stderr = holder.finish()
+        wait_for_line(log, "got SIGTERM")  # the script's own child was told
+        if how == "lost lease":
+            assert status == 70, stderr
+            assert "and the processes it started" in stderr
+        else:
+            assert status in (0, 128 + signal.SIGTERM), stderr
+    finally:
+        go.touch()  # lets a child left running (the bug) end
+
+
+def test_signals_ignored_at_start_stay_ignored(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str]
+) -> None:
+    """``nohup keymutex run …``: before, keymutex handled (and forwarded) SIGHUP anyway,
+    and COMMAND, started with it no longer ignored, died of it (exit 129)."""
+    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
+    command = [*child, "--log", str(log), "C", "--ready", str(ready), "--wait", str(go)]
+    process = subprocess.Popen(
+        [*KEYMUTEX, "run", "job", "--store", store, "--", *command],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # as nohup does
+    )
+    try:
+        wait_for_file(ready)
+        os.kill(process.pid, signal.SIGHUP)
+        go.touch()
+        _, stderr = process.communicate(timeout=WAIT)
+        assert process.returncode == 0, stderr
+        assert log.read_text().splitlines() == ["C start", "C end"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=WAIT)
+
+
+def test_a_key_that_begins_with_a_dash_follows_a_double_dash(
+    store: str, env: dict[str, str]
+) -> None:
+    """Before: in ``run -- -KEY -- COMMAND`` the second -- was taken for COMMAND (127)."""
+    result = keymutex(
+        "run", "--store", store, "--", "-nightly", "--", "sh", "-c", 'echo "$KEYMUTEX_KEY"',
+        env=env,
+    )  # fmt: skip
+    assert result.stdout == "-nightly\n"
+
+
+def test_a_script_without_a_shebang_line_is_run_by_sh(
+    tmp_path: Path, store: str, env: dict[str, str]
+) -> None:
+    """As a shell, env and flock run it; before: 126, 'Exec format error'."""
+    script = tmp_path / "job"
+    script.write_text('echo "ran under $KEYMUTEX_KEY: $1"\n')
+    script.chmod(0o755)
+    result = keymutex("run", "nightly", "--store", store, "--", str(script), "one", env=env)
+    assert result.stdout == "ran under nightly: one\n"
+
+
+def test_a_signal_after_the_command_ended_stops_a_release_that_hangs(
+    tmp_path: Path, store: str, child: list[str], background: Any
+) -> None:
+    """Before: once COMMAND had ended, SIGTERM and SIGINT were ignored while the release
+    waited for a busy store (about ten seconds here, then exit 0)."""
+    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
+    holder = background(
+        "run", "job", "--store", store, "--",
+        *child, "--log", str(log), "C", "--ready", str(ready), "--wait", str(go),
+    )  # fmt: skip
+    wait_for_file(ready)
+    busy = sqlite3.connect(store.removeprefix("sqlite://"), isolation_level=None)
+    try:
+        busy.execute("BEGIN EXCLUSIVE")  # another process's long write: the store waits
+        go.touch()
+        wait_for_line(log, "C end")
+        deadline = time.monotonic() + WAIT
+        while holder.process.poll() is None:  # the first may come before COMMAND is reaped
+            assert time.monotonic() < deadline, "keymutex never stopped"
+            os.kill(holder.pid, signal.SIGTERM)
+            time.sleep(0.2)
+        status, _, stderr = holder.finish()
+        assert status == 128 + signal.SIGTERM, stderr
+        assert "SIGTERM while releasing 'job'" in stderr
+        assert "expires by its TTL" in stderr
+    finally:
+        busy.close()
 
 
 def test_run_shows_others_its_info_and_can_hide_the_commands_arguments(
