@@ -38,7 +38,7 @@ export interface AcquireOptions {
   ttl?: number;
   /** null/undefined: wait as long as it takes; 0: try once; t > 0: wait up to t seconds, then throw Locked. */
   timeout?: number | null;
-  /** Shown to others; a plain JSON object of at most 4 KiB. */
+  /** Shown to others; a plain JSON object of at most 4 KiB, nested at most 32 levels. */
   info?: Record<string, unknown> | null;
   /** Take the key even if held: the previous holder's token stops working at once. */
   steal?: boolean;
@@ -94,7 +94,10 @@ export class Lease {
   release(): Promise<void>;
 }
 
-/** Lease locks on a keymutex lock server. */
+/**
+ * Lease locks on a keymutex lock server. Keeps the live leases it granted, so that a renewal
+ * or release by their key and token through it reaches them.
+ */
 export class LockClient {
   constructor(options: LockClientOptions);
   /** The server's base URL, without a trailing slash. */
@@ -103,7 +106,15 @@ export class LockClient {
   /** The default lease lifetime in seconds. */
   readonly ttl: number;
   acquire(key: string, options?: AcquireOptions): Promise<Lease>;
+  /**
+   * Key and token only. A live lease this client granted to the token takes the renewal in
+   * (as by lease.renew(); withLock's renewal of it is re-planned); the result is a new Lease.
+   */
   renew(key: string, token: string, options?: { ttl?: number }): Promise<Lease>;
+  /**
+   * Key and token only. A live lease this client granted to the token is released as by
+   * lease.release(): its renewal stops, and it is not lost.
+   */
   release(key: string, token: string): Promise<void>;
   /** Release from a page that is closing (sendBeacon, or fetch with keepalive when an API token is set). */
   releaseBeacon(key: string, token: string): boolean;
@@ -126,8 +137,9 @@ export class LockClient {
     options?: { fence?: number | null },
   ): Promise<{ released: boolean; holder: Holder | null }>;
   /**
-   * Runs fn holding key, renewing every ttl/3; releases after (unless fn released the lease);
-   * rejects with LockLost if the lease was lost meanwhile, unless fn threw.
+   * Runs fn holding key, renewing every ttl/3 (of the ttl of the last renewal, whoever made
+   * it); releases after (unless fn released the lease, itself or by its key and token through
+   * this client); rejects with LockLost if the lease was lost meanwhile, unless fn threw.
    */
   withLock<T>(key: string, fn: (lease: Lease) => T | Promise<T>, options?: WithLockOptions): Promise<T>;
 }

@@ -28,12 +28,16 @@ const MAX_KEY_BYTES = 1024;
 const MAX_NAMESPACE_BYTES = 256;
 const MAX_OWNER_BYTES = 256;
 const MAX_INFO_BYTES = 4096;
+// Objects and arrays nested in info, info itself the first (the server's MAX_INFO_DEPTH).
+const MAX_INFO_DEPTH = 32;
 const MIN_TTL = 0.001; // the server's range for ttl is [0.001, 86400]
 const MAX_TTL = 86400;
 const MAX_TOKEN_CHARS = 256;
 const MAX_REASON_CHARS = 500;
 const MAX_API_TOKEN_CHARS = 4096;
 const DEFAULT_TTL = 30;
+// Leases a client keeps (see LockClient.#leases) before it first sweeps out the lost.
+const LEASES_SWEPT_FROM = 64;
 // Seconds a request may take beyond a long poll's own wait, as the Python http:// store.
 const DEFAULT_REQUEST_TIMEOUT = 10;
 const MAX_REQUEST_TIMEOUT = 86400;
@@ -272,8 +276,13 @@ function checkApiToken(apiToken) {
   return apiToken;
 }
 
-/** @param {unknown} value @param {string} path @param {Set<object>} open */
-function checkJsonValue(value, path, open) {
+/**
+ * @param {unknown} value
+ * @param {string} path
+ * @param {Set<object>} open the objects and arrays that hold `value`
+ * @param {number} depth the level of `value`: info itself is 1
+ */
+function checkJsonValue(value, path, open, depth) {
   switch (typeof value) {
     case 'string':
       if (LONE_SURROGATE.test(value)) throw new RangeError(`${path} contains a lone surrogate`);
@@ -293,13 +302,21 @@ function checkJsonValue(value, path, open) {
           `${path} is ${show(value)}; info holds only plain objects, arrays, strings, finite numbers, booleans and null`,
         );
       }
+      // As the server counts: a string or number on the 33rd level is fine, an empty
+      // object is not. Checked here, the recursion stays shallow whatever info holds.
+      if (depth > MAX_INFO_DEPTH) {
+        throw new RangeError(
+          `info is nested more than ${MAX_INFO_DEPTH} levels deep (of objects and arrays);` +
+            ` at most ${MAX_INFO_DEPTH} are accepted`,
+        );
+      }
       open.add(value);
       if (Array.isArray(value)) {
-        value.forEach((item, index) => checkJsonValue(item, `${path}[${index}]`, open));
+        value.forEach((item, index) => checkJsonValue(item, `${path}[${index}]`, open, depth + 1));
       } else {
         for (const [name, item] of Object.entries(value)) {
           if (LONE_SURROGATE.test(name)) throw new RangeError(`${path} has a key with a lone surrogate`);
-          checkJsonValue(item, `${path}.${name}`, open);
+          checkJsonValue(item, `${path}.${name}`, open, depth + 1);
         }
       }
       open.delete(value);
@@ -348,15 +365,7 @@ function checkInfo(info) {
   if (typeof info !== 'object' || Array.isArray(info)) {
     throw new TypeError(`info must be a plain object or null, not ${show(info)}`);
   }
-  try {
-    checkJsonValue(info, 'info', new Set());
-  } catch (error) {
-    // A structure nested thousands deep overflows the stack: it is far over 4 KiB anyway.
-    if (error instanceof RangeError && /call stack/i.test(error.message)) {
-      throw new RangeError('info is nested too deeply to be stored as JSON');
-    }
-    throw error;
-  }
+  checkJsonValue(info, 'info', new Set(), 1);
   const size = serverJsonSize(info);
   if (size > MAX_INFO_BYTES) {
     throw new RangeError(`info is ${size} bytes as JSON; at most ${MAX_INFO_BYTES} are accepted`);
@@ -561,7 +570,7 @@ function mayHaveGranted(error) {
  * @param {string} token
  */
 function giveBack(client, key, token) {
-  client.release(key, token).catch(() => {});
+  client[sendRelease](key, token).catch(() => {});
 }
 
 /**
@@ -589,10 +598,21 @@ function expired(key, why) {
 const startRenewing = Symbol('startRenewing');
 const finishLease = Symbol('finishLease');
 const sendRenewal = Symbol('sendRenewal');
+const sendRelease = Symbol('sendRelease');
+const renewByToken = Symbol('renewByToken');
+const forgetLease = Symbol('forgetLease');
+
+/**
+ * withLock's renewer of a lease, while it runs: stop() ends it; replan(sentAt) plans the
+ * next renewal and the deadline watch anew after a renewal whose request was sent at
+ * `sentAt` (performance.now()).
+ * @typedef {{stop: () => void, replan: (sentAt: number) => void}} Renewer
+ */
 
 /**
  * A granted lock. `token` is the secret that proves ownership: whoever has key and
- * token may renew or release, from any process (the client keeps nothing else).
+ * token may renew or release, from any process (the server asks nothing else); through
+ * the LockClient that granted it, such a call is this Lease's own renew() or release().
  * `remaining` counts down on this process's monotonic clock from *before* the request
  * that granted or renewed the lease, so it is never more than the server granted.
  * `signal` is aborted (with a LockLost as reason) once the lease is known lost. A lease
@@ -603,8 +623,9 @@ export class Lease {
   /** @type {number} */ #deadline;
   /** @type {AbortController} */ #lostController = new AbortController();
   /** @type {boolean} */ #released = false;
-  /** @type {AbortController | null} the running renewer's (withLock): aborting it stops it */
-  #renewer = null;
+  /** @type {Renewer | null} */ #renewer = null;
+  /** @type {Promise<void>} settles when the renewal under way, if any, has ended */
+  #renewing = Promise.resolve();
 
   /**
    * @param {LockClient} client
@@ -664,31 +685,61 @@ export class Lease {
    * @returns {Promise<Lease>} this lease
    */
   async renew(options) {
-    const {ttl = this.ttl} = checkOptions(options, 'renew', ['ttl']);
-    await this.#renew(checkTtl(ttl), undefined);
+    const {ttl} = checkOptions(options, 'renew', ['ttl']);
+    await this.#renew(ttl === undefined ? null : checkTtl(ttl), undefined);
     return this;
   }
 
   /**
-   * One renewal. Once `signal` (the renewer's) is aborted, its reply counts for nothing.
+   * A renewal by key and token through the client that granted this lease: the lease's
+   * own renewal. Resolves to the renewed lease as a new Lease, as a stateless one does.
    * @param {number} ttl
+   * @returns {Promise<Lease>}
+   */
+  [renewByToken](ttl) {
+    return this.#renew(ttl, undefined);
+  }
+
+  /**
+   * One renewal (`ttl` null: the lease's ttl when it is sent), sent once the one under
+   * way has ended: two in flight at once could be answered out of order, and the lease
+   * then take in a deadline the server has already replaced with a nearer one. Once
+   * `signal` (the renewer's) is aborted, its reply counts for nothing. A renewal that
+   * succeeds re-plans the renewer, if one runs, whoever asked for it.
+   * @param {number | null} ttl
    * @param {AbortSignal | undefined} signal
+   * @returns {Promise<Lease>} the renewed lease, as a new Lease
    */
   async #renew(ttl, signal) {
-    this.#checkHeld('before it was renewed');
-    let fresh;
+    const previous = this.#renewing;
+    /** @type {() => void} */
+    let ended = () => {};
+    this.#renewing = new Promise((resolve) => {
+      ended = resolve;
+    });
     try {
-      fresh = await this.#client[sendRenewal](this.key, this.token, ttl, signal);
-    } catch (error) {
-      if (error instanceof LockLost && !signal?.aborted) throw this.#lose(error);
-      throw error;
+      await previous;
+      if (signal?.aborted) throw signal.reason;
+      this.#checkHeld('before it was renewed');
+      const sentAt = now();
+      let fresh;
+      try {
+        fresh = await this.#client[sendRenewal](this.key, this.token, ttl ?? this.ttl, signal);
+      } catch (error) {
+        if (error instanceof LockLost && !signal?.aborted) throw this.#lose(error);
+        throw error;
+      }
+      if (signal?.aborted) throw signal.reason;
+      // Renewed after its holder was told, or could have seen, that it was lost: not revived.
+      this.#checkHeld('while it was being renewed');
+      this.ttl = fresh.ttl;
+      this.expiresAt = fresh.expiresAt;
+      this.#deadline = fresh.#deadline;
+      this.#renewer?.replan(sentAt);
+      return fresh;
+    } finally {
+      ended();
     }
-    if (signal?.aborted) throw signal.reason;
-    // Renewed after its holder was told, or could have seen, that it was lost: not revived.
-    this.#checkHeld('while it was being renewed');
-    this.ttl = fresh.ttl;
-    this.expiresAt = fresh.expiresAt;
-    this.#deadline = fresh.#deadline;
   }
 
   /**
@@ -702,12 +753,13 @@ export class Lease {
     this.#stopRenewing();
     this.#checkHeld('before it was released');
     try {
-      await this.#client.release(this.key, this.token);
+      await this.#client[sendRelease](this.key, this.token);
     } catch (error) {
       if (error instanceof LockLost) throw this.#lose(error);
       throw error;
     }
     this.#released = true;
+    this.#client[forgetLease](this);
   }
 
   /**
@@ -736,46 +788,72 @@ export class Lease {
     if (this.#released) return error;
     if (!this.#lostController.signal.aborted) {
       this.#stopRenewing();
+      this.#client[forgetLease](this);
       this.#lostController.abort(error);
     }
     return this.#lostController.signal.reason;
   }
 
   #stopRenewing() {
-    this.#renewer?.abort();
+    this.#renewer?.stop();
     this.#renewer = null;
   }
 
   /**
-   * Renews about every ttl/3 until release() or the loss. A server that cannot be
-   * reached, or does not answer, is asked again until the lease's local deadline, when
-   * the lease is lost: at that deadline, even while a renewal is still under way.
+   * Renews about every ttl/3 until release() or the loss: a third of the ttl after the
+   * request of the last renewal was sent, whoever asked for it (the renewer, lease.renew,
+   * or a renewal by key and token through this client), so that one to a shorter ttl
+   * brings the next renewal nearer. A server that cannot be reached, or does not answer,
+   * is asked again until the lease's local deadline, when the lease is lost: at that
+   * deadline, earlier or later after each renewal, even while a renewal is under way.
    */
   [startRenewing]() {
-    const renewer = new AbortController();
-    this.#renewer = renewer;
-    const {signal} = renewer;
+    const stopped = new AbortController();
+    const {signal} = stopped;
+    let renewAt = now() + (this.ttl / 3) * 1000;
     /** @type {ReturnType<typeof setTimeout> | undefined} */
     let deadlineTimer;
     const watchDeadline = () => {
+      clearTimeout(deadlineTimer);
       deadlineTimer = setTimeout(() => {
-        if (this.remaining > 0) watchDeadline(); // renewed since
+        if (this.remaining > 0) watchDeadline(); // a timer may fire a little early
         else this.#lose(expired(this.key, 'not renewed by its deadline'));
       }, this.#deadline - now());
     };
+    /** @type {() => void} ends the pause before the next renewal at once */
+    let wake = () => {};
+    this.#renewer = {
+      stop() {
+        stopped.abort();
+        clearTimeout(deadlineTimer);
+        wake();
+      },
+      replan: (sentAt) => {
+        renewAt = sentAt + (this.ttl / 3) * 1000;
+        watchDeadline();
+        wake();
+      },
+    };
     watchDeadline();
-    signal.addEventListener('abort', () => clearTimeout(deadlineTimer), {once: true});
     const run = async () => {
-      let wait = this.ttl / 3;
       while (!signal.aborted) {
+        if (now() < renewAt) {
+          // Until renewAt, or until re-planned or stopped: then the loop looks again.
+          await new Promise((resolve) => {
+            const timer = setTimeout(resolve, renewAt - now());
+            wake = () => {
+              clearTimeout(timer);
+              resolve(undefined);
+            };
+          });
+          continue;
+        }
         try {
-          await sleep(wait * 1000, signal);
-          await this.#renew(this.ttl, signal);
-          wait = this.ttl / 3;
+          await this.#renew(null, signal); // which re-plans
         } catch {
           // Stopped or lost (the loop ends), or the server failed: try again well before
           // the deadline.
-          wait = Math.max(0.1, Math.min(this.ttl / 3, this.remaining / 4));
+          renewAt = now() + Math.max(0.1, Math.min(this.ttl / 3, this.remaining / 4)) * 1000;
         }
       }
     };
@@ -819,7 +897,8 @@ export class Lease {
  * @property {number} [ttl] seconds the lease lives unless renewed, [0.001, 86400]
  * @property {number | null} [timeout] null/undefined: wait as long as it takes;
  *   0: try once; t > 0: wait up to t seconds, then throw Locked
- * @property {Record<string, unknown> | null} [info] shown to others, ≤ 4 KiB as JSON
+ * @property {Record<string, unknown> | null} [info] shown to others, ≤ 4 KiB as JSON,
+ *   nested ≤ 32 levels (info itself the first)
  * @property {boolean} [steal] take the key even if held (the holder's token stops working)
  * @property {AbortSignal | null} [signal] stops waiting; the promise rejects with
  *   signal.reason (a grant that came meanwhile is given back)
@@ -829,12 +908,24 @@ export class Lease {
  * @typedef {AcquireOptions & {onLost?: (lease: Lease) => unknown}} WithLockOptions
  */
 
-/** Lease locks on a keymutex lock server. Stateless apart from its settings. */
+/**
+ * Lease locks on a keymutex lock server. It keeps its settings, and the leases it
+ * granted that are still live: a renewal or release by key and token through this
+ * client is taken in by the Lease it names (its renewal re-planned, or stopped).
+ */
 export class LockClient {
   /** @type {string} */ #base;
   /** @type {string | null} */ #apiToken;
   /** @type {string | null} */ #owner;
   /** @type {number} */ #requestTimeout;
+  /**
+   * The leases this client granted, by token, with the namespace they were granted in.
+   * A lease leaves when released or found lost; one that expires unseen (nobody renews
+   * or releases it) is swept out once the map has doubled since the last sweep.
+   * @type {Map<string, {namespace: string, lease: Lease}>}
+   */
+  #leases = new Map();
+  #sweepAt = LEASES_SWEPT_FROM;
 
   /** @param {LockClientOptions} options */
   constructor(options) {
@@ -912,7 +1003,7 @@ export class LockClient {
       const sentAt = now();
       try {
         const reply = await this.#request('POST', '/v1/acquire', {body: {...body, timeout: wait}, signal, key, wait});
-        return new Lease(this, reply, sentAt, key, token);
+        return this.#remember(new Lease(this, reply, sentAt, key, token));
       } catch (error) {
         if (error instanceof StoreError && error.code === 'unreachable' && !askedAgain) {
           askedAgain = true;
@@ -933,6 +1024,8 @@ export class LockClient {
   /**
    * Extends the lease that `token` holds on `key` (stateless: key and token only).
    * Throws LockLost (with the new holder) when the token no longer holds the key.
+   * A live lease this client granted to that token is renewed as by lease.renew(): it
+   * takes the new ttl and deadline in, and withLock's renewer of it is re-planned.
    * @param {string} key
    * @param {string} token
    * @param {{ttl?: number}} [options]
@@ -943,6 +1036,8 @@ export class LockClient {
     checkKey(key);
     checkToken(token);
     const ttl = opts.ttl === undefined ? this.ttl : checkTtl(opts.ttl);
+    const granted = this.#grantedHere(key, token);
+    if (granted !== null) return granted[renewByToken](ttl);
     return this[sendRenewal](key, token, ttl, undefined);
   }
 
@@ -962,7 +1057,9 @@ export class LockClient {
 
   /**
    * Releases the lease that `token` holds on `key` (stateless). Throws LockLost when
-   * the token no longer holds the key.
+   * the token no longer holds the key. A live lease this client granted to that token
+   * is released as by lease.release(): its renewal stops, and it is released, not lost
+   * (withLock neither releases it again nor reports it lost).
    * @param {string} key
    * @param {string} token
    * @returns {Promise<void>}
@@ -970,8 +1067,55 @@ export class LockClient {
   async release(key, token) {
     checkKey(key);
     checkToken(token);
+    const granted = this.#grantedHere(key, token);
+    if (granted !== null) return granted.release();
+    return this[sendRelease](key, token);
+  }
+
+  /**
+   * The release request, its arguments checked.
+   * @param {string} key
+   * @param {string} token
+   * @returns {Promise<void>}
+   */
+  async [sendRelease](key, token) {
     const reply = await this.#request('POST', '/v1/release', {body: {namespace: this.namespace, key, token}, key});
     if (reply.released !== true) throw malformed('release result', reply);
+  }
+
+  /**
+   * Keeps `lease`, just granted, so that a renewal or release by its key and token
+   * reaches it.
+   * @param {Lease} lease
+   * @returns {Lease}
+   */
+  #remember(lease) {
+    if (this.#leases.size >= this.#sweepAt) {
+      for (const [token, {lease: kept}] of this.#leases) if (kept.lost) this.#leases.delete(token);
+      this.#sweepAt = Math.max(LEASES_SWEPT_FROM, 2 * this.#leases.size);
+    }
+    this.#leases.set(lease.token, {namespace: this.namespace, lease});
+    return lease;
+  }
+
+  /**
+   * `lease` was released, or found lost: a call by its key and token is stateless now.
+   * @param {Lease} lease
+   */
+  [forgetLease](lease) {
+    if (this.#leases.get(lease.token)?.lease === lease) this.#leases.delete(lease.token);
+  }
+
+  /**
+   * The live lease this client granted that a call by `key` and `token` names, or null.
+   * @param {string} key
+   * @param {string} token
+   * @returns {Lease | null}
+   */
+  #grantedHere(key, token) {
+    const kept = this.#leases.get(token);
+    if (kept === undefined || kept.namespace !== this.namespace || kept.lease.key !== key) return null;
+    return kept.lease.lost ? null : kept.lease;
   }
 
   /**
@@ -1089,12 +1233,14 @@ export class LockClient {
 
   /**
    * Runs `fn(lease)` holding `key`: acquires (as acquire()), renews about every ttl/3
-   * while fn runs, releases afterwards (unless fn released the lease itself) and
-   * resolves to fn's result. If the lease is lost meanwhile (taken over, or not renewed
-   * by its deadline: the server unreachable or not answering), lease.signal is aborted at
-   * once, onLost(lease) is called once (what it throws or rejects with is logged), and
-   * the promise rejects with LockLost when fn ends — unless fn itself threw, whose error
-   * wins. So does a lease whose deadline passed while fn kept the event loop busy.
+   * while fn runs (of the ttl of the last renewal: fn may renew to another ttl, with
+   * lease.renew or by key and token through this client), releases afterwards (unless
+   * fn released the lease, either way) and resolves to fn's result. If the lease is lost
+   * meanwhile (taken over, or not renewed by its deadline: the server unreachable or not
+   * answering), lease.signal is aborted at once, onLost(lease) is called once (what it
+   * throws or rejects with is logged), and the promise rejects with LockLost when fn
+   * ends — unless fn itself threw, whose error wins. So does a lease whose deadline
+   * passed while fn kept the event loop busy.
    * @template T
    * @param {string} key
    * @param {(lease: Lease) => T | Promise<T>} fn

@@ -149,6 +149,28 @@ describe('acquire, renew, release, holder', {skip}, () => {
     await lease.release();
   });
 
+  test('info nested 32 levels is taken; 33, which the server refuses, is not sent', async () => {
+    const nested = (levels) => {
+      let value = 'bottom';
+      for (let level = levels; level > 1; level--) value = level % 2 ? [value] : {a: value};
+      return {a: value};
+    };
+    const key = newKey('info-depth');
+    const lease = await client().acquire(key, {timeout: 0, info: nested(32)});
+    assert.deepEqual(lease.info, nested(32));
+    await lease.release();
+    // The server's own limit: the same request with one level more is a 400.
+    const body = {namespace: 'js-test', key, token: 'A'.repeat(24), ttl: 5, timeout: 0, info: nested(33)};
+    const headers = {'Content-Type': 'application/json'};
+    const reply = await fetch(`${url}/v1/acquire`, {method: 'POST', headers, body: JSON.stringify(body)});
+    assert.equal(reply.status, 400, await reply.text());
+    const paths = [];
+    await withFetch(recordingPaths(paths), () =>
+      assert.rejects(client().acquire(key, {timeout: 0, info: nested(33)}), RangeError),
+    );
+    assert.deepEqual(paths, []);
+  });
+
   test('namespaces are separate', async () => {
     const key = newKey('namespaces');
     const one = await client({namespace: 'js-one'}).acquire(key, {timeout: 0});
@@ -594,4 +616,157 @@ test('Lease.renew never revives a lease past its deadline: it releases it', {ski
   assert.equal(lease.lost, true);
   assert.ok(lease.signal.aborted);
   assert.deepEqual(paths, ['/v1/release']);
+});
+
+describe('withLock follows renewals and releases made while fn runs', {skip}, () => {
+  /** Counts the renewals sent while `body` runs. */
+  const countingRenewals = (counter) => (target, init, real) => {
+    if (new URL(target).pathname === '/v1/renew') counter.renewals++;
+    return real(target, init);
+  };
+
+  test('a renewal to a shorter ttl makes the renewer renew about every new ttl/3', async () => {
+    const key = newKey('shorter');
+    const locks = client();
+    const counter = {renewals: 0};
+    let lostCalls = 0;
+    const result = await withFetch(countingRenewals(counter), () =>
+      locks.withLock(
+        key,
+        async (lease) => {
+          await lease.renew({ttl: 0.6}); // from 30 s: the next renewal is due in 0.2 s, not 10 s
+          await sleep(1500);
+          assert.equal((await locks.holder(key))?.fence, lease.fence, 'the lease expired while fn ran');
+          assert.equal(lease.lost, false);
+          assert.equal(lease.signal.aborted, false);
+          assert.equal(lease.ttl, 0.6);
+          return 'done';
+        },
+        {ttl: 30, timeout: 0, onLost: () => lostCalls++},
+      ),
+    );
+    assert.equal(result, 'done');
+    assert.equal(lostCalls, 0);
+    assert.ok(counter.renewals >= 4, `${counter.renewals} renewals in 1.5 s at a ttl of 0.6 s`);
+    assert.equal(await locks.holder(key), null);
+  });
+
+  test('a renewal to a shorter ttl brings the loss at the new deadline', {timeout: 10_000}, async () => {
+    const proxy = await hangingProxy();
+    try {
+      const locks = new LockClient({url: proxy.url, namespace: 'js-test'});
+      let renewedAt;
+      let lostAt;
+      const outcome = locks.withLock(
+        newKey('shorter-hung'),
+        async (lease) => {
+          renewedAt = performance.now();
+          await lease.renew({ttl: 0.6});
+          proxy.hang(); // no renewal answers from now: the lease is lost 0.6 s after renewedAt
+          await new Promise((resolve) => {
+            lease.signal.addEventListener('abort', resolve);
+            setTimeout(resolve, 3000);
+          });
+          assert.ok(lease.signal.aborted, 'lease.signal was not aborted by the new deadline');
+          return 'done';
+        },
+        {ttl: 30, timeout: 0, onLost: () => (lostAt = performance.now())},
+      );
+      await assert.rejects(outcome, LockLost);
+      const seconds = (lostAt - renewedAt) / 1000;
+      assert.ok(seconds < 1.2, `onLost came ${seconds} s after a renewal to a ttl of 0.6 s`);
+    } finally {
+      proxy.close();
+    }
+  });
+
+  test('a release by key and token is the lease released: not renewed, lost, or released again', async () => {
+    const key = newKey('token-release');
+    const locks = client();
+    const paths = [];
+    let lostCalls = 0;
+    const result = await withFetch(recordingPaths(paths), () =>
+      locks.withLock(
+        key,
+        async (lease) => {
+          await locks.release(key, lease.token);
+          await sleep(500); // past a renewal's time (ttl/3), and the deadline
+          assert.equal(lease.lost, false);
+          assert.equal(lease.signal.aborted, false);
+          await assert.rejects(lease.release(), /already released/);
+          return 'early';
+        },
+        {ttl: 0.3, timeout: 0, onLost: () => lostCalls++},
+      ),
+    );
+    assert.equal(result, 'early');
+    assert.equal(lostCalls, 0);
+    assert.deepEqual(paths, ['/v1/acquire', '/v1/release']);
+  });
+
+  test('a renewal by key and token to a shorter ttl is the lease renewed', async () => {
+    const key = newKey('token-renew');
+    const locks = client();
+    const counter = {renewals: 0};
+    let lostCalls = 0;
+    const result = await withFetch(countingRenewals(counter), () =>
+      locks.withLock(
+        key,
+        async (lease) => {
+          const renewed = await locks.renew(key, lease.token, {ttl: 0.6});
+          assert.equal(renewed.fence, lease.fence);
+          assert.equal(lease.ttl, 0.6, 'the lease took the renewal in');
+          assert.ok(lease.remaining <= 0.6);
+          await sleep(1500);
+          assert.equal((await locks.holder(key))?.fence, lease.fence, 'the lease expired while fn ran');
+          assert.equal(lease.lost, false);
+          return 'done';
+        },
+        {ttl: 30, timeout: 0, onLost: () => lostCalls++},
+      ),
+    );
+    assert.equal(result, 'done');
+    assert.equal(lostCalls, 0);
+    assert.ok(counter.renewals >= 4, `${counter.renewals} renewals in 1.5 s at a ttl of 0.6 s`);
+    assert.equal(await locks.holder(key), null);
+  });
+
+  test('renewals of one lease go one at a time: the last asked is the last taken in', async () => {
+    const lease = await client().acquire(newKey('one-at-a-time'), {ttl: 5, timeout: 0});
+    let sending = 0;
+    let most = 0;
+    const counting = async (target, init, real) => {
+      most = Math.max(most, ++sending);
+      try {
+        return await real(target, init);
+      } finally {
+        sending--;
+      }
+    };
+    // Two at once could be answered out of order: the lease would keep 30 s the server no longer grants.
+    await withFetch(counting, () => Promise.all([lease.renew({ttl: 30}), lease.renew({ttl: 2})]));
+    assert.equal(most, 1);
+    assert.equal(lease.ttl, 2);
+    assert.ok(lease.remaining <= 2);
+    await lease.release();
+  });
+
+  test('a renewal by key and token reaches a lease from acquire too, as a heartbeat', async () => {
+    const key = newKey('heartbeat');
+    const locks = client();
+    const lease = await locks.acquire(key, {ttl: 0.3, timeout: 0});
+    await locks.renew(key, lease.token, {ttl: 20});
+    await sleep(400);
+    assert.equal(lease.lost, false, 'the lease object did not see its renewal');
+    assert.ok(lease.remaining > 15);
+    assert.equal(lease.ttl, 20);
+    await locks.release(key, lease.token);
+    assert.equal(lease.lost, false, 'a released lease is not lost');
+    await assert.rejects(lease.release(), /already released/);
+    // Another client's renewal or release is stateless: its lease objects are its own.
+    const other = await locks.acquire(newKey('heartbeat'), {ttl: 20, timeout: 0});
+    await client().release(other.key, other.token);
+    await assert.rejects(other.renew(), LockLost);
+    assert.equal(other.lost, true);
+  });
 });

@@ -99,6 +99,20 @@ describe('info', () => {
   test('is at most 4 KiB as JSON', async () => {
     await rejects(() => client.acquire('k', {info: {text: 'x'.repeat(4096)}}), RangeError, /info is 4107 bytes as JSON; at most 4096/);
   });
+  test('is nested at most 32 levels, itself the first', async () => {
+    // Objects and arrays count alike; what they hold at the 33rd level may be a string.
+    const nested = (levels) => {
+      let value = 'bottom';
+      for (let level = levels; level > 1; level--) value = level % 2 ? [value] : {a: value};
+      return {a: value};
+    };
+    await rejects(() => client.acquire('k', {info: nested(33)}), RangeError, /info is nested more than 32 levels deep .*at most 32/);
+    await rejects(() => client.withLock('k', () => 1, {info: nested(33)}), RangeError, /nested more than 32 levels/);
+    // Deeper still: refused as such, not with a stack overflow.
+    await rejects(() => client.acquire('k', {info: nested(100_000)}), RangeError, /nested more than 32 levels/);
+    // 32 levels: sent (the request then fails: nobody listens on port 9).
+    await assert.rejects(client.acquire('k', {info: nested(32)}), (error) => error instanceof LockError);
+  });
   test('is measured as the server measures it: numbers as Python writes them', async () => {
     // JSON.stringify writes 1e-7 where Python writes 1e-07: 3417 bytes here, 4099 there.
     const tiny = {x: Array(682).fill(1e-7)};
