@@ -45,7 +45,15 @@ from keymutex import _clock
 from keymutex._errors import Locked, LockError, LockLost, StoreError
 from keymutex._lease import AsyncLease, Holder, Lease, LeaseState, Outcome
 from keymutex._local import AsyncKeyedLock, KeyedLock
-from keymutex._store import AsyncStore, AsyncWaiter, RenewRequest, Store, Waiter, max_ttl_of
+from keymutex._store import (
+    AsyncStore,
+    AsyncWaiter,
+    PartialRenewal,
+    RenewRequest,
+    Store,
+    Waiter,
+    max_ttl_of,
+)
 from keymutex._urls import driver_for, redacted, scheme_of
 from keymutex._validate import (
     check_bool,
@@ -395,6 +403,18 @@ class _RenewalPlan:
         self.discard(lease)
         return lease._mark_lost(outcome.holder)
 
+    def settle_batch(
+        self, batch: Sequence[L], outcomes: Sequence[Outcome | None], sent_at: float
+    ) -> list[L]:
+        """Take in a batch's renewals (``None``: not answered, its server failed); the
+        leases this showed lost."""
+        now = _clock.monotonic()
+        return [
+            x
+            for x, o in zip(batch, outcomes, strict=True)
+            if (self.failed(x, now) if o is None else self.settle(x, o, sent_at))
+        ]
+
     def failed(self, lease: LeaseState, now: float) -> bool:
         """The store could not be reached: retry, or give up at the lease's deadline."""
         if not self.active(lease):
@@ -648,15 +668,13 @@ class _Renewer:
                 overdue = self._plan.overdue(_clock.monotonic())
             self._notify(overdue)
         try:
-            outcomes = call.result()
+            outcomes = _outcomes_of(call.result, batch)
         except BaseException as exc:  # StoreError, or a bug (of any kind): the renewer lives on
             _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
             with self._wakeup:
                 return [x for x in batch if self._plan.failed(x, _clock.monotonic())]
         with self._wakeup:
-            lost = [
-                x for x, o in zip(batch, outcomes, strict=True) if self._plan.settle(x, o, sent_at)
-            ]
+            lost = self._plan.settle_batch(batch, outcomes, sent_at)
         for lease in _renewed_too_late(batch, outcomes):  # on the renewal's connection
             self._calls.submit(functools.partial(_release_quietly, self._store, lease))
         return lost
@@ -696,13 +714,24 @@ def _earliest(*times: float | None) -> float | None:
     return min(known) if known else None
 
 
-def _renewed_too_late(batch: Sequence[L], outcomes: Sequence[Outcome]) -> list[L]:
+def _outcomes_of(result: Callable[[], list[Outcome]], batch: Sequence[L]) -> list[Outcome | None]:
+    """A batch renewal's outcomes; those of the servers it reached when it reached only
+    some (logged), ``None`` for the others."""
+    try:
+        return list(result())
+    except PartialRenewal as exc:
+        failed = sum(outcome is None for outcome in exc.outcomes)
+        _LOG.warning("renewing %d of %d lease(s) failed: %s", failed, len(batch), exc)
+        return exc.outcomes
+
+
+def _renewed_too_late(batch: Sequence[L], outcomes: Sequence[Outcome | None]) -> list[L]:
     """Leases the store renewed after their holder was told they were lost.
 
     The holder stopped relying on them at their deadline: release them rather than
     keep the key from everyone for another TTL.
     """
-    return [x for x, o in zip(batch, outcomes, strict=True) if o.ok and x._lost]
+    return [x for x, o in zip(batch, outcomes, strict=True) if o is not None and o.ok and x._lost]
 
 
 def _after_loss(lease: LeaseState, holder: Holder | None) -> Holder | None:
@@ -1228,13 +1257,11 @@ class _AsyncRenewer:
             await asyncio.wait([call])
             raise
         try:
-            outcomes = call.result()
+            outcomes = _outcomes_of(call.result, batch)
         except Exception as exc:  # StoreError, or a bug: the renewer must live on
             _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
             return [x for x in batch if self._plan.failed(x, _clock.monotonic())]
-        lost = [
-            x for x, o in zip(batch, outcomes, strict=True) if self._plan.settle(x, o, sent_at)
-        ]
+        lost = self._plan.settle_batch(batch, outcomes, sent_at)
         for lease in _renewed_too_late(batch, outcomes):
             self._spawn(_release_quietly_async(self._store, lease), self._releases)
         return lost

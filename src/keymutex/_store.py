@@ -15,6 +15,9 @@ Contract of each step (sync shown; ``AsyncStore`` is the same with ``await``):
   again as it stands (a retry whose reply was lost), its expiry never shortened.
 - ``renew`` / ``release``: only while ``token`` holds a live lease, checked atomically.
 - ``holder`` / ``holders``: read-only.
+- ``renew_many``: the renewals of a batch; a store of several servers that reached some
+  of them raises ``PartialRenewal`` with the outcomes it has, so that a failed server
+  does not fail the leases of the others.
 
 Every step returns an ``Outcome`` or raises ``StoreError``; driver exceptions are
 translated by ``translate_errors`` in the store module, never leaked.
@@ -37,6 +40,7 @@ __all__ = [
     "AsyncStore",
     "AsyncWaiter",
     "Capabilities",
+    "PartialRenewal",
     "RenewRequest",
     "Store",
     "StoreDriver",
@@ -228,6 +232,16 @@ class _AdaptedWaiter:
 
     async def aclose(self) -> None:
         await self._call(self._inner.close)
+
+
+class PartialRenewal(StoreError):
+    """``renew_many`` reached only some of the store's servers: ``outcomes`` has the
+    outcome of each request that was answered, ``None`` for each that was not (its
+    server failed, as the message and ``__cause__`` say)."""
+
+    def __init__(self, message: str, outcomes: Sequence[Outcome | None]) -> None:
+        super().__init__(message)
+        self.outcomes = list(outcomes)
 
 
 class WouldBlock(Exception):

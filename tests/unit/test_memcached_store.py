@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import threading
 import time
 import uuid
@@ -974,6 +976,41 @@ def test_several_servers_spread_keys_and_a_dead_one_is_never_replaced(tmp_path: 
                         locks.acquire(key, timeout=0)
         finally:
             locks.close()
+
+
+def test_a_paused_server_does_not_cost_another_servers_renewing_lease(tmp_path: Path) -> None:
+    """Found by a review: one server failing failed the whole batch renewal, and a lease
+    on a server that answered every time was lost with the others at its deadline
+    (renewed together from then on, they failed together). A server that answers now
+    renews its own leases (``PartialRenewal`` carries them)."""
+    with (
+        MemcachedServer(tmp_path / "one").start() as one,
+        MemcachedServer(tmp_path / "two").start() as two,
+    ):
+        url = f"memcached://127.0.0.1:{one.port},127.0.0.1:{two.port}"
+        with keymutex.Locks(url, namespace=uuid.uuid4().hex[:8], socket_timeout=1.0) as locks:
+            layout = locks._store._layout  # type: ignore[attr-defined]
+            keys = [f"k{i}" for i in range(60)]
+            on_one = [
+                k for k in keys if layout.server_of(layout.lease(k)).endswith(f":{one.port}")
+            ]
+            on_two = [k for k in keys if k not in on_one]
+            # A lease on server two falls due first; while its renewal waits for the
+            # paused server, the next two fall due and are renewed in one batch.
+            first = locks.acquire(on_two[0], ttl=3, renew=True)
+            time.sleep(0.2)
+            healthy = locks.acquire(on_one[0], ttl=3, renew=True)
+            doomed = locks.acquire(on_two[1], ttl=3, renew=True)
+            os.kill(two.process.pid, signal.SIGSTOP)
+            try:
+                time.sleep(4.5)  # past every lease's deadline
+            finally:
+                os.kill(two.process.pid, signal.SIGCONT)
+            assert first.lost
+            assert doomed.lost
+            assert not healthy.lost  # its server answered every time
+            assert locks.holder(on_one[0]) is not None
+            healthy.release()
 
 
 # -- pure parts ------------------------------------------------------------------------

@@ -356,6 +356,55 @@ def test_chroot(zookeeper_url: str, raw: Any, namespace: str) -> None:
         lease.release()
 
 
+# -- a server that does not answer, after a review: each wait bounded by one timeout --
+
+
+def test_a_waiter_whose_try_went_unanswered_leaves_without_waiting_again(
+    own_server: Any, namespace: str
+) -> None:
+    """Before: the failed try waited ``timeout`` for the paused server, then leaving the
+    queue waited a whole ``timeout`` more (``acquire(timeout=1)`` took two store
+    timeouts). Its place is left to the reconnection or the next step instead."""
+    url = own_server.url
+    with (
+        keymutex.Locks(url, namespace=namespace, owner="holder") as holding,
+        keymutex.Locks(url, namespace=namespace, timeout=3.0) as waiting,
+    ):
+        lease = holding.acquire("job", ttl=600.0, timeout=0)
+        waiting.holder("job")  # connected
+        own_server.pause()
+        try:
+            started = time.monotonic()
+            with pytest.raises(keymutex.StoreError):
+                waiting.acquire("job", timeout=1.0)
+            took = time.monotonic() - started
+        finally:
+            own_server.resume()
+        assert took < 5.0, f"{took:.1f} s: more than the one 3 s timeout it waited for"
+        lease.release()
+        # The place it left behind is cleared: the key is free for it, and for others.
+        again = waiting.acquire("job", timeout=PATIENCE)
+        assert again.fence > lease.fence
+        again.release()
+
+
+def test_close_on_a_server_that_does_not_answer_takes_at_most_the_timeout(
+    own_server: Any, namespace: str
+) -> None:
+    """Before: kazoo waited for the answer to the session's close up to its ping
+    timeout, two thirds of the session timeout (26 s by default), whatever ``timeout``."""
+    locks = keymutex.Locks(own_server.url, namespace=namespace, timeout=2.0)
+    locks.holder("k")  # connected
+    own_server.pause()
+    try:
+        started = time.monotonic()
+        locks.close()
+        took = time.monotonic() - started
+    finally:
+        own_server.resume()
+    assert took < 6.0, f"close() took {took:.1f} s, with timeout=2"
+
+
 @pytest.mark.parametrize(
     ("url", "hosts", "chroot"),
     [

@@ -187,6 +187,7 @@ from keymutex._lease import Holder, Outcome
 from keymutex._store import (
     AsyncStore,
     Capabilities,
+    PartialRenewal,
     RenewRequest,
     ThreadedAsyncStore,
     translate_errors,
@@ -1227,47 +1228,64 @@ class MemcachedStore:
         for index, name in enumerate(names):
             by_server.setdefault(self._layout.server_of(name), []).append(index)
         outcomes: list[Outcome | None] = [None] * len(requests)
+        failures: list[StoreError] = []
         for server, indices in by_server.items():
-            with (
-                translate_errors(*_DRIVER_ERRORS, what=f"memcached renewal on {server}"),
-                self._pools[server].session() as session,
-            ):
-                # The leases whose last write we made: compare-and-swap them at once,
-                # all in one write.
-                now = time.time()
-                fast: list[tuple[int, Record, int]] = []
-                for index in indices:
-                    request = requests[index]
-                    known = self._own(names[index], request.token, session)
-                    if known is not None and known.record.expires_at > now:
-                        renewed = replace(known.record, expires_at=now + request.ttl)
-                        fast.append((index, renewed, known.cas))
-                if fast:
-                    commands = b"".join(
-                        ms(
-                            names[index],
-                            renewed.encode(),
-                            f"T{exptime(requests[index].ttl)}",
-                            f"C{cas}",
-                            "c",
-                        )
-                        for index, renewed, cas in fast
-                    )
-                    replies = session.write(commands, len(fast))
-                    for (index, renewed, _), reply in zip(fast, replies, strict=True):
-                        if reply.expect(b"HD", b"EX", b"NF").code == b"HD":
-                            self._remember(names[index], renewed, reply.cas, session)
-                            outcomes[index] = granted(renewed, now)
-                # The others (or those written since by someone else): read, then swap.
-                rest = [index for index in indices if outcomes[index] is None]
-                if rest:
-                    items = session.read_many(list(dict.fromkeys(names[i] for i in rest)))
-                    for index in rest:
-                        reply = items.get(names[index], _MISSING)
-                        outcomes[index] = self._renew(
-                            session, names[index], requests[index], reply
-                        )
+            try:
+                self._renew_on(server, indices, names, requests, outcomes)
+            except StoreError as exc:  # the other servers' leases are renewed all the same
+                failures.append(exc)
+        if failures:
+            raise PartialRenewal(
+                "; ".join(str(failure) for failure in failures), outcomes
+            ) from failures[0]
         return [found for found in outcomes if found is not None]
+
+    def _renew_on(
+        self,
+        server: str,
+        indices: list[int],
+        names: list[str],
+        requests: Sequence[RenewRequest],
+        outcomes: list[Outcome | None],
+    ) -> None:
+        """``renew_many``'s requests on one server (``indices``), into ``outcomes``."""
+        with (
+            translate_errors(*_DRIVER_ERRORS, what=f"memcached renewal on {server}"),
+            self._pools[server].session() as session,
+        ):
+            # The leases whose last write we made: compare-and-swap them at once,
+            # all in one write.
+            now = time.time()
+            fast: list[tuple[int, Record, int]] = []
+            for index in indices:
+                request = requests[index]
+                known = self._own(names[index], request.token, session)
+                if known is not None and known.record.expires_at > now:
+                    renewed = replace(known.record, expires_at=now + request.ttl)
+                    fast.append((index, renewed, known.cas))
+            if fast:
+                commands = b"".join(
+                    ms(
+                        names[index],
+                        renewed.encode(),
+                        f"T{exptime(requests[index].ttl)}",
+                        f"C{cas}",
+                        "c",
+                    )
+                    for index, renewed, cas in fast
+                )
+                replies = session.write(commands, len(fast))
+                for (index, renewed, _), reply in zip(fast, replies, strict=True):
+                    if reply.expect(b"HD", b"EX", b"NF").code == b"HD":
+                        self._remember(names[index], renewed, reply.cas, session)
+                        outcomes[index] = granted(renewed, now)
+            # The others (or those written since by someone else): read, then swap.
+            rest = [index for index in indices if outcomes[index] is None]
+            if rest:
+                items = session.read_many(list(dict.fromkeys(names[i] for i in rest)))
+                for index in rest:
+                    reply = items.get(names[index], _MISSING)
+                    outcomes[index] = self._renew(session, names[index], requests[index], reply)
 
     def release(self, key: str, token: str) -> Outcome:
         name = self._layout.lease(key)

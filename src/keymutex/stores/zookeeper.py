@@ -265,7 +265,7 @@ class _ZooKeeperWaiter(Doorbell):
     by every reconnection (watches do not survive one).
     """
 
-    __slots__ = ("__weakref__", "digest", "key", "node", "store")
+    __slots__ = ("__weakref__", "digest", "key", "node", "store", "unanswered")
 
     def __init__(self, store: ZooKeeperStore, key: str) -> None:
         super().__init__()
@@ -273,6 +273,8 @@ class _ZooKeeperWaiter(Doorbell):
         self.key = key
         self.node: _Node | None = None
         self.digest: str | None = None
+        # Its last try failed for want of the server: leaving asks it nothing more.
+        self.unanswered = False
 
     def _watched(self, event: object) -> None:
         """kazoo's watch callback: the node ahead of ours changed or went away."""
@@ -564,10 +566,13 @@ class ZooKeeperStore:
         while True:
             try:
                 with self._step(what):
-                    return self._try_acquire(key, token, ttl, owner, info, steal, waiter)
+                    outcome = self._try_acquire(key, token, ttl, owner, info, steal, waiter)
+                waiter.unanswered = False
+                return outcome
             except StoreError as exc:
                 lost = isinstance(exc.__cause__, ConnectionLoss | SessionExpiredError)
                 if not lost or time.monotonic() >= give_up or self._closed:
+                    waiter.unanswered = True
                     raise
             # kazoo learns of the loss in its own thread: let it, before _step waits.
             time.sleep(0.05)
@@ -920,9 +925,17 @@ class ZooKeeperStore:
         node, waiter.node = waiter.node, None
         digest, waiter.digest = waiter.digest, None
         self._waiters.discard(waiter)
+        # The server did not answer the waiter's last try, or is not connected: leaving
+        # now would wait a whole ``timeout`` more for it. The node, if any, is left to
+        # the next step or the reconnection (or goes with the session).
+        unreachable = waiter.unanswered or not self._connected.is_set()
         if node is None:
-            if self._orphans:  # a create of this waiter may have lost its reply
+            if self._orphans and not unreachable:  # a create may have lost its reply
                 self._clean_orphans_quietly()
+            return
+        if unreachable:
+            with self._mutex:
+                self._orphans.add((self._parent(waiter.key), digest or node.name[:32]))
             return
         try:
             with self._step(f"leaving the queue of {waiter.key!r}"):
@@ -954,12 +967,39 @@ class ZooKeeperStore:
             _LOG.warning("%s (will try again)", exc)
 
     def close(self) -> None:
-        """End the session: ZooKeeper deletes its nodes, so its leases end now."""
+        """End the session: ZooKeeper deletes its nodes, so its leases end now.
+
+        Within ``timeout``: kazoo waits for the server's answer to the session's close
+        up to its ping timeout (two thirds of the session timeout), on a server that
+        does not answer. Past ``timeout`` it is left to finish on its own (a daemon
+        thread, which frees the client's sockets then), and the server ends the session
+        at its timeout.
+        """
         self._closed = True
-        try:
-            self._client.stop()
-        finally:
-            self._client.close()
+        failed: list[BaseException] = []
+
+        def stop_then_close() -> None:
+            try:
+                try:
+                    self._client.stop()
+                finally:
+                    self._client.close()
+            except BaseException as exc:  # raised by close(), when it waited for it
+                failed.append(exc)
+
+        closing = threading.Thread(
+            target=stop_then_close, name="keymutex-zookeeper-close", daemon=True
+        )
+        closing.start()
+        closing.join(self._timeout)
+        if closing.is_alive():
+            _LOG.warning(
+                "ZooKeeper did not answer the close of the session within %g s; it ends"
+                " the session at its timeout",
+                self._timeout,
+            )
+        elif failed:
+            raise failed[0]
 
 
 # -- URLs ---------------------------------------------------------------------------
