@@ -997,13 +997,13 @@ def test_a_paused_server_does_not_cost_another_servers_renewing_lease(tmp_path: 
             on_two = [k for k in keys if k not in on_one]
             # A lease on server two falls due first; while its renewal waits for the
             # paused server, the next two fall due and are renewed in one batch.
-            first = locks.acquire(on_two[0], ttl=3, renew=True)
+            first = locks.acquire(on_two[0], ttl=5, renew=True)
             time.sleep(0.2)
-            healthy = locks.acquire(on_one[0], ttl=3, renew=True)
-            doomed = locks.acquire(on_two[1], ttl=3, renew=True)
+            healthy = locks.acquire(on_one[0], ttl=5, renew=True)
+            doomed = locks.acquire(on_two[1], ttl=5, renew=True)
             os.kill(two.process.pid, signal.SIGSTOP)
             try:
-                time.sleep(4.5)  # past every lease's deadline
+                time.sleep(6.5)  # past every lease's deadline
             finally:
                 os.kill(two.process.pid, signal.SIGCONT)
             assert first.lost

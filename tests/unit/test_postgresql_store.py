@@ -1105,6 +1105,59 @@ async def test_a_silent_server_fails_an_async_step_within_the_timeout(
         await lease.release()
 
 
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (a whole server: postmaster and backends)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as file:
+                    stat = file.read()
+            except OSError:
+                continue
+            parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
+            parents.setdefault(parent, []).append(int(entry))
+    tree, pending = [pid], [pid]
+    while pending:
+        children = parents.get(pending.pop(), [])
+        tree += children
+        pending += children
+    return tree
+
+
+def test_a_waiter_whose_try_went_unanswered_leaves_without_waiting_again(
+    namespace: str,
+) -> None:
+    """Found by a review: with the whole server paused, the waiter's failed try waited
+    ``timeout``, then leaving the queue waited for a new connection (``connect_timeout``)
+    once more. Its place is passed over at its turn instead (module: _UNANSWERED)."""
+    with running_server() as server:
+        url = f"{server.url}?connect_timeout=3"
+        with (
+            keymutex.Locks(server.url, namespace=namespace, owner="holder") as holding,
+            keymutex.Locks(url, namespace=namespace, timeout=3.0) as waiting,
+        ):
+            lease = holding.acquire("job", ttl=600.0, timeout=0)
+            waiting.holder("job")  # connected
+            assert server.process is not None
+            paused = _process_tree(server.process.pid)
+            for pid in paused:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(keymutex.StoreError):
+                    waiting.acquire("job", timeout=1.0)
+                took = time.monotonic() - started
+            finally:
+                for pid in paused:
+                    os.kill(pid, signal.SIGCONT)
+            assert took < 5.0, f"{took:.1f} s: more than the one 3 s timeout it waited for"
+            lease.release()
+            again = waiting.acquire("job", timeout=10.0)  # nothing of it is in the way
+            assert again.fence > lease.fence
+            again.release()
+
+
 def test_a_grant_whose_reply_was_lost_expires_by_its_ttl(
     admin: psycopg.Connection[Any],
     postgresql_url: str,

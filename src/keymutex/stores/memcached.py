@@ -976,6 +976,9 @@ class MemcachedStore:
         # Each lease this store granted or renewed, by item name: its last write, so
         # that a release or renewal can compare-and-swap it without reading it first.
         self._written: dict[str, _Written] = {}
+        # Servers whose last batch renewal failed: the next batch asks them last, so
+        # that the others' leases are not kept waiting for their timeouts.
+        self._failing: set[str] = set()
         _STORES.add(self)
 
     def _after_fork_in_child(self) -> None:
@@ -1229,11 +1232,14 @@ class MemcachedStore:
             by_server.setdefault(self._layout.server_of(name), []).append(index)
         outcomes: list[Outcome | None] = [None] * len(requests)
         failures: list[StoreError] = []
-        for server, indices in by_server.items():
+        for server in sorted(by_server, key=lambda server: server in self._failing):
             try:
-                self._renew_on(server, indices, names, requests, outcomes)
+                self._renew_on(server, by_server[server], names, requests, outcomes)
             except StoreError as exc:  # the other servers' leases are renewed all the same
                 failures.append(exc)
+                self._failing.add(server)
+            else:
+                self._failing.discard(server)
         if failures:
             raise PartialRenewal(
                 "; ".join(str(failure) for failure in failures), outcomes

@@ -129,6 +129,10 @@ KEEPALIVE_COUNT = 3
 # for a woken waiter on a busy host to send its try; if the waiter has vanished, the
 # key is free again after this.
 HANDOVER_MS = 200
+# _UNANSWERED: a waiter whose try failed (the server did not answer, or could not be
+# reached) does not leave the queue when it gives up: that would wait for the server
+# once more, as long again. A place it may hold is passed over at its turn (a hand-over
+# to it lapses after HANDOVER_MS) or lapses with the queue (QUEUE_LIFETIME_MS).
 # A key's queue outlives the last refusal of a waiter by this much: waiters look again
 # at least every second, so only the ids of waiters that vanished lapse with it.
 QUEUE_LIFETIME_MS = 60_000
@@ -1775,17 +1779,23 @@ class PostgresStore:
         # Set before the step: if its reply is lost, the waiter may be queued all the
         # same, and must leave the queue when it gives up (a no-op if it never joined).
         waiter.on_close = functools.partial(self._leave, key, waiter.id)
-        outcome: Outcome = self._run(flow)
-        if not outcome.ok:
-            waiter.queued = True
-            waiter.on_close = functools.partial(self._leave, key, waiter.id)
-            if not waiter.registered:
-                # Queued now, but not listening yet: listen, then look again, for a
-                # hand-over notified before the LISTEN would go unheard.
-                with translate_errors(*_DRIVER_ERRORS, what=f"PostgreSQL LISTEN for {key!r}"):
-                    self._listener.join(waiter, self._target.connect_timeout)
-                flow = steps.acquire(key, token, ttl, owner, info, steal, waiter.id, queued=True)
-                outcome = self._run(flow)
+        try:
+            outcome: Outcome = self._run(flow)
+            if not outcome.ok:
+                waiter.queued = True
+                waiter.on_close = functools.partial(self._leave, key, waiter.id)
+                if not waiter.registered:
+                    # Queued now, but not listening yet: listen, then look again, for a
+                    # hand-over notified before the LISTEN would go unheard.
+                    with translate_errors(*_DRIVER_ERRORS, what=f"PostgreSQL LISTEN for {key!r}"):
+                        self._listener.join(waiter, self._target.connect_timeout)
+                    flow = steps.acquire(
+                        key, token, ttl, owner, info, steal, waiter.id, queued=True
+                    )
+                    outcome = self._run(flow)
+        except StoreError:
+            waiter.on_close = None  # see _UNANSWERED
+            raise
         waiter.on_close = None if outcome.ok else functools.partial(self._leave, key, waiter.id)
         return outcome
 
@@ -1922,15 +1932,21 @@ class AsyncPostgresStore:
             self._listener.try_join(waiter)
         flow = steps.acquire(key, token, ttl, owner, info, steal, waiter.id, queued=waiter.queued)
         waiter.on_close = functools.partial(self._leave, key, waiter.id)  # as in the sync store
-        outcome: Outcome = await self._run(flow)
-        if not outcome.ok:
-            waiter.queued = True
-            waiter.on_close = functools.partial(self._leave, key, waiter.id)
-            if not waiter.registered:
-                with translate_errors(*_DRIVER_ERRORS, what=f"PostgreSQL LISTEN for {key!r}"):
-                    await self._listener.join(waiter, self._target.connect_timeout)
-                flow = steps.acquire(key, token, ttl, owner, info, steal, waiter.id, queued=True)
-                outcome = await self._run(flow)
+        try:
+            outcome: Outcome = await self._run(flow)
+            if not outcome.ok:
+                waiter.queued = True
+                waiter.on_close = functools.partial(self._leave, key, waiter.id)
+                if not waiter.registered:
+                    with translate_errors(*_DRIVER_ERRORS, what=f"PostgreSQL LISTEN for {key!r}"):
+                        await self._listener.join(waiter, self._target.connect_timeout)
+                    flow = steps.acquire(
+                        key, token, ttl, owner, info, steal, waiter.id, queued=True
+                    )
+                    outcome = await self._run(flow)
+        except StoreError:
+            waiter.on_close = None  # see _UNANSWERED
+            raise
         waiter.on_close = None if outcome.ok else functools.partial(self._leave, key, waiter.id)
         return outcome
 
