@@ -146,6 +146,10 @@ def test_a_flushed_script_cache_is_reloaded(
         server.script_flush()
         lease.renew()
         server.script_flush()
+        store = locks._store  # the background renewer's batch, loaded again too
+        (renewed,) = store.renew_many([RenewRequest("k", lease.token, 30.0)])  # type: ignore[attr-defined]
+        assert renewed.ok
+        server.script_flush()
         lease.release()
         assert locks.holder("k") is None
 
@@ -797,6 +801,44 @@ async def test_async_a_release_whose_answer_was_lost_to_a_reset_on_a_cluster_is_
             for proxy in proxies:
                 proxy.set_mode("pass")
             assert await locks.holder(key) is None
+
+
+def test_a_cluster_node_that_fails_fails_only_its_own_leases_renewals(
+    redis_cluster: RedisCluster, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review of the memcached store's batch renewal, which had the same
+    shape: one node that could not be reached failed the whole batch, and the leases on
+    the nodes that answered were lost at their deadlines with it. The batch now says
+    which renewals are unknown (``PartialRenewal``) and gives the others' outcomes."""
+    from keymutex._store import PartialRenewal
+
+    with (
+        _cluster_through_proxies(redis_cluster, monkeypatch) as proxies,
+        keymutex.Locks(redis_cluster.url, namespace=namespace) as locks,
+    ):
+        store = locks._store
+        # A node as the cluster client knows it: at its proxy's address (remapped).
+        by_port = {proxy.port: proxy for proxy in proxies}
+        client, layout = store._client, store._layout  # type: ignore[attr-defined]
+        leases = [locks.acquire(f"k{n}", timeout=0) for n in range(12)]
+        port_of = {
+            lease.key: client.get_node_from_key(layout.lease(lease.key)).port for lease in leases
+        }
+        failed_port = port_of["k0"]
+        assert len(set(port_of.values())) > 1, "every key on one node"
+        by_port[failed_port].set_mode("reset")
+        requests = [RenewRequest(lease.key, lease.token, 30.0) for lease in leases]
+        with pytest.raises(PartialRenewal) as partial:
+            store.renew_many(requests)
+        by_port[failed_port].set_mode("pass")
+        for lease, outcome in zip(leases, partial.value.outcomes, strict=True):
+            if port_of[lease.key] == failed_port:
+                assert outcome is None  # unknown: its node could not be reached
+            else:
+                assert outcome is not None
+                assert outcome.ok  # renewed: its node answered
+        for lease in leases:
+            lease.release()
 
 
 def test_a_waiter_whose_queueing_try_timed_out_leaves_the_queue(

@@ -53,7 +53,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import SplitResult, parse_qsl, unquote
 
 import redis
@@ -69,7 +69,7 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
-from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex._store import Capabilities, PartialRenewal, RenewRequest, translate_errors
 from keymutex._urls import redacted, split_url
 from keymutex.stores._doorbell import LoopDoorbell
 from keymutex.stores._settings import count, digits, seconds
@@ -1131,13 +1131,61 @@ def _lost_if_not_a_lease(exc: StoreError) -> Outcome:
     raise exc
 
 
+def _pipelined(client: Any, calls: Sequence[_Call], indices: list[int]) -> Any:
+    """A pipeline of the scripts of ``calls[indices]`` on ``client``, not yet sent."""
+    pipe = client.pipeline(transaction=False)
+    for index in indices:
+        call = calls[index]
+        pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+    return pipe
+
+
+def _checked(answers: list[Any]) -> list[Any]:
+    """A pipeline's answers; an error reply raised, but for a key that holds no lease."""
+    for reply in answers:
+        if isinstance(reply, Exception) and not _not_a_lease(reply):
+            raise reply
+    return answers
+
+
+def _send_pipeline(client: Any, calls: Sequence[_Call], indices: list[int]) -> list[Any]:
+    return _checked(_pipelined(client, calls, indices).execute(raise_on_error=False))
+
+
+async def _send_pipeline_async(
+    client: Any, calls: Sequence[_Call], indices: list[int]
+) -> list[Any]:
+    pipe = _pipelined(client, calls, indices)
+    return _checked(await pipe.execute(raise_on_error=False))
+
+
+@dataclass(frozen=True, slots=True)
+class _Unanswered:
+    """A renewal of a batch whose cluster node could not be reached (``error``)."""
+
+    error: BaseException
+
+
 def _renewed(calls: Sequence[_Call], replies: Sequence[Any]) -> list[Outcome]:
     """The outcomes of a batch of renewals. A lease whose key holds something else (a
-    WRONGTYPE error) is not there: lost, without failing the others of the batch."""
-    return [
-        Outcome(False, None) if isinstance(reply, Exception) else call.read(call.key, reply)
+    WRONGTYPE error) is not there: lost, without failing the others of the batch. Those
+    of a node that could not be reached are unknown: ``PartialRenewal``, carrying the
+    others' outcomes."""
+    outcomes = [
+        None
+        if isinstance(reply, _Unanswered)
+        else Outcome(False, None)
+        if isinstance(reply, Exception)
+        else call.read(call.key, reply)
         for call, reply in zip(calls, replies, strict=True)
     ]
+    unanswered = [reply.error for reply in replies if isinstance(reply, _Unanswered)]
+    if unanswered:
+        raise PartialRenewal(
+            f"Redis renewal of {len(unanswered)} of {len(calls)} leases failed: {unanswered[0]}",
+            outcomes,
+        ) from unanswered[0]
+    return cast(list[Outcome], outcomes)
 
 
 class _Connections:
@@ -1476,39 +1524,38 @@ class RedisStore:
             return []
         calls = [self._steps.renew(request) for request in requests]
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis renewal of {len(calls)} leases"):
-            try:
-                replies = self._pipeline(calls)
-            except NoScriptError:
-                self._client.script_load(_RENEW.source)
-                replies = self._pipeline(calls)
+            replies = self._pipeline(calls)
         return _renewed(calls, replies)
 
     def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+        """The replies of ``calls``, sent as one pipeline per node. A node that lacks the
+        script (restarted, flushed, or never asked) is given it and asked again; one
+        that cannot be reached fails its own calls alone (``_Unanswered``)."""
         replies: list[Any] = [None] * len(calls)
         for client, indices in self._nodes.split(self._client, calls):
             try:
-                pipe = client.pipeline(transaction=False)
-                for index in indices:
-                    call = calls[index]
-                    pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-                answers = pipe.execute(raise_on_error=False)
+                try:
+                    answers = _send_pipeline(client, calls, indices)
+                except NoScriptError:
+                    for script in {calls[index].script for index in indices}:
+                        client.script_load(script.source)
+                    answers = _send_pipeline(client, calls, indices)
                 for index, reply in zip(indices, answers, strict=True):
-                    if isinstance(reply, Exception) and not _not_a_lease(reply):
-                        raise reply
                     replies[index] = reply
-            except NoScriptError:
-                raise
             except _DRIVER_ERRORS:
                 if not self._layout.sharded:
                     raise
                 # The node failed or gave its slots away (a failover): one call each
                 # through the cluster client, which follows MOVED and learns the new
-                # owners for the next tick.
+                # owners for the next tick. One that fails fails its lease alone.
                 for index in indices:
                     call = calls[index]
-                    replies[index] = self._client.execute_command(
-                        "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
-                    )
+                    try:
+                        replies[index] = self._client.execute_command(
+                            "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
+                        )
+                    except _DRIVER_ERRORS as exc:  # NOSCRIPT too: loaded at the next try
+                        replies[index] = _Unanswered(exc)
         return replies
 
     def release(self, key: str, token: str) -> Outcome:
@@ -1650,37 +1697,33 @@ class AsyncRedisStore:
             return []
         calls = [self._steps.renew(request) for request in requests]
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis renewal of {len(calls)} leases"):
-            try:
-                replies = await self._pipeline(calls)
-            except NoScriptError:
-                await self._client.script_load(_RENEW.source)
-                replies = await self._pipeline(calls)
+            replies = await self._pipeline(calls)
         return _renewed(calls, replies)
 
     async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
         replies: list[Any] = [None] * len(calls)
 
-        async def on_node(client: Any, indices: list[int]) -> None:
+        async def on_node(client: Any, indices: list[int]) -> None:  # as RedisStore's
             try:
-                pipe = client.pipeline(transaction=False)
-                for index in indices:
-                    call = calls[index]
-                    pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-                answers = await pipe.execute(raise_on_error=False)
+                try:
+                    answers = await _send_pipeline_async(client, calls, indices)
+                except NoScriptError:
+                    for script in {calls[index].script for index in indices}:
+                        await client.script_load(script.source)
+                    answers = await _send_pipeline_async(client, calls, indices)
                 for index, reply in zip(indices, answers, strict=True):
-                    if isinstance(reply, Exception) and not _not_a_lease(reply):
-                        raise reply
                     replies[index] = reply
-            except NoScriptError:
-                raise
             except _DRIVER_ERRORS:
                 if not self._layout.sharded:
                     raise
                 for index in indices:  # as in RedisStore._pipeline
                     call = calls[index]
-                    replies[index] = await self._client.execute_command(
-                        "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
-                    )
+                    try:
+                        replies[index] = await self._client.execute_command(
+                            "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
+                        )
+                    except _DRIVER_ERRORS as exc:
+                        replies[index] = _Unanswered(exc)
 
         if self._layout.sharded:
             await self._client.initialize()
