@@ -1158,6 +1158,37 @@ def test_a_waiter_whose_try_went_unanswered_leaves_without_waiting_again(
             again.release()
 
 
+@pytest.mark.asyncio
+async def test_an_async_waiter_whose_try_went_unanswered_leaves_without_waiting_again(
+    namespace: str,
+) -> None:
+    with running_server() as server:
+        url = f"{server.url}?connect_timeout=3"
+        async with (
+            keymutex.AsyncLocks(server.url, namespace=namespace, owner="holder") as holding,
+            keymutex.AsyncLocks(url, namespace=namespace, timeout=3.0) as waiting,
+        ):
+            lease = await holding.acquire("job", ttl=600.0, timeout=0)
+            await waiting.holder("job")  # connected
+            assert server.process is not None
+            paused = _process_tree(server.process.pid)
+            for pid in paused:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(keymutex.StoreError):
+                    await waiting.acquire("job", timeout=1.0)
+                took = time.monotonic() - started
+            finally:
+                for pid in paused:
+                    os.kill(pid, signal.SIGCONT)
+            assert took < 5.0, f"{took:.1f} s: more than the one 3 s timeout it waited for"
+            await lease.release()
+            again = await waiting.acquire("job", timeout=10.0)
+            assert again.fence > lease.fence
+            await again.release()
+
+
 def test_a_grant_whose_reply_was_lost_expires_by_its_ttl(
     admin: psycopg.Connection[Any],
     postgresql_url: str,
