@@ -1125,6 +1125,20 @@ def _process_tree(pid: int) -> list[int]:
     return tree
 
 
+@contextlib.contextmanager
+def _whole_server_paused(server: PostgresServer) -> Iterator[None]:
+    """SIGSTOP the server's every process for the block: nothing answers, nor connects."""
+    assert server.process is not None
+    paused = _process_tree(server.process.pid)
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+
+
 def test_a_waiter_whose_try_went_unanswered_leaves_without_waiting_again(
     namespace: str,
 ) -> None:
@@ -1139,18 +1153,11 @@ def test_a_waiter_whose_try_went_unanswered_leaves_without_waiting_again(
         ):
             lease = holding.acquire("job", ttl=600.0, timeout=0)
             waiting.holder("job")  # connected
-            assert server.process is not None
-            paused = _process_tree(server.process.pid)
-            for pid in paused:
-                os.kill(pid, signal.SIGSTOP)
-            try:
+            with _whole_server_paused(server):
                 started = time.monotonic()
                 with pytest.raises(keymutex.StoreError):
                     waiting.acquire("job", timeout=1.0)
                 took = time.monotonic() - started
-            finally:
-                for pid in paused:
-                    os.kill(pid, signal.SIGCONT)
             assert took < 5.0, f"{took:.1f} s: more than the one 3 s timeout it waited for"
             lease.release()
             again = waiting.acquire("job", timeout=10.0)  # nothing of it is in the way
@@ -1170,18 +1177,11 @@ async def test_an_async_waiter_whose_try_went_unanswered_leaves_without_waiting_
         ):
             lease = await holding.acquire("job", ttl=600.0, timeout=0)
             await waiting.holder("job")  # connected
-            assert server.process is not None
-            paused = _process_tree(server.process.pid)
-            for pid in paused:
-                os.kill(pid, signal.SIGSTOP)
-            try:
+            with _whole_server_paused(server):
                 started = time.monotonic()
                 with pytest.raises(keymutex.StoreError):
                     await waiting.acquire("job", timeout=1.0)
                 took = time.monotonic() - started
-            finally:
-                for pid in paused:
-                    os.kill(pid, signal.SIGCONT)
             assert took < 5.0, f"{took:.1f} s: more than the one 3 s timeout it waited for"
             await lease.release()
             again = await waiting.acquire("job", timeout=10.0)
