@@ -72,6 +72,12 @@ or a delete, revoke — is a raft entry, fsynced before etcd replies):
   token's leases are revoked [+1] and the key read again [+1], as renewals *with
   another TTL* by its holder may move the key from one to the other meanwhile. (Calls
   with one token through one store do not race: a lease renews under its own lock.)
+  Known limit: renewals of one token *with different TTLs* from two processes at the
+  same moment do race. A move's clean-up revoke may end the lease the other just moved
+  the key back onto (etcd deletes the key, while both renewals said "renewed"), and the
+  holder's own release may revoke the lease the key has just left (the key stays held
+  for the other TTL). Where several processes renew one lease by token, give them one
+  TTL: renewals that keep the TTL never move the key.
 - holder / holders [1 + 1 per lease]: a range read, then each lease's remaining TTL
   (whole seconds: ``expires_at`` is for display, up to a second early).
 
