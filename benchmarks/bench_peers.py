@@ -554,7 +554,8 @@ STORES = [
             "**keymutex `etcd://`**: an etcd lease per token, revoked at release (etcd deletes"
             " the key with it, atomically); fence = the key's revision; waiters share one"
             " watch stream per namespace, started at the revision after their refusal, so no"
-            " release is missed. A freed key goes to whoever tries first (`fair=False`).",
+            " release is missed. Waiters queue by create revision and only the first is woken"
+            " (`fair=True`).",
         ),
     ),
     Store(

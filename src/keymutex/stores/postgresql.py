@@ -50,8 +50,9 @@
   dedicated listener connection (``LISTEN`` on a channel of its table and namespace),
   read by one thread (or one task for the async store) and shared by all its waiters;
   a waiter is registered with it before its first try if it listens already, else it
-  listens after the first refusal and tries once more, so no hand-over is missed. A waiter that gives up leaves the queue (passing on a key just handed to
-  it); one that vanished costs the others at most ``HANDOVER_MS`` plus their
+  listens after the first refusal and tries once more, so no hand-over is missed. A
+  waiter that gives up leaves the queue (passing on a key just handed to it), unless
+  its last try went unanswered (``_UNANSWERED``); one that vanished costs the others at most ``HANDOVER_MS`` plus their
   one-second recheck, and its place lapses ``QUEUE_LIFETIME_MS`` after the last
   refusal. Waiters also wake at the holder's expiry (the refusal carries its time
   left); a key freed by expiry goes to whoever tries first, so the order is first

@@ -2,7 +2,8 @@
 
 - Each step is one round trip: a Lua script, loaded once and called by SHA (reloaded
   after ``NOSCRIPT``), checks, grants or refuses, and returns the holder in the same
-  reply. ``renew_many`` sends all its scripts in one pipeline.
+  reply. ``renew_many`` sends all its scripts in one pipeline (one per node in a
+  cluster: a node that cannot be reached fails only its own leases' renewals).
 - A lease is one small hash (token, owner, info, fence, acquired-at) whose TTL Redis
   enforces itself (``PEXPIRE``): TTLs are measured by the server's clock, and a
   crashed holder's key frees itself.
