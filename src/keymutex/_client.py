@@ -970,11 +970,12 @@ class Locks:
                 sent_at, outcome = self._attempt_once(request, token)
             else:
                 deadline = Deadline(request.timeout)
-                if request.token is not None:
+                if request.token is not None and self._gate.locked(request.key):
                     # A token named by the caller (the lock server's clients) may hold
                     # the key already: a retry whose first answer was lost. Queued at
                     # the gate behind waiters for its own lease, it waited out its
-                    # timeout, refused, the key kept from all. One try first.
+                    # timeout, refused, the key kept from all. One try first. (With
+                    # the gate free, the first try of _contend answers it at once.)
                     with contextlib.suppress(Locked):
                         sent_at, outcome = self._attempt_once(request, token)
                         return self._granted(request, token, outcome, sent_at)
@@ -1594,7 +1595,7 @@ class AsyncLocks:
         if request.steal or request.timeout == 0:
             return await self._attempt_once(request, token)
         deadline = Deadline(request.timeout)
-        if request.token is not None:  # maybe held by it already: see Locks._acquire
+        if request.token is not None and self._gate.locked(request.key):  # Locks._acquire
             with contextlib.suppress(Locked):
                 return await self._attempt_once(request, token)
         if not await self._gate.acquire(request.key, timeout=deadline.remaining()):
