@@ -34,7 +34,7 @@ import socket
 import string
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -999,30 +999,36 @@ class Locks:
         Counted as a contender, like a wait: ``close()`` meanwhile leaves the store open
         until the try is answered, and a grant that lands after it is given back.
         """
-        if not self._contenders.enter():
-            raise RuntimeError("this Locks is closed")
-        try:
+        with self._contending(request.key, waits=False):
             sent_at = _clock.monotonic()
             outcome = self._try(request, token, None)
             if not outcome.ok:
                 raise Locked(request.key, outcome.holder)
-            if self._closed:  # granted as the client closed: nobody could release it
-                self._give_back(request.key, token)
-                raise RuntimeError(_closed_while_waiting(self, request.key, waited=False))
+            self._unless_closed(request.key, token, waited=False)
             return sent_at, outcome
+
+    def _contend(self, request: _Request, token: str, deadline: Deadline) -> tuple[float, Outcome]:
+        """Try, wait, try again until granted: as ``_attempt_once``, by ``deadline``."""
+        with self._contending(request.key, waits=True):
+            return self._contend_counted(request, token, deadline)
+
+    @contextlib.contextmanager
+    def _contending(self, key: str, *, waits: bool) -> Iterator[None]:
+        """An acquire at the store, counted in ``_contenders``: ``close()`` meanwhile
+        leaves the store open until it has left; the last to leave closes it."""
+        if not self._contenders.enter():
+            raise RuntimeError(_closed_while_waiting(self, key, waited=waits))
+        try:
+            yield
         finally:
             if self._contenders.leave():
                 self._store.close()
 
-    def _contend(self, request: _Request, token: str, deadline: Deadline) -> tuple[float, Outcome]:
-        """Try, wait, try again until granted: as ``_attempt_once``, by ``deadline``."""
-        if not self._contenders.enter():
-            raise RuntimeError(_closed_while_waiting(self, request.key))
-        try:
-            return self._contend_counted(request, token, deadline)
-        finally:
-            if self._contenders.leave():
-                self._store.close()
+    def _unless_closed(self, key: str, token: str, *, waited: bool) -> None:
+        """A grant that landed as the client closed: nobody could release it. Given back."""
+        if self._closed:
+            self._give_back(key, token)
+            raise RuntimeError(_closed_while_waiting(self, key, waited=waited))
 
     def _contend_counted(
         self, request: _Request, token: str, deadline: Deadline
@@ -1038,9 +1044,7 @@ class Locks:
                 sent_at = _clock.monotonic()
                 outcome = self._try(request, token, waiter)
                 if outcome.ok:
-                    if self._closed:  # granted as the client closed: nobody can release it
-                        self._give_back(request.key, token)
-                        raise RuntimeError(_closed_while_waiting(self, request.key))
+                    self._unless_closed(request.key, token, waited=True)
                     return sent_at, outcome
                 if deadline.passed():
                     raise Locked(request.key, outcome.holder)
@@ -1607,29 +1611,34 @@ class AsyncLocks:
 
     async def _attempt_once(self, request: _Request, token: str) -> AsyncLease:
         """As ``Locks._attempt_once``: counted as a contender, a late grant given back."""
-        if not self._contenders.enter():
-            raise RuntimeError("this AsyncLocks is closed")
-        try:
+        async with self._contending(request.key, waits=False):
             sent_at = _clock.monotonic()
             outcome = await self._try(request, token, None)
             if not outcome.ok:
                 raise Locked(request.key, outcome.holder)
-            if self._closed:  # granted as the client closed: nobody could release it
-                await asyncio.shield(self._release_quietly(request.key, token))
-                raise RuntimeError(_closed_while_waiting(self, request.key, waited=False))
+            await self._unless_closed(request.key, token, waited=False)
             return self._granted(request, token, outcome, sent_at)
+
+    async def _contend(self, request: _Request, token: str, deadline: Deadline) -> AsyncLease:
+        async with self._contending(request.key, waits=True):
+            return await self._contend_counted(request, token, deadline)
+
+    @contextlib.asynccontextmanager
+    async def _contending(self, key: str, *, waits: bool) -> AsyncIterator[None]:
+        """As ``Locks._contending``."""
+        if not self._contenders.enter():
+            raise RuntimeError(_closed_while_waiting(self, key, waited=waits))
+        try:
+            yield
         finally:
             if self._contenders.leave():
                 await asyncio.shield(self._store.aclose())
 
-    async def _contend(self, request: _Request, token: str, deadline: Deadline) -> AsyncLease:
-        if not self._contenders.enter():
-            raise RuntimeError(_closed_while_waiting(self, request.key))
-        try:
-            return await self._contend_counted(request, token, deadline)
-        finally:
-            if self._contenders.leave():
-                await asyncio.shield(self._store.aclose())
+    async def _unless_closed(self, key: str, token: str, *, waited: bool) -> None:
+        """As ``Locks._unless_closed``."""
+        if self._closed:
+            await asyncio.shield(self._release_quietly(key, token))
+            raise RuntimeError(_closed_while_waiting(self, key, waited=waited))
 
     async def _contend_counted(
         self, request: _Request, token: str, deadline: Deadline
@@ -1666,9 +1675,7 @@ class AsyncLocks:
                     if outcome is not None and outcome.ok:  # cancelled with the key in hand
                         self._give_back(request.key, token)
                     raise
-        if self._closed:  # granted as the client closed: nobody can release it
-            await asyncio.shield(self._release_quietly(request.key, token))
-            raise RuntimeError(_closed_while_waiting(self, request.key))
+        await self._unless_closed(request.key, token, waited=True)
         return self._granted(request, token, outcome, sent_at)
 
     async def _try(self, request: _Request, token: str, waiting: _Waiting | None) -> Outcome:

@@ -950,7 +950,9 @@ class _Run:
 
     def on_signal(self, signum: int) -> None:
         if self.phase == "waiting":
-            self._interrupt(signum)
+            if self._task is not None and self.interrupted_by is None:
+                self.interrupted_by = signum
+                self._task.cancel()
         elif self.phase == "starting":
             self.pending.append(signum)
         elif self.phase == "running":
@@ -959,11 +961,6 @@ class _Run:
                 self._forward(signum)
             else:  # the child has ended: only the release is left, which may hang
                 self._abandon_release(signum)
-
-    def _interrupt(self, signum: int) -> None:
-        if self._task is not None and self.interrupted_by is None:
-            self.interrupted_by = signum
-            self._task.cancel()
 
     def _abandon_release(self, signum: int) -> NoReturn:
         """Exit at once, 128+N: the release waits for a store that does not answer (a

@@ -32,6 +32,7 @@ import keymutex
 from _pg_fixtures import require_postgresql
 from _pg_server import PostgresServer, running_server
 from keymutex._store import RenewRequest
+from keymutex.cli import _descendants
 from keymutex.stores.postgresql import SCHEMA_VERSION
 
 
@@ -1105,31 +1106,11 @@ async def test_a_silent_server_fails_an_async_step_within_the_timeout(
         await lease.release()
 
 
-def _process_tree(pid: int) -> list[int]:
-    """``pid`` and every process under it (a whole server: postmaster and backends)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as file:
-                    stat = file.read()
-            except OSError:
-                continue
-            parent = int(stat[stat.rindex(b")") + 2 :].split()[1])
-            parents.setdefault(parent, []).append(int(entry))
-    tree, pending = [pid], [pid]
-    while pending:
-        children = parents.get(pending.pop(), [])
-        tree += children
-        pending += children
-    return tree
-
-
 @contextlib.contextmanager
 def _whole_server_paused(server: PostgresServer) -> Iterator[None]:
     """SIGSTOP the server's every process for the block: nothing answers, nor connects."""
     assert server.process is not None
-    paused = _process_tree(server.process.pid)
+    paused = [server.process.pid, *_descendants(server.process.pid)]
     for pid in paused:
         os.kill(pid, signal.SIGSTOP)
     try:

@@ -52,9 +52,9 @@
   a waiter is registered with it before its first try if it listens already, else it
   listens after the first refusal and tries once more, so no hand-over is missed. A
   waiter that gives up leaves the queue (passing on a key just handed to it), unless
-  its last try went unanswered (``_UNANSWERED``); one that vanished costs the others at most ``HANDOVER_MS`` plus their
-  one-second recheck, and its place lapses ``QUEUE_LIFETIME_MS`` after the last
-  refusal. Waiters also wake at the holder's expiry (the refusal carries its time
+  its last try went unanswered (``_UNANSWERED``); one that vanished costs the others
+  at most ``HANDOVER_MS`` plus their one-second recheck, and its place lapses
+  ``QUEUE_LIFETIME_MS`` after the last refusal. Waiters also wake at the holder's expiry (the refusal carries its time
   left); a key freed by expiry goes to whoever tries first, so the order is first
   come, first served through releases, not strictly (``fair`` is false). A dropped
   listener reconnects and wakes every waiter, which then looks again.
@@ -130,13 +130,14 @@ KEEPALIVE_COUNT = 3
 # for a woken waiter on a busy host to send its try; if the waiter has vanished, the
 # key is free again after this.
 HANDOVER_MS = 200
+# A key's queue outlives the last refusal of a waiter by this much: waiters look again
+# at least every second, so only the ids of waiters that vanished lapse with it.
+QUEUE_LIFETIME_MS = 60_000
 # _UNANSWERED: a waiter whose try failed (the server did not answer, or could not be
 # reached) does not leave the queue when it gives up: that would wait for the server
 # once more, as long again. A place it may hold is passed over at its turn (a hand-over
 # to it lapses after HANDOVER_MS) or lapses with the queue (QUEUE_LIFETIME_MS).
-# A key's queue outlives the last refusal of a waiter by this much: waiters look again
-# at least every second, so only the ids of waiters that vanished lapse with it.
-QUEUE_LIFETIME_MS = 60_000
+
 # A key refused or handed over counts as contended for this long (and at most this many
 # keys are remembered): its acquires and releases skip the statements for free keys.
 CONTENDED_FOR = 2.0
