@@ -1061,6 +1061,9 @@ def _pid_of(process: subprocess.Popen[bytes] | None) -> int:
     return process.pid
 
 
+HELD_ACROSS_CRASH_TTL = 20.0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("store", ["postgresql", "memcached", "etcd", "zookeeper", "http"])
@@ -1098,15 +1101,17 @@ def test_store_crash_and_restart_fences(
         # (Read after a first request: the lock server's client learns it from /healthz.)
         durable = locks._store.capabilities.durable_fences  # type: ignore[attr-defined]
         invoked = time.monotonic()
-        held = locks.acquire("k", timeout=0)
+        # Long enough to outlive the restart on a loaded machine (a clean-clone CI run
+        # took over 2 s to restart ZooKeeper, and a 2 s lease had expired by itself).
+        held = locks.acquire("k", timeout=0, ttl=HELD_ACROSS_CRASH_TTL)
         grants.append(_grant(invoked, held))
         crash_and_restart()
         with keymutex.Locks(url, namespace=namespace, ttl=2.0) as other:
             survivor = other.holder("k")
             record_property("held_lease_survived", survivor is not None)
+            with contextlib.suppress(keymutex.LockLost):  # forgotten by the crash
+                held.release()
             invoked = time.monotonic()
-            # Held across the crash (or forgotten by it): granted by the lease's
-            # expiry at the latest.
             lease = other.acquire("k", timeout=30)
             grants.append(_grant(invoked, lease))
             lease.release()
