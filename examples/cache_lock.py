@@ -146,11 +146,13 @@ def main() -> int:
             release_at.append(time.monotonic())
             lease.release()
 
-        threading.Thread(target=release_later).start()
+        releaser = threading.Thread(target=release_later)
+        releaser.start()
         before = calls(r, *KEYMUTEX_CALLS)
         with waiter_locks.lock("sync", timeout=10):
             acquired_at = time.monotonic()
             waited_commands = calls(r, *KEYMUTEX_CALLS) - before
+        releaser.join()  # the holder has its release's answer before its client closes
         print(
             f"   keymutex: {waited_commands} commands while waiting {hold:.0f} s"
             f" (including the holder's release); got it"

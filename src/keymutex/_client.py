@@ -505,23 +505,42 @@ def _call_on_lost(lease: LeaseState) -> None:
         _LOG.exception("on_lost callback for %r failed", lease.key)
 
 
-class _Contenders:
-    """The acquires of one client that wait at its store, so that ``close()`` can leave
-    the store open until the last of them has left the store's queue.
+class _StoreCalls:
+    """The calls of one client under way at its store, so that ``close()`` can leave the
+    store open until the last of them has ended; the last one then closes it.
 
-    A waiter that ``close()`` ends may have been handed the key meanwhile (SQLite and
-    PostgreSQL hand a released key to the first queued waiter): leaving the queue gives
-    such a grant back, which takes the store. Closed under it, the grant stayed held
-    until its TTL.
+    An acquire that waits may have been handed the key meanwhile (SQLite and PostgreSQL
+    hand a released key to the first queued waiter): leaving the queue gives such a
+    grant back, which takes the store. A release or renewal another thread sent just
+    before ``close()`` must reach the store too. Closed under them, the grant or the
+    lease stayed held until its TTL.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, client: str, close_store: Callable[[], Any]) -> None:
+        self._client = client
+        self._close_store = close_store  # Store.close, or AsyncStore.aclose
         self._lock = threading.Lock()
         self._count = 0
         self._closing = False
 
+    def __enter__(self) -> None:
+        """``with``: one call at the store; ``RuntimeError`` once the client is closed."""
+        if not self.enter():
+            raise RuntimeError(f"this {self._client} is closed")
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.leave():
+            self._close_store()
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self.leave():
+            await asyncio.shield(self._close_store())
+
     def enter(self) -> bool:
-        """Count a contender in; ``False`` once the client is closing."""
+        """Count a call in; ``False`` once the client is closing."""
         with self._lock:
             if self._closing:
                 return False
@@ -529,15 +548,15 @@ class _Contenders:
             return True
 
     def leave(self) -> bool:
-        """Count a contender out; ``True``: it was the last after ``close()``, which
-        left the store for it to close."""
+        """Count a call out; ``True``: it was the last after ``close()``, which left the
+        store for it to close."""
         with self._lock:
             self._count -= 1
             return self._closing and self._count == 0
 
     def close(self) -> bool:
-        """``True``: the caller closes the store now (nobody waits at it, and it was
-        not closed before)."""
+        """``True``: the caller closes the store now (no call is under way at it, and it
+        was not closed before)."""
         with self._lock:
             first, self._closing = not self._closing, True
             return first and self._count == 0
@@ -803,7 +822,7 @@ class Locks:
         )
         self._gate: KeyedLock = KeyedLock()
         self._renewer = _Renewer(self._store)
-        self._contenders = _Contenders()
+        self._at_store = _StoreCalls("Locks", self._store.close)
         # The leases this client granted, by token: a renewal by key and token through
         # this client extends the Lease object too (an edit session's heartbeats).
         self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
@@ -839,11 +858,12 @@ class Locks:
         acquire that waits for a key raises it too, when it next wakes to re-check
         (within a second, on the lock server within its long poll). The store stays
         open until such acquires have left its queue, giving back a key handed to them
-        meanwhile; the last of them closes it.
+        meanwhile, and until the calls other threads made before (a release, a renewal)
+        have ended; the last of them closes it.
         """
         self._closed = True
         self._renewer.close()
-        if self._contenders.close():
+        if self._at_store.close():
             self._store.close()
 
     def _check_open(self) -> None:
@@ -883,15 +903,15 @@ class Locks:
     def renew(self, key: str, token: str, ttl: float | None = None) -> Lease:
         """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         request = self._config.renew_args(key, token, ttl)
-        self._check_open()
-        granted = _granted_here(self._leases, request.key, request.token)
-        with granted._renewing if granted is not None else contextlib.nullcontext():
-            sent_at = _clock.monotonic()
-            outcome = _outcome_or_lost(
-                key, self._store.renew(request.key, request.token, request.ttl)
-            )
-            if granted is not None and _extend(granted, outcome, sent_at, request.ttl):
-                self._renewer.renewed(granted, sent_at)  # maybe to a shorter TTL
+        with self._at_store:
+            granted = _granted_here(self._leases, request.key, request.token)
+            with granted._renewing if granted is not None else contextlib.nullcontext():
+                sent_at = _clock.monotonic()
+                outcome = _outcome_or_lost(
+                    key, self._store.renew(request.key, request.token, request.ttl)
+                )
+                if granted is not None and _extend(granted, outcome, sent_at, request.ttl):
+                    self._renewer.renewed(granted, sent_at)  # maybe to a shorter TTL
         return Lease(
             self,
             request.key,
@@ -905,27 +925,27 @@ class Locks:
     def release(self, key: str, token: str) -> None:
         """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         key, token = check_key(key), check_token(token)
-        self._check_open()
-        # A lease this client granted, maybe renewing: once released, it must not be
-        # renewed (a refused renewal would call it lost) and its owner sees it released.
-        granted = _granted_here(self._leases, key, token)
-        with granted._renewing if granted is not None else contextlib.nullcontext():
-            _outcome_or_lost(key, self._store.release(key, token))
-            if granted is not None:
-                self._renewer.discard(granted)
-                granted._released = True
+        with self._at_store:
+            # A lease this client granted, maybe renewing: once released, it must not be
+            # renewed (a refused renewal would call it lost) and its owner sees it released.
+            granted = _granted_here(self._leases, key, token)
+            with granted._renewing if granted is not None else contextlib.nullcontext():
+                _outcome_or_lost(key, self._store.release(key, token))
+                if granted is not None:
+                    self._renewer.discard(granted)
+                    granted._released = True
 
     def holder(self, key: str) -> Holder | None:
         """The current holder of ``key``, or ``None`` when it is free."""
         key = check_key(key)
-        self._check_open()
-        return self._store.holder(key)
+        with self._at_store:
+            return self._store.holder(key)
 
     def holders(self, prefix: str = "") -> list[Holder]:
         """Every current lease whose key starts with ``prefix``, sorted by key."""
         prefix = check_prefix(prefix)
-        self._check_open()
-        return self._store.holders(prefix)
+        with self._at_store:
+            return self._store.holders(prefix)
 
     def locked(
         self,
@@ -1014,15 +1034,14 @@ class Locks:
 
     @contextlib.contextmanager
     def _contending(self, key: str, *, waits: bool) -> Iterator[None]:
-        """An acquire at the store, counted in ``_contenders``: ``close()`` meanwhile
+        """An acquire at the store, counted in ``_at_store``: ``close()`` meanwhile
         leaves the store open until it has left; the last to leave closes it."""
-        if not self._contenders.enter():
+        if not self._at_store.enter():
             raise RuntimeError(_closed_while_waiting(self, key, waited=waits))
         try:
             yield
         finally:
-            if self._contenders.leave():
-                self._store.close()
+            self._at_store.__exit__()
 
     def _unless_closed(self, key: str, token: str, *, waited: bool) -> None:
         """A grant that landed as the client closed: nobody could release it. Given back."""
@@ -1116,43 +1135,43 @@ class Locks:
     def _renew_lease(self, lease: Lease, ttl: float | None) -> None:
         ttl = lease._ttl if ttl is None else self._config.check_ttl(ttl)
         lease._check_process()
-        self._check_open()
-        # Known gone: raised without waiting for a renewal under way (on_lost may call
-        # this while the renewer waits for a silent store).
-        if lease._released or lease._lost:
-            raise self._gone(lease)
-        with lease._renewing:
+        with self._at_store:
+            # Known gone: raised without waiting for a renewal under way (on_lost may call
+            # this while the renewer waits for a silent store).
             if lease._released or lease._lost:
                 raise self._gone(lease)
-            if lease.remaining <= 0:
-                # Past its deadline by our clock, though the store may not have seen it
-                # expire yet: never revive it (a waiter may be granted it any moment).
-                outcome = self._store.release(lease.key, lease.token)
-                outcome = Outcome(False, None if outcome.ok else outcome.holder)
-            else:
-                sent_at = _clock.monotonic()
-                outcome = self._store.renew(lease.key, lease.token, ttl)
-                if outcome.ok:
-                    lease._granted(outcome, sent_at, ttl)
-                    self._renewer.renewed(lease, sent_at)  # maybe to a shorter TTL
-                    return
-        self._renewer.discard(lease)
-        raise self._lost(lease, outcome.holder)
+            with lease._renewing:
+                if lease._released or lease._lost:
+                    raise self._gone(lease)
+                if lease.remaining <= 0:
+                    # Past its deadline by our clock, though the store may not have seen it
+                    # expire yet: never revive it (a waiter may be granted it any moment).
+                    outcome = self._store.release(lease.key, lease.token)
+                    outcome = Outcome(False, None if outcome.ok else outcome.holder)
+                else:
+                    sent_at = _clock.monotonic()
+                    outcome = self._store.renew(lease.key, lease.token, ttl)
+                    if outcome.ok:
+                        lease._granted(outcome, sent_at, ttl)
+                        self._renewer.renewed(lease, sent_at)  # maybe to a shorter TTL
+                        return
+            self._renewer.discard(lease)
+            raise self._lost(lease, outcome.holder)
 
     def _release_lease(self, lease: Lease) -> None:
         lease._check_process()
-        self._check_open()
-        self._renewer.discard(lease)
-        if lease._released:
-            holder = self._holder_if_known(lease.key)
-            raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
-        if lease._lost:
-            raise self._gone(lease)
-        expired = lease.remaining <= 0  # by our own clock, before the store's says so
-        outcome = self._store.release(lease.key, lease.token)
-        if not outcome.ok or expired:
-            raise self._lost(lease, outcome.holder)
-        lease._released = True
+        with self._at_store:
+            self._renewer.discard(lease)
+            if lease._released:
+                holder = self._holder_if_known(lease.key)
+                raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
+            if lease._lost:
+                raise self._gone(lease)
+            expired = lease.remaining <= 0  # by our own clock, before the store's says so
+            outcome = self._store.release(lease.key, lease.token)
+            if not outcome.ok or expired:
+                raise self._lost(lease, outcome.holder)
+            lease._released = True
 
     def _finish_lease(self, lease: Lease, *, block_failed: bool) -> None:
         """Leave a ``with`` block: release, and report a loss unless the block raised."""
@@ -1434,7 +1453,7 @@ class AsyncLocks:
         )
         self._gate: AsyncKeyedLock = AsyncKeyedLock()
         self._renewer = _AsyncRenewer(self._store)
-        self._contenders = _Contenders()
+        self._at_store = _StoreCalls("AsyncLocks", self._store.aclose)
         self._leases: weakref.WeakValueDictionary[str, AsyncLease] = (
             weakref.WeakValueDictionary()
         )  # as in Locks
@@ -1474,7 +1493,7 @@ class AsyncLocks:
         await self._renewer.aclose()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        if self._contenders.close():
+        if self._at_store.close():
             await self._store.aclose()
 
     def _check_open(self) -> None:
@@ -1515,15 +1534,15 @@ class AsyncLocks:
     async def renew(self, key: str, token: str, ttl: float | None = None) -> AsyncLease:
         """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         request = self._config.renew_args(key, token, ttl)
-        self._check_open()
-        granted = _granted_here(self._leases, request.key, request.token)
-        async with granted._renewing if granted is not None else contextlib.nullcontext():
-            sent_at = _clock.monotonic()
-            outcome = _outcome_or_lost(
-                key, await self._store.renew(request.key, request.token, request.ttl)
-            )
-            if granted is not None and _extend(granted, outcome, sent_at, request.ttl):
-                self._renewer.renewed(granted, sent_at)  # as in Locks.renew
+        async with self._at_store:
+            granted = _granted_here(self._leases, request.key, request.token)
+            async with granted._renewing if granted is not None else contextlib.nullcontext():
+                sent_at = _clock.monotonic()
+                outcome = _outcome_or_lost(
+                    key, await self._store.renew(request.key, request.token, request.ttl)
+                )
+                if granted is not None and _extend(granted, outcome, sent_at, request.ttl):
+                    self._renewer.renewed(granted, sent_at)  # as in Locks.renew
         return AsyncLease(
             self,
             request.key,
@@ -1537,25 +1556,25 @@ class AsyncLocks:
     async def release(self, key: str, token: str) -> None:
         """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
         key, token = check_key(key), check_token(token)
-        self._check_open()
-        granted = _granted_here(self._leases, key, token)  # as in Locks.release
-        async with granted._renewing if granted is not None else contextlib.nullcontext():
-            _outcome_or_lost(key, await self._store.release(key, token))
-            if granted is not None:
-                self._renewer.discard(granted)
-                granted._released = True
+        async with self._at_store:
+            granted = _granted_here(self._leases, key, token)  # as in Locks.release
+            async with granted._renewing if granted is not None else contextlib.nullcontext():
+                _outcome_or_lost(key, await self._store.release(key, token))
+                if granted is not None:
+                    self._renewer.discard(granted)
+                    granted._released = True
 
     async def holder(self, key: str) -> Holder | None:
         """The current holder of ``key``, or ``None`` when it is free."""
         key = check_key(key)
-        self._check_open()
-        return await self._store.holder(key)
+        async with self._at_store:
+            return await self._store.holder(key)
 
     async def holders(self, prefix: str = "") -> list[Holder]:
         """Every current lease whose key starts with ``prefix``, sorted by key."""
         prefix = check_prefix(prefix)
-        self._check_open()
-        return await self._store.holders(prefix)
+        async with self._at_store:
+            return await self._store.holders(prefix)
 
     def locked(
         self,
@@ -1626,13 +1645,12 @@ class AsyncLocks:
     @contextlib.asynccontextmanager
     async def _contending(self, key: str, *, waits: bool) -> AsyncIterator[None]:
         """As ``Locks._contending``."""
-        if not self._contenders.enter():
+        if not self._at_store.enter():
             raise RuntimeError(_closed_while_waiting(self, key, waited=waits))
         try:
             yield
         finally:
-            if self._contenders.leave():
-                await asyncio.shield(self._store.aclose())
+            await self._at_store.__aexit__()
 
     async def _unless_closed(self, key: str, token: str, *, waited: bool) -> None:
         """As ``Locks._unless_closed``."""
@@ -1773,39 +1791,39 @@ class AsyncLocks:
     async def _renew_lease(self, lease: AsyncLease, ttl: float | None) -> None:
         ttl = lease._ttl if ttl is None else self._config.check_ttl(ttl)
         lease._check_process()
-        self._check_open()
-        if lease._released or lease._lost:  # as in Locks._renew_lease
-            raise await self._gone(lease)
-        async with lease._renewing:
-            if lease._released or lease._lost:
+        async with self._at_store:
+            if lease._released or lease._lost:  # as in Locks._renew_lease
                 raise await self._gone(lease)
-            if lease.remaining <= 0:  # as in Locks._renew_lease
-                outcome = await self._store.release(lease.key, lease.token)
-                outcome = Outcome(False, None if outcome.ok else outcome.holder)
-            else:
-                sent_at = _clock.monotonic()
-                outcome = await self._store.renew(lease.key, lease.token, ttl)
-                if outcome.ok:
-                    lease._granted(outcome, sent_at, ttl)
-                    self._renewer.renewed(lease, sent_at)  # maybe to a shorter TTL
-                    return
-        self._renewer.discard(lease)
-        raise self._lost(lease, outcome.holder)
+            async with lease._renewing:
+                if lease._released or lease._lost:
+                    raise await self._gone(lease)
+                if lease.remaining <= 0:  # as in Locks._renew_lease
+                    outcome = await self._store.release(lease.key, lease.token)
+                    outcome = Outcome(False, None if outcome.ok else outcome.holder)
+                else:
+                    sent_at = _clock.monotonic()
+                    outcome = await self._store.renew(lease.key, lease.token, ttl)
+                    if outcome.ok:
+                        lease._granted(outcome, sent_at, ttl)
+                        self._renewer.renewed(lease, sent_at)  # maybe to a shorter TTL
+                        return
+            self._renewer.discard(lease)
+            raise self._lost(lease, outcome.holder)
 
     async def _release_lease(self, lease: AsyncLease) -> None:
         lease._check_process()
-        self._check_open()
-        self._renewer.discard(lease)
-        if lease._released:
-            holder = await self._holder_if_known(lease.key)
-            raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
-        if lease._lost:
-            raise await self._gone(lease)
-        expired = lease.remaining <= 0  # by our own clock, before the store's says so
-        outcome = await self._store.release(lease.key, lease.token)
-        if not outcome.ok or expired:
-            raise self._lost(lease, outcome.holder)
-        lease._released = True
+        async with self._at_store:
+            self._renewer.discard(lease)
+            if lease._released:
+                holder = await self._holder_if_known(lease.key)
+                raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
+            if lease._lost:
+                raise await self._gone(lease)
+            expired = lease.remaining <= 0  # by our own clock, before the store's says so
+            outcome = await self._store.release(lease.key, lease.token)
+            if not outcome.ok or expired:
+                raise self._lost(lease, outcome.holder)
+            lease._released = True
 
     async def _finish_lease(self, lease: AsyncLease, *, block_failed: bool) -> None:
         """Leave an ``async with`` block: release, and report a loss unless it raised."""

@@ -267,3 +267,83 @@ def test_close_waits_for_the_release_of_a_lease_renewed_too_late(
     locks.close()
     with keymutex.Locks(url) as other:
         assert other.holder("job") is None  # released before the store closed
+
+
+def _slowed(store: Any, name: str) -> tuple[threading.Event, threading.Event]:
+    """Make ``store.name`` reach the store only once the returned ``answer`` is set;
+    ``at_store`` is set when it is called."""
+    step = getattr(store, name)
+    at_store, answer = threading.Event(), threading.Event()
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        at_store.set()
+        answer.wait(10)
+        return step(*args, **kwargs)
+
+    setattr(store, name, slow)
+    return at_store, answer
+
+
+CALLS_BEFORE_CLOSE = [
+    pytest.param("release", lambda locks, lease: lease.release(), id="Lease.release"),
+    pytest.param(
+        "release", lambda locks, lease: locks.release("doc", lease.token), id="Locks.release"
+    ),
+    pytest.param("renew", lambda locks, lease: lease.renew(ttl=300), id="Lease.renew"),
+    pytest.param(
+        "renew", lambda locks, lease: locks.renew("doc", lease.token, ttl=300), id="Locks.renew"
+    ),
+]
+
+
+@pytest.mark.parametrize(("step", "call"), CALLS_BEFORE_CLOSE)
+def test_a_call_made_before_close_on_another_thread_reaches_the_store(
+    url: str, step: str, call: Callable[[keymutex.Locks, keymutex.Lease], object]
+) -> None:
+    """A release or renewal under way when another thread closes the client ends as it
+    would have: before, ``close()`` closed the store under it, the call failed (SQLite:
+    ``database is locked``; Redis: outcome unknown) and a released lease stayed held
+    for its TTL."""
+    locks = keymutex.Locks(url)
+    lease = locks.acquire("doc", ttl=60)
+    at_store, answer = _slowed(locks._store, step)
+    thread, result = _acquire_in_thread(lambda: call(locks, lease))
+    assert at_store.wait(10)
+    locks.close()  # returns at once: the call keeps the store open until it has ended
+    answer.set()
+    thread.join(10)
+    assert len(result) == 1
+    assert not isinstance(result[0], BaseException), result[0]
+    with keymutex.Locks(url) as other:
+        holder = other.holder("doc")
+        if step == "release":
+            assert holder is None  # released, not held for 60 s
+        else:
+            assert holder is not None
+            assert holder.expires_at - time.time() > 200  # renewed to 300 s
+    with pytest.raises(RuntimeError, match="this Locks is closed"):
+        lease.release()  # after close(): refused before the store, as before
+
+
+@pytest.mark.asyncio
+async def test_an_async_release_under_way_as_the_client_closes_reaches_the_store(
+    url: str,
+) -> None:
+    locks = keymutex.AsyncLocks(url)
+    lease = await locks.acquire("doc", ttl=60)
+    release = locks._store.release
+    at_store, answer = asyncio.Event(), asyncio.Event()
+
+    async def slow_release(key: str, token: str) -> Any:
+        at_store.set()
+        await answer.wait()
+        return await release(key, token)
+
+    locks._store.release = slow_release  # type: ignore[method-assign]
+    task = asyncio.create_task(lease.release())
+    await asyncio.wait_for(at_store.wait(), 10)
+    await locks.aclose()
+    answer.set()
+    await asyncio.wait_for(task, 10)
+    async with keymutex.AsyncLocks(url) as other:
+        assert await other.holder("doc") is None
