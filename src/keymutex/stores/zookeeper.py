@@ -82,9 +82,14 @@ checked against ``ca_file`` (else the system's CAs) and the host name; ``cert_fi
 still have made its node: the client remembers the token digest and deletes such
 orphans as soon as the connection is back (or the session's end removes them). Watches
 do not survive a reconnection: every waiter is woken to look again, and waiters look
-again every second anyway. kazoo's own log (each connection attempt that fails, every
-reconnection) goes to the logger ``keymutex.zookeeper`` at DEBUG: what it warned of
-last is in the message of a step that finds no connection.
+again every second anyway. A connection attempt whose handshake gets no answer within a
+third of ``timeout`` (at least 2 s) is given up and made again: kazoo waits up to the
+whole session timeout, and a ZooKeeper that is starting can leave a connection it
+accepted unanswered for good (its close fails while its database is not loaded), so
+a client that reconnected at that moment stayed away 40 s from a server that was back.
+kazoo's own log (each connection attempt that fails, every reconnection) goes to the
+logger ``keymutex.zookeeper`` at DEBUG: what it warned of last is in the message of a
+step that finds no connection.
 """
 
 from __future__ import annotations
@@ -173,6 +178,9 @@ DEFAULT_PORT = 2181
 # server grants, so that the default ttl (30 s) is never cut short by the session.
 DEFAULT_SESSION_TIMEOUT = 40.0
 DEFAULT_TIMEOUT = 10.0
+# A connection's handshake is given up after a third of ``timeout``, never sooner than
+# this (a loaded server may take a second or two to answer).
+HANDSHAKE_TIMEOUT_FLOOR = 2.0
 # A key handed over to a waiter (its node is first but still waiting) that has not
 # claimed it after this long, by the clock of the contender that sees it, is taken
 # from it. A live waiter claims within milliseconds (its watch fires), or within a
@@ -327,11 +335,15 @@ class ZooKeeperStore:
     # -- the session ---------------------------------------------------------------
 
     def _learn_session_timeouts(self) -> None:
-        """Record the session timeout the server grants at every (re)connection.
+        """Record the session timeout the server grants at every (re)connection, and
+        bound the handshake of each (see the module's Failures).
 
         kazoo does not keep the negotiated timeout anywhere; its connection's
         ``_connect`` returns the read timeout it derives from it (two thirds). A
         kazoo without that method leaves the requested timeout, with a warning.
+        ``_connect`` waits (TCP connect, then the server's answer) through its
+        handler's ``create_connection`` and ``select``: while it runs, on kazoo's
+        connection thread, their timeouts are cut to ``_handshake_timeout``.
         """
         connection: Any = getattr(self._client, "_connection", None)
         connect = getattr(connection, "_connect", None)
@@ -341,12 +353,32 @@ class ZooKeeperStore:
                 self._session_timeout,
             )
             return
+        handler = self._client.handler
+        create_connection, select = handler.create_connection, handler.select
+        limit = max(HANDSHAKE_TIMEOUT_FLOOR, self._timeout / 3)
+        connecting = threading.local()
+
+        def bounded_create_connection(*args: Any, **kwargs: Any) -> Any:
+            if getattr(connecting, "now", False) and kwargs.get("timeout") is not None:
+                kwargs["timeout"] = min(kwargs["timeout"], limit)
+            return create_connection(*args, **kwargs)
+
+        def bounded_select(*args: Any, **kwargs: Any) -> Any:
+            if getattr(connecting, "now", False) and len(args) == 4 and args[3] is not None:
+                args = (*args[:3], min(args[3], limit))
+            return select(*args, **kwargs)
 
         def learning_connect(*args: Any) -> Any:
-            read_timeout, connect_timeout = connect(*args)
+            connecting.now = True
+            try:
+                read_timeout, connect_timeout = connect(*args)
+            finally:
+                connecting.now = False
             self._session_timeout = read_timeout * 1.5 / 1000.0
             return read_timeout, connect_timeout
 
+        handler.create_connection = bounded_create_connection
+        handler.select = bounded_select
         connection._connect = learning_connect
 
     def _on_state(self, state: Any) -> None:
