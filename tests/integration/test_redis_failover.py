@@ -250,6 +250,47 @@ def test_sentinel_a_grant_the_replica_never_received_is_forgotten(
 # -- Cluster ---------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(60)
+def test_a_dead_cluster_master_fails_its_own_renewals_alone_and_at_once(
+    tmp_path: Path, namespace: str
+) -> None:
+    """A master is SIGKILLed (no replica: its slots stay down): a batch renewal fails
+    the leases on its slots and renews the others. Before, the store's client for that
+    node tried each command again ten times with backoff (redis-py's default for a
+    client made from host and port): the batch took over 4 s (15 s, failing every
+    lease, once the cluster had marked its slots down meanwhile), the renewer's other
+    leases waited that long, and a failover test lost leases so."""
+    from keymutex._store import PartialRenewal, RenewRequest
+
+    with (
+        servers.cluster(tmp_path, masters=3) as topology,
+        keymutex.Locks(topology.url, namespace=namespace) as locks,
+    ):
+        leases = [locks.acquire(f"order:{n}", ttl=30) for n in range(12)]
+        requests = [RenewRequest(lease.key, lease.token, 30.0) for lease in leases]
+        store = locks._store
+        assert all(outcome.ok for outcome in store.renew_many(requests))
+        victim = topology.nodes[0]
+        names = victim.command("KEYS", "*")
+        assert isinstance(names, list)
+        on_victim = {
+            k.key for k in leases if any(n.endswith(f"{namespace}:{k.key}") for n in names)
+        }
+        assert on_victim, "no lease on the master to kill"
+        assert len(on_victim) < len(leases)
+        victim.kill()
+        started = time.monotonic()
+        with pytest.raises(PartialRenewal) as partial:
+            store.renew_many(requests)
+        took = time.monotonic() - started
+        failed = {
+            r.key for r, o in zip(requests, partial.value.outcomes, strict=True) if o is None
+        }
+        assert failed == on_victim
+        assert all(o is not None and o.ok for o in partial.value.outcomes if o is not None)
+        assert took < 2.0, f"{took:.1f} s to fail the dead master's renewals"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cluster_failover_of_a_master_keeps_leases_fences_and_waiting(

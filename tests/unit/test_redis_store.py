@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -465,6 +466,31 @@ def test_a_connection_closed_by_the_server_is_replaced_without_an_error(
         killed = server.client_kill_filter(_type="normal", skipme=True, laddr=None, user=None)
         assert killed >= 1
         locks.acquire("k", timeout=0).release()
+
+
+def test_a_redis_that_is_down_fails_reads_and_renewals_at_once(
+    tmp_path: Path, namespace: str
+) -> None:
+    """redis-py (6 and later) tries a command again up to ten times after a refused
+    connection, with backoff, on a client made from host and port (over 4 s to fail):
+    the store's clients send once, so a dead server is a ``StoreError`` at once, and
+    the renewer's other leases do not wait for it. (A cluster's node clients: see
+    ``test_a_dead_cluster_master_fails_its_own_renewals_alone_and_at_once``.)"""
+    from _redis_servers import standalone
+
+    with standalone(tmp_path) as own, keymutex.Locks(own.url, namespace=namespace) as locks:
+        lease = locks.acquire("k", ttl=30)
+        own.kill()
+        store = locks._store
+        for call in (
+            lambda: locks.holder("k"),
+            lambda: store.renew_many([RenewRequest("k", lease.token, 30.0)]),
+        ):
+            started = time.monotonic()
+            with pytest.raises(keymutex.StoreError, match="refused"):
+                call()
+            took = time.monotonic() - started
+            assert took < 2.0, f"{took:.1f} s to fail on a dead server"
 
 
 @pytest.fixture

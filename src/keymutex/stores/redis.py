@@ -61,9 +61,12 @@ import redis
 import redis.asyncio
 import redis.asyncio.client
 import redis.asyncio.cluster
+import redis.asyncio.retry
 import redis.asyncio.sentinel
+import redis.backoff
 import redis.client
 import redis.cluster
+import redis.retry
 import redis.sentinel
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
@@ -1548,14 +1551,19 @@ class RedisStore:
                     raise
                 # The node failed or gave its slots away (a failover): one call each
                 # through the cluster client, which follows MOVED and learns the new
-                # owners for the next tick. One that fails fails its lease alone.
+                # owners for the next tick. A new owner (a promoted replica) may lack
+                # the script: given it, and asked again at once (a failover can take
+                # most of a lease's TTL already). One that fails fails its lease alone.
                 for index in indices:
                     call = calls[index]
+                    args = ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
                     try:
-                        replies[index] = self._client.execute_command(
-                            "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
-                        )
-                    except _DRIVER_ERRORS as exc:  # NOSCRIPT too: loaded at the next try
+                        try:
+                            replies[index] = self._client.execute_command(*args)
+                        except NoScriptError:
+                            self._client.script_load(call.script.source)
+                            replies[index] = self._client.execute_command(*args)
+                    except _DRIVER_ERRORS as exc:
                         replies[index] = _Unanswered(exc)
         return replies
 
@@ -1719,10 +1727,13 @@ class AsyncRedisStore:
                     raise
                 for index in indices:  # as in RedisStore._pipeline
                     call = calls[index]
+                    args = ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
                     try:
-                        replies[index] = await self._client.execute_command(
-                            "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
-                        )
+                        try:
+                            replies[index] = await self._client.execute_command(*args)
+                        except NoScriptError:
+                            await self._client.script_load(call.script.source)
+                            replies[index] = await self._client.execute_command(*args)
                     except _DRIVER_ERRORS as exc:
                         replies[index] = _Unanswered(exc)
 
@@ -1993,6 +2004,21 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
     raise ValueError(f"{redacted(url)!r} is not a Redis URL")
 
 
+def _once(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` for a client whose commands are sent once: redis-py (6 and later)
+    tries a command again up to ten times after a refused connection or a timeout,
+    with backoff, unless told otherwise. A Redis that is down then took seconds to say
+    so, holding up every other lease's renewal; and a timed-out command may have run.
+    keymutex decides itself what may be sent again (see ``_Connections``). (Not for a
+    cluster client: its retries follow the slots to a failed-over master.)"""
+    return {**options, "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0)}
+
+
+def _once_async(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``_once`` for ``redis.asyncio``."""
+    return {**options, "retry": redis.asyncio.retry.Retry(redis.backoff.NoBackoff(), 0)}
+
+
 class RedisDriver:
     def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> RedisStore:
         target = _parse(url, options)
@@ -2007,7 +2033,7 @@ class RedisDriver:
             def on_node(channel: str) -> tuple[str, Callable[[], Any]]:
                 # A sharded channel is served by the node that owns its slot.
                 node: Any = cluster.get_node_from_key(channel)
-                on: Any = redis.Redis(host=node.host, port=node.port, **target.options)
+                on: Any = redis.Redis(host=node.host, port=node.port, **_once(target.options))
                 return node.name, on.pubsub
 
             return RedisStore(
@@ -2015,16 +2041,16 @@ class RedisDriver:
                 on_node,
                 layout,
                 _NodeClients(
-                    lambda host, port: redis.Redis(host=host, port=port, **target.options)
+                    lambda host, port: redis.Redis(host=host, port=port, **_once(target.options))
                 ),
             )
         if target.kind == "single":
-            client = redis.Redis.from_url(target.url, **target.options)
+            client = redis.Redis.from_url(target.url, **_once(target.options))
         else:
             sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
                 list(target.nodes),
                 sentinel_kwargs=_sentinel_kwargs(target.options),
-                **target.options,
+                **_once(target.options),
             )
             client = sentinel.master_for(target.service, db=target.db)  # type: ignore[no-untyped-call]
             return RedisStore(
@@ -2046,7 +2072,7 @@ class RedisDriver:
                 await cluster.initialize()  # learns the slots once; a no-op afterwards
                 node: Any = cluster.get_node_from_key(channel)
                 return node.name, lambda: redis.asyncio.Redis(
-                    host=node.host, port=node.port, **target.options
+                    host=node.host, port=node.port, **_once_async(target.options)
                 ).pubsub()
 
             return AsyncRedisStore(
@@ -2054,16 +2080,18 @@ class RedisDriver:
                 on_node,
                 layout,
                 _NodeClients(
-                    lambda host, port: redis.asyncio.Redis(host=host, port=port, **target.options)
+                    lambda host, port: redis.asyncio.Redis(
+                        host=host, port=port, **_once_async(target.options)
+                    )
                 ),
             )
         if target.kind == "single":
-            client = redis.asyncio.Redis.from_url(target.url, **target.options)
+            client = redis.asyncio.Redis.from_url(target.url, **_once_async(target.options))
         else:
             sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
                 list(target.nodes),
                 sentinel_kwargs=_sentinel_kwargs(target.options),
-                **target.options,
+                **_once_async(target.options),
             )
             client = sentinel.master_for(target.service, db=target.db)
 
