@@ -651,14 +651,28 @@ def _slow_url(redis_url: str) -> str:
 
 @contextlib.contextmanager
 def _busy(server: redis.Redis) -> Iterator[None]:
-    """Keep Redis busy for ``BUSY_FOR`` s from now; the block's next command waits."""
-    thread = threading.Thread(target=server.eval, args=(BUSY_SCRIPT, 0, int(BUSY_FOR * 1e6)))
+    """Keep Redis busy for ``BUSY_FOR`` s from now; the block's next command waits.
+
+    The block starts once the script is sent (not once a thread to send it started: on
+    a loaded machine a release went first, and did not time out), and a moment later,
+    for Redis to have read it: it then serves nobody else until the script ends."""
+    conn = server.connection_pool.get_connection()
+    sent = threading.Event()
+
+    def run() -> None:
+        conn.send_command("EVAL", BUSY_SCRIPT, 0, int(BUSY_FOR * 1e6))
+        sent.set()
+        conn.read_response()
+
+    thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(0.05)  # the script is running by now
     try:
+        assert sent.wait(10)
+        time.sleep(0.05)
         yield
     finally:
         thread.join(30)
+        server.connection_pool.release(conn)
 
 
 @pytest.fixture(params=["single", "cluster"])
