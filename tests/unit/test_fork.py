@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import os
+import signal
+import threading
 import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,3 +36,81 @@ def test_a_forked_child_renews_its_own_leases(tmp_path: Path) -> None:
         assert child.exitcode == 0, "the child's lease was lost: nothing renewed it"
         time.sleep(0.5)
         assert parent.lost is False, "the parent's own renewals stopped"
+
+
+def _forked(child: Callable[[], int]) -> int:
+    """Fork; the child runs ``child`` and exits with what it returns (killed by SIGALRM
+    if it hangs 10 s). The parent gets the child's pid."""
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler
+            signal.alarm(10)
+            code = child()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _exit_codes(pids: list[int]) -> Counter[int]:
+    """Each child's exit code; a child killed by a signal counts as minus the signal."""
+    return Counter(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids)
+
+
+LOCKED = 3
+
+
+def _refused_within_its_timeout(locks: keymutex.Locks) -> int:
+    try:
+        locks.acquire("held", timeout=1)
+    except keymutex.Locked:
+        return LOCKED
+    return 0
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_a_child_forked_while_a_thread_waits_on_redis_waits_within_its_timeout(
+    redis_url: str,
+) -> None:
+    """Forked while a parent's thread was waiting (taking the store's subscription
+    mutexes many times a second), about half the children hung for good in their own
+    first wait, whatever its timeout: the child's copy of a mutex held at the fork
+    stays held. The child now starts with mutexes of its own."""
+    namespace = f"fork-{uuid.uuid4().hex}"
+    pids = []
+    with keymutex.Locks(redis_url, namespace=namespace) as other:
+        held = other.acquire("held", ttl=60)
+        for _ in range(8):
+            with keymutex.Locks(redis_url, namespace=namespace) as locks:
+                waiting = threading.Thread(target=_refused_within_its_timeout, args=(locks,))
+                waiting.start()
+                for n in range(6):  # forks while that thread starts waiting
+                    pids.append(_forked(functools.partial(_refused_within_its_timeout, locks)))
+                    time.sleep(0.001 * n)
+                waiting.join()
+        assert _exit_codes(pids) == Counter({LOCKED: len(pids)})
+        held.release()
+
+
+def _acquire_a_free_key(locks: keymutex.Locks) -> int:
+    locks.acquire(f"free-{os.getpid()}", timeout=2).release()
+    return 0
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_children_forked_from_a_parent_renewing_on_sqlite_can_use_its_store(
+    tmp_path: Path,
+) -> None:
+    """A parent renewing many leases is almost always inside SQLite in its renewer
+    thread. Forked at such a moment, a child inherited SQLite's own state as that
+    thread left it: its first step hung in ``sqlite3.connect`` for good, or found the
+    database locked for 10 s (3 children in 100). No step is under way at a fork now."""
+    with keymutex.Locks(f"sqlite:///{tmp_path}/locks.db") as locks:
+        leases = [locks.acquire(f"busy-{n}", ttl=0.6, renew=True) for n in range(200)]
+        pids = []
+        for _ in range(60):
+            pids.append(_forked(functools.partial(_acquire_a_free_key, locks)))
+            time.sleep(0.005)
+        assert _exit_codes(pids) == Counter({0: len(pids)})
+        assert not any(lease.lost for lease in leases)

@@ -51,6 +51,7 @@ import secrets
 import ssl
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -712,6 +713,19 @@ class _Channels:
         return [w for w in self.waiters.get(channel, ()) if w.id == token], grant
 
 
+# What a forked child must reset: the locks a parent's thread may have held at the fork
+# (see _Subscriptions._forked, RedisStore._forked).
+_FORK_AWARE: weakref.WeakSet[_Subscriptions | _Hubs | RedisStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for thing in list(_FORK_AWARE):
+        thing._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Subscriptions:
     """One pub/sub connection per sync store (per node in a cluster), read by a waiter.
 
@@ -745,6 +759,17 @@ class _Subscriptions:
         self._stop = threading.Event()
         self._closed = False
         self._pid = os.getpid()
+        _FORK_AWARE.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: a mutex that a parent's thread held at the fork stays held
+        for good (a child's first wait hung, whatever its timeout); the parent's
+        connection and readers are not ours. Start afresh (``join`` connects anew)."""
+        self._mutex = threading.Lock()
+        self._pid = os.getpid()
+        self._pubsub, self._tending, self._stop = None, None, threading.Event()
+        self._channels, self._confirmed = _Channels(), {}
+        self._reader, self._followers = None, {}
 
     def try_join(self, waiter: _RedisWaiter) -> bool:
         """Join without I/O if the channel is subscribed and confirmed already."""
@@ -761,11 +786,6 @@ class _Subscriptions:
         with self._mutex:
             if self._closed:
                 raise RuntimeError("this store is closed")
-            if self._pid != os.getpid():  # forked: the parent's connection is not ours
-                self._pid, self._pubsub, self._tending = os.getpid(), None, None
-                self._channels = _Channels()
-                self._confirmed.clear()
-                self._reader, self._followers = None, {}
             waiter.arm()
             self._channels.add(waiter.channel, waiter)
             confirmed = self._confirmed.get(waiter.channel)
@@ -946,6 +966,11 @@ class _Hubs:
         self._sharded = sharded
         self._mutex = threading.Lock()
         self._hubs: dict[str, _Subscriptions] = {}
+        _FORK_AWARE.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: a fresh mutex (the hubs reset themselves)."""
+        self._mutex = threading.Lock()
 
     def for_channel(self, channel: str) -> _Subscriptions:
         name, make_pubsub = self._locate(channel)
@@ -1333,6 +1358,9 @@ class _NodeClients:
         clients, self._clients = list(self._clients.values()), {}
         return clients
 
+    def clients(self) -> list[Any]:
+        return list(self._clients.values())
+
 
 # RedisClusterException (no nodes reachable, slots not covered) is not a RedisError.
 _DRIVER_ERRORS = (RedisError, RedisClusterException, OSError)
@@ -1455,6 +1483,22 @@ class RedisStore:
         self._layout = layout
         self._hubs = _Hubs(locate, sharded=layout.sharded)
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
+        _FORK_AWARE.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child: redis-py's pools reset themselves at their first use there,
+        under their own lock; one that a parent's thread held at the fork stays held for
+        good (redis-py 8: 7 children in 48 hung in their first acquire). Fresh locks."""
+        clients = [self._client, *self._nodes.clients()]
+        if isinstance(self._client, _LazyCluster):
+            self._client._lock = threading.Lock()
+            made = self._client._client
+            nodes = made.get_nodes() if made is not None else []
+            clients = [node.redis_connection for node in nodes] + clients[1:]
+        for client in clients:
+            pool = getattr(client, "connection_pool", None)
+            if pool is not None and hasattr(pool, "_lock"):
+                pool._lock = threading.Lock()
 
     def _run(self, call: _Call) -> Outcome:
         resent: list[bool] = []

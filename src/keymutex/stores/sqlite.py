@@ -420,14 +420,39 @@ def _new_sender() -> socket.socket | None:
 
 
 _STORES: weakref.WeakSet[SqliteStore] = weakref.WeakSet()
+# The mutexes that _before_fork took, for the parent to let go of after the fork.
+_HELD_OVER_FORK: list[_StepLock] = []
+
+
+def _before_fork() -> None:
+    """No step of ours is inside SQLite when the process forks: each store's mutex is
+    taken first (a step under way ends; its thread does not exist in the child).
+
+    A child forked while a thread (a renewal batch, a waiter's try) was inside SQLite
+    inherited SQLite's own state as that thread left it: its first connection hung
+    forever in ``sqlite3.connect``, or found the database locked for ``busy_timeout``
+    (3 children in 100, forked from a parent renewing 300 leases).
+    """
+    for store in list(_STORES):
+        mutex = store._mutex
+        mutex._lock.acquire()
+        _HELD_OVER_FORK.append(mutex)
+
+
+def _after_fork_in_parent() -> None:
+    while _HELD_OVER_FORK:
+        _HELD_OVER_FORK.pop()._lock.release()
 
 
 def _reset_after_fork() -> None:
+    _HELD_OVER_FORK.clear()  # the child's stores get mutexes of their own
     for store in list(_STORES):
         store._after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_reset_after_fork)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_reset_after_fork
+)
 
 
 class SqliteStore:
