@@ -537,7 +537,7 @@ class _StoreCalls:
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self.leave():
-            await asyncio.shield(self._close_store())
+            await _to_the_end(self._close_store())
 
     def enter(self) -> bool:
         """Count a call in; ``False`` once the client is closing."""
@@ -1382,6 +1382,28 @@ def _shielded(work: Awaitable[R]) -> tuple[asyncio.Future[R], asyncio.Task[R | N
     return reply, loop.create_task(handing_over)
 
 
+async def _to_the_end(work: Awaitable[R]) -> R:
+    """Await ``work`` in a task of its own that cancellation does not stop; a cancelled
+    caller waits for it to end (through further cancellations too), then is cancelled.
+
+    For clean-up that must be over before the caller goes on: a waiter's leaving the
+    queue, before the store may close. ``asyncio.shield`` alone let a second
+    cancellation go on at once: the client's store was closed under the leave (Redis,
+    the lock server: a connection left open; etcd: its lease left), or the event loop
+    ended before it ran (memory: a queue entry that blocked the key for good).
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what the caller gets
+        raise
+
+
 class _Waiting:
     """A store's waiter for one ``AsyncLocks`` acquire, and whether it is closed."""
 
@@ -1655,7 +1677,7 @@ class AsyncLocks:
     async def _unless_closed(self, key: str, token: str, *, waited: bool) -> None:
         """As ``Locks._unless_closed``."""
         if self._closed:
-            await asyncio.shield(self._release_quietly(key, token))
+            await _to_the_end(self._release_quietly(key, token))
             raise RuntimeError(_closed_while_waiting(self, key, waited=waited))
 
     async def _contend_counted(
@@ -1688,7 +1710,7 @@ class AsyncLocks:
                         waiting.raise_close_error()
                     else:
                         with _quiet_if(self._closed):  # closed client: best effort
-                            await asyncio.shield(waiting.waiter.aclose())
+                            await _to_the_end(waiting.waiter.aclose())
                 except asyncio.CancelledError:
                     if outcome is not None and outcome.ok:  # cancelled with the key in hand
                         self._give_back(request.key, token)
@@ -1825,17 +1847,23 @@ class AsyncLocks:
                 raise self._lost(lease, outcome.holder)
             lease._released = True
 
+    async def _released(self, lease: AsyncLease) -> None:
+        """``_release_lease``, in a task of its own: a caller cancelled meanwhile (on its
+        way out of a block, or in ``await lease.release()``) stops waiting, but the
+        release goes on, and ``aclose()`` waits for it (in ``_background``) before it
+        closes the store. Cancelled with it, a release that had started left the key
+        held for its TTL (PostgreSQL, etcd, the lock server: 1 cancellation in 10)."""
+        reply, task = _shielded(self._release_lease(lease))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        await reply
+
     async def _finish_lease(self, lease: AsyncLease, *, block_failed: bool) -> None:
         """Leave an ``async with`` block: release, and report a loss unless it raised."""
         if lease._released:
             return
         try:
-            # Shielded: a task cancelled on its way out still releases, and aclose()
-            # waits for that release (in _background) before it closes the store.
-            reply, task = _shielded(self._release_lease(lease))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-            await reply
+            await self._released(lease)
         except (LockError, RuntimeError):  # RuntimeError: closed before the block ended
             if not block_failed:
                 raise

@@ -260,8 +260,10 @@ class AsyncLease(LeaseState):
         return self
 
     async def release(self) -> None:
-        """Release the lease; ``LockLost`` if it no longer held its key or was released."""
-        await self._locks._release_lease(self)
+        """Release the lease; ``LockLost`` if it no longer held its key or was released.
+
+        Once started, the release goes on if the caller is cancelled."""
+        await self._locks._released(self)
 
     async def __aenter__(self) -> AsyncLease:
         return self

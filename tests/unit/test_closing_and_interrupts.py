@@ -325,12 +325,46 @@ def test_a_call_made_before_close_on_another_thread_reaches_the_store(
         lease.release()  # after close(): refused before the store, as before
 
 
-@pytest.mark.asyncio
-async def test_an_async_release_under_way_as_the_client_closes_reaches_the_store(
+def test_waiters_cancelled_as_their_client_closes_and_the_loop_ends_leave_the_key_free(
     url: str,
 ) -> None:
+    """Waiters cancelled, their client closed, and the program's ``asyncio.run`` ended
+    without awaiting them: it cancels them again while they leave the store's queue.
+    That second cancellation ended their wait for the leave at once, and the loop
+    ended before it ran: the entry left behind blocked the key for good (memory), or
+    got the key handed to nobody for its TTL (SQLite)."""
+
+    async def wait_then_go_away() -> None:
+        holding = keymutex.AsyncLocks(url)
+        lease = await holding.acquire("k", ttl=30)
+        waiting = keymutex.AsyncLocks(url)
+        tasks = [asyncio.create_task(waiting.acquire("k", ttl=30)) for _ in range(3)]
+        await asyncio.sleep(0.1)  # all queued
+        for task in tasks:
+            task.cancel()
+        await waiting.aclose()
+        await lease.release()
+        await holding.aclose()
+        # Returns without awaiting the tasks: asyncio.run cancels them again.
+
+    async def the_key_is_free() -> None:
+        async with keymutex.AsyncLocks(url) as fresh:
+            assert await fresh.holder("k") is None
+            await (await fresh.acquire("k", timeout=0)).release()
+
+    asyncio.run(wait_then_go_away())
+    asyncio.run(the_key_is_free())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cancelled", [False, True], ids=["awaited", "cancelled"])
+async def test_an_async_release_under_way_reaches_the_store(url: str, cancelled: bool) -> None:
+    """``await lease.release()`` under way as its client closes, its caller maybe
+    cancelled: the release goes on to the store, and ``aclose()`` waits for it. Before,
+    a cancelled release left the key held for its TTL (PostgreSQL, etcd, the lock
+    server: 1 cancellation in 10), and an ``aclose()`` closed the store under one."""
     locks = keymutex.AsyncLocks(url)
-    lease = await locks.acquire("doc", ttl=60)
+    lease = await locks.acquire("k", ttl=60)
     release = locks._store.release
     at_store, answer = asyncio.Event(), asyncio.Event()
 
@@ -342,8 +376,17 @@ async def test_an_async_release_under_way_as_the_client_closes_reaches_the_store
     locks._store.release = slow_release  # type: ignore[method-assign]
     task = asyncio.create_task(lease.release())
     await asyncio.wait_for(at_store.wait(), 10)
-    await locks.aclose()
+    if cancelled:
+        task.cancel()
+    closing = asyncio.create_task(locks.aclose())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # it waits for the release under way
     answer.set()
-    await asyncio.wait_for(task, 10)
-    async with keymutex.AsyncLocks(url) as other:
-        assert await other.holder("doc") is None
+    await asyncio.wait_for(closing, 10)
+    if cancelled:
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        await task
+    async with keymutex.AsyncLocks(url) as fresh:
+        assert await fresh.holder("k") is None
