@@ -1576,8 +1576,14 @@ class AsyncLocks:
         )
 
     async def release(self, key: str, token: str) -> None:
-        """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
+        """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none.
+
+        Once started, the release goes on if the caller is cancelled (see ``_released``).
+        """
         key, token = check_key(key), check_token(token)
+        await self._unstopped(self._release_by_token(key, token))
+
+    async def _release_by_token(self, key: str, token: str) -> None:
         async with self._at_store:
             granted = _granted_here(self._leases, key, token)  # as in Locks.release
             async with granted._renewing if granted is not None else contextlib.nullcontext():
@@ -1853,10 +1859,15 @@ class AsyncLocks:
         release goes on, and ``aclose()`` waits for it (in ``_background``) before it
         closes the store. Cancelled with it, a release that had started left the key
         held for its TTL (PostgreSQL, etcd, the lock server: 1 cancellation in 10)."""
-        reply, task = _shielded(self._release_lease(lease))
+        await self._unstopped(self._release_lease(lease))
+
+    async def _unstopped(self, work: Awaitable[R]) -> R:
+        """Await ``work`` in a task that the caller's cancellation does not stop, and that
+        ``aclose()`` waits for (``_background``)."""
+        reply, task = _shielded(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        await reply
+        return await reply
 
     async def _finish_lease(self, lease: AsyncLease, *, block_failed: bool) -> None:
         """Leave an ``async with`` block: release, and report a loss unless it raised."""

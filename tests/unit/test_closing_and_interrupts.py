@@ -357,12 +357,16 @@ def test_waiters_cancelled_as_their_client_closes_and_the_loop_ends_leave_the_ke
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("by_token", [False, True], ids=["Lease.release", "by token"])
 @pytest.mark.parametrize("cancelled", [False, True], ids=["awaited", "cancelled"])
-async def test_an_async_release_under_way_reaches_the_store(url: str, cancelled: bool) -> None:
-    """``await lease.release()`` under way as its client closes, its caller maybe
-    cancelled: the release goes on to the store, and ``aclose()`` waits for it. Before,
-    a cancelled release left the key held for its TTL (PostgreSQL, etcd, the lock
-    server: 1 cancellation in 10), and an ``aclose()`` closed the store under one."""
+async def test_an_async_release_under_way_reaches_the_store(
+    url: str, cancelled: bool, by_token: bool
+) -> None:
+    """``await lease.release()`` (or ``locks.release(key, token)``) under way as its
+    client closes, its caller maybe cancelled: the release goes on to the store, and
+    ``aclose()`` waits for it. Before, a cancelled release left the key held for its
+    TTL (PostgreSQL, etcd, the lock server: 1 cancellation in 10), and an ``aclose()``
+    closed the store under one."""
     locks = keymutex.AsyncLocks(url)
     lease = await locks.acquire("k", ttl=60)
     release = locks._store.release
@@ -374,7 +378,7 @@ async def test_an_async_release_under_way_reaches_the_store(url: str, cancelled:
         return await release(key, token)
 
     locks._store.release = slow_release  # type: ignore[method-assign]
-    task = asyncio.create_task(lease.release())
+    task = asyncio.create_task(locks.release("k", lease.token) if by_token else lease.release())
     await asyncio.wait_for(at_store.wait(), 10)
     if cancelled:
         task.cancel()
