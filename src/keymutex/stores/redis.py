@@ -758,7 +758,6 @@ class _Subscriptions:
         self._tending: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
-        self._pid = os.getpid()
         _FORK_AWARE.add(self)
 
     def _forked(self) -> None:
@@ -766,7 +765,6 @@ class _Subscriptions:
         for good (a child's first wait hung, whatever its timeout); the parent's
         connection and readers are not ours. Start afresh (``join`` connects anew)."""
         self._mutex = threading.Lock()
-        self._pid = os.getpid()
         self._pubsub, self._tending, self._stop = None, None, threading.Event()
         self._channels, self._confirmed = _Channels(), {}
         self._reader, self._followers = None, {}
@@ -775,7 +773,7 @@ class _Subscriptions:
         """Join without I/O if the channel is subscribed and confirmed already."""
         with self._mutex:
             confirmed = self._confirmed.get(waiter.channel)
-            if self._pid != os.getpid() or confirmed is None or not confirmed.is_set():
+            if confirmed is None or not confirmed.is_set():
                 return False
             waiter.arm()
             self._channels.add(waiter.channel, waiter)
@@ -811,7 +809,7 @@ class _Subscriptions:
 
     def leave(self, waiter: _RedisWaiter) -> None:
         with self._mutex:
-            if self._pid == os.getpid() and not self._closed:
+            if not self._closed:
                 self._channels.remove(waiter.channel, waiter)
 
     def wait_for(self, waiter: _RedisWaiter, event: threading.Event, timeout: float) -> bool:
@@ -833,7 +831,7 @@ class _Subscriptions:
             with self._mutex:
                 finished = done()
                 remaining = deadline - time.monotonic()
-                if finished or remaining <= 0 or self._closed or self._pid != os.getpid():
+                if finished or remaining <= 0 or self._closed:
                     self._followers.pop(event, None)
                     self._pass_on()
                     return finished
@@ -907,7 +905,7 @@ class _Subscriptions:
         while not self._stop.wait(TEND_EVERY):
             with self._mutex:
                 pubsub = self._pubsub
-                if self._closed or self._pid != os.getpid() or pubsub is None:
+                if self._closed or pubsub is None:
                     return
                 if self._reader is not None:
                     continue
@@ -951,7 +949,7 @@ class _Subscriptions:
             thread = self._tending
             for event in self._followers:
                 event.set()
-        if pubsub is not None and self._pid == os.getpid():
+        if pubsub is not None:
             with contextlib.suppress(RedisError, OSError):
                 pubsub.close()
         if thread is not None and thread is not threading.current_thread():
