@@ -43,6 +43,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from keymutex import _clock
 from keymutex._errors import Locked, LockError, LockLost, StoreError
+from keymutex._giveback import AsyncGiveBacks, GiveBacks
 from keymutex._lease import AsyncLease, Holder, Lease, LeaseState, Outcome
 from keymutex._local import AsyncKeyedLock, KeyedLock
 from keymutex._store import (
@@ -93,15 +94,12 @@ def _reset_after_fork() -> None:
     """A forked child keeps none of the parent's local waiters nor renewals.
 
     Its threads and tasks did not come along, and the parent's leases are the
-    parent's to renew.
+    parent's to renew; so are the grants to give back. The store calls counted are
+    those of the parent's threads, and the count's mutex may have been taken by one
+    of them at the fork: the child counts afresh.
     """
     for client in list(_CLIENTS):
-        if isinstance(client, Locks):
-            client._gate = KeyedLock()
-            client._renewer = _Renewer(client._store)
-        else:
-            client._gate = AsyncKeyedLock()
-            client._renewer = _AsyncRenewer(client._store)
+        client._forked()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -539,10 +537,11 @@ class _StoreCalls:
         if self.leave():
             await _to_the_end(self._close_store())
 
-    def enter(self) -> bool:
-        """Count a call in; ``False`` once the client is closing."""
+    def enter(self, *, beside: bool = False) -> bool:
+        """Count a call in; ``False`` once the client is closing. ``beside``: a call made
+        on behalf of one under way (which keeps the store open), counted in all the same."""
         with self._lock:
-            if self._closing:
+            if self._closing and not (beside and self._count > 0):
                 return False
             self._count += 1
             return True
@@ -823,11 +822,21 @@ class Locks:
         self._gate: KeyedLock = KeyedLock()
         self._renewer = _Renewer(self._store)
         self._at_store = _StoreCalls("Locks", self._store.close)
+        self._give_backs = GiveBacks(self._store.release, self._at_store)
         # The leases this client granted, by token: a renewal by key and token through
         # this client extends the Lease object too (an edit session's heartbeats).
         self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
         self._closed = False
         _CLIENTS.add(self)
+
+    def _forked(self) -> None:
+        """In a forked child (``_reset_after_fork``)."""
+        self._gate = KeyedLock()
+        self._renewer = _Renewer(self._store)
+        self._at_store = _StoreCalls("Locks", self._store.close)
+        if self._closed:
+            self._at_store.close()
+        self._give_backs = GiveBacks(self._store.release, self._at_store)
 
     def __repr__(self) -> str:
         return self._config.shown(type(self).__name__, closed=self._closed)
@@ -865,6 +874,7 @@ class Locks:
         self._renewer.close()
         if self._at_store.close():
             self._store.close()
+        self._give_backs.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1019,7 +1029,7 @@ class Locks:
         Counted as a contender, like a wait: ``close()`` meanwhile leaves the store open
         until the try is answered, and a grant that lands after it is given back.
         """
-        with self._contending(request.key, waits=False):
+        with self._contending(request, token, waits=False):
             sent_at = _clock.monotonic()
             outcome = self._try(request, token, None)
             if not outcome.ok:
@@ -1029,17 +1039,25 @@ class Locks:
 
     def _contend(self, request: _Request, token: str, deadline: Deadline) -> tuple[float, Outcome]:
         """Try, wait, try again until granted: as ``_attempt_once``, by ``deadline``."""
-        with self._contending(request.key, waits=True):
+        with self._contending(request, token, waits=True):
             return self._contend_counted(request, token, deadline)
 
     @contextlib.contextmanager
-    def _contending(self, key: str, *, waits: bool) -> Iterator[None]:
+    def _contending(self, request: _Request, token: str, *, waits: bool) -> Iterator[None]:
         """An acquire at the store, counted in ``_at_store``: ``close()`` meanwhile
-        leaves the store open until it has left; the last to leave closes it."""
+        leaves the store open until it has left; the last to leave closes it.
+
+        A ``StoreError`` may hide a grant (an answer that came too late, or was lost):
+        it is given back in the background (``_giveback``), if the token is ours.
+        """
         if not self._at_store.enter():
-            raise RuntimeError(_closed_while_waiting(self, key, waited=waits))
+            raise RuntimeError(_closed_while_waiting(self, request.key, waited=waits))
         try:
             yield
+        except StoreError:
+            if request.token is None:  # drawn here: nobody else holds it
+                self._give_backs.add(request.key, token, request.ttl)
+            raise
         finally:
             self._at_store.__exit__()
 
@@ -1476,12 +1494,22 @@ class AsyncLocks:
         self._gate: AsyncKeyedLock = AsyncKeyedLock()
         self._renewer = _AsyncRenewer(self._store)
         self._at_store = _StoreCalls("AsyncLocks", self._store.aclose)
+        self._give_backs = AsyncGiveBacks(self._store.release, self._at_store)
         self._leases: weakref.WeakValueDictionary[str, AsyncLease] = (
             weakref.WeakValueDictionary()
         )  # as in Locks
         self._closed = False
         _CLIENTS.add(self)
         self._background: set[asyncio.Task[Any]] = set()
+
+    def _forked(self) -> None:
+        """As ``Locks._forked``."""
+        self._gate = AsyncKeyedLock()
+        self._renewer = _AsyncRenewer(self._store)
+        self._at_store = _StoreCalls("AsyncLocks", self._store.aclose)
+        if self._closed:
+            self._at_store.close()
+        self._give_backs = AsyncGiveBacks(self._store.release, self._at_store)
 
     def __repr__(self) -> str:
         return self._config.shown(type(self).__name__, closed=self._closed)
@@ -1517,6 +1545,7 @@ class AsyncLocks:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._at_store.close():
             await self._store.aclose()
+        await self._give_backs.aclose()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1658,7 +1687,7 @@ class AsyncLocks:
 
     async def _attempt_once(self, request: _Request, token: str) -> AsyncLease:
         """As ``Locks._attempt_once``: counted as a contender, a late grant given back."""
-        async with self._contending(request.key, waits=False):
+        async with self._contending(request, token, waits=False):
             sent_at = _clock.monotonic()
             outcome = await self._try(request, token, None)
             if not outcome.ok:
@@ -1667,16 +1696,22 @@ class AsyncLocks:
             return self._granted(request, token, outcome, sent_at)
 
     async def _contend(self, request: _Request, token: str, deadline: Deadline) -> AsyncLease:
-        async with self._contending(request.key, waits=True):
+        async with self._contending(request, token, waits=True):
             return await self._contend_counted(request, token, deadline)
 
     @contextlib.asynccontextmanager
-    async def _contending(self, key: str, *, waits: bool) -> AsyncIterator[None]:
+    async def _contending(
+        self, request: _Request, token: str, *, waits: bool
+    ) -> AsyncIterator[None]:
         """As ``Locks._contending``."""
         if not self._at_store.enter():
-            raise RuntimeError(_closed_while_waiting(self, key, waited=waits))
+            raise RuntimeError(_closed_while_waiting(self, request.key, waited=waits))
         try:
             yield
+        except StoreError:
+            if request.token is None:
+                self._give_backs.add(request.key, token, request.ttl)
+            raise
         finally:
             await self._at_store.__aexit__()
 

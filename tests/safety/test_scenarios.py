@@ -822,7 +822,10 @@ def test_holder_partitioned_off_learns_at_its_deadline_and_is_fenced(
 
 # -- 6. acquire reply dropped ----------------------------------------------------------
 
-REPLY_TTL = 2.0
+# The ghost grant's TTL: long, so that a ghost given back (within seconds of the link's
+# return) is told apart from one that expired.
+REPLY_TTL = 30.0
+GIVEN_BACK_WITHIN = 10.0
 # Each store's client waits this long for a reply (short: the reply never comes).
 # ZooKeeper gets 1 s: its connection is (re)made within this timeout too, through a JVM
 # on a busy host. PostgreSQL 1 s: the server gives a statement up at 0.9 x timeout (its
@@ -854,15 +857,15 @@ DROP_FROM: dict[str, dict[str, bytes]] = {
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @stores(*NETWORKED)
-def test_acquire_reply_dropped_leaves_no_ghost_beyond_ttl(
+def test_acquire_reply_dropped_ghost_is_given_back(
     store_url: str, namespace: str, record_property, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The store grants an acquire but the reply never comes back: the caller gets an
-    error, the grant is a ghost nobody knows of, and it must be gone within its TTL.
-
-    ZooKeeper does better: its client remembers a create whose reply was lost and
-    deletes that node as soon as its connection is back (an "orphan"), so the ghost goes
-    when the link is restored, before its TTL."""
+    error, and the grant is a ghost held by a token nobody has. The client that drew
+    the token releases by it once the store answers again (keymutex._giveback): the
+    ghost is gone within seconds of the link's return, long before its TTL. (It held
+    the key for its whole TTL before; ZooKeeper's client already deleted its "orphan"
+    node once connected again.)"""
     store = store_name(store_url)
     if store == "postgresql":
         # No sweeping acquire: its statement, not prepared by the warm-up yet, would be
@@ -880,22 +883,20 @@ def test_acquire_reply_dropped_leaves_no_ghost_beyond_ttl(
             with pytest.raises(keymutex.StoreError):
                 client.acquire("k", timeout=0)
             failed = time.monotonic()
-            ghost = direct.holder("k")
-            assert ghost is not None, "the request reached the store and was granted"
+            # The grant's reply was dropped (the ones before it passed: DROP_FROM).
+            assert proxy.dropped_bytes > 0
             # The link that lost a reply is cut, as on a real network: TCP never drops
             # a reply and carries on (kazoo, meeting the next reply's xid instead, gives
             # up its connection thread). The client connects anew.
             proxy.set_mode("reset")
             proxy.set_mode("pass")
-            freed = wait_until(lambda: _try_once(direct, "k"), REPLY_TTL + 5, what="ghost gone")
+            back = time.monotonic()
+            freed = wait_until(
+                lambda: _try_once(direct, "k"), GIVEN_BACK_WITHIN, what="ghost given back"
+            )
     record_property("error_after_s", round(failed - sent, 3))
-    record_property("ghost_lived_s", round(freed - sent, 3))
-    assert proxy.dropped_bytes > 0
-    late = EXPIRY_LATENESS.get(store, 0.0)
-    assert freed - sent <= REPLY_TTL + late + 0.5, f"ghost lived {freed - sent:.2f} s"
-    if store == "zookeeper":  # measured: ~0.1 s after the link is back
-        assert freed < sent + REPLY_TTL - CLOCK_SLACK, "the orphan was not deleted"
-    assert failed - sent < REPLY_TTL + 0.5, "the caller learned of the failure in time"
+    record_property("freed_after_link_back_s", round(freed - back, 3))
+    assert failed - sent < 5.0, "the caller learned of the failure in time"
 
 
 def _try_once(locks: keymutex.Locks, key: str) -> float | None:

@@ -720,6 +720,42 @@ async def test_async_a_release_that_timed_out_is_not_sent_again(
         await (await locks.acquire("k", timeout=0)).release()
 
 
+GHOST_TTL = 60.0  # a grant nobody gives back holds the key this long
+AFTER_GHOST = 10.0  # how long another client waits for the key
+
+
+def test_an_acquire_whose_answer_came_too_late_does_not_keep_the_key(
+    redis_url: str, server: redis.Redis, namespace: str
+) -> None:
+    """Found by review: the try timed out while Redis was busy, and Redis ran it
+    afterwards: the key was granted to a token nobody had, for its whole TTL, against
+    the very caller who tried again. The client now gives it back (keymutex._giveback)."""
+    with (
+        keymutex.Locks(redis_url, namespace=namespace, socket_timeout=SLOW_TIMEOUT) as slow,
+        keymutex.Locks(redis_url, namespace=namespace) as other,
+    ):
+        slow.acquire("warm-up", timeout=0).release()  # connected, its scripts loaded
+        with _busy(server), pytest.raises(keymutex.StoreError, match="Timeout"):
+            slow.acquire("k", ttl=GHOST_TTL, timeout=0)
+        other.acquire("k", timeout=AFTER_GHOST).release()
+        slow.acquire("k", timeout=AFTER_GHOST).release()
+
+
+@pytest.mark.asyncio
+async def test_async_an_acquire_whose_answer_came_too_late_does_not_keep_the_key(
+    redis_url: str, server: redis.Redis, namespace: str
+) -> None:
+    async with (
+        keymutex.AsyncLocks(redis_url, namespace=namespace, socket_timeout=SLOW_TIMEOUT) as slow,
+        keymutex.AsyncLocks(redis_url, namespace=namespace) as other,
+    ):
+        await (await slow.acquire("warm-up", timeout=0)).release()
+        with pytest.raises(keymutex.StoreError, match="Timeout"), _busy(server):
+            await slow.acquire("k", ttl=GHOST_TTL, timeout=0)
+        await (await other.acquire("k", timeout=AFTER_GHOST)).release()
+        await (await slow.acquire("k", timeout=AFTER_GHOST)).release()
+
+
 # In the release script's reply when it released: {1, ...} (set just before a release,
 # nothing else answers meanwhile).
 RELEASED_REPLY = b":1\r\n"

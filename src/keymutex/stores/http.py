@@ -32,7 +32,7 @@
   acquire). If that fails too, the store releases by the token, as far as it can, and
   raises: a lease granted to nobody would block the key for its whole TTL. Not after a
   timeout: a server that does not answer would make each of those wait as long again;
-  a grant it made expires by its TTL.
+  ``Locks`` gives back a grant it made later, in the background (``_giveback``).
 - Errors: an unreachable server, a 5xx or a reply that does not parse raise
   ``StoreError``, as do 401/403 (a missing or insufficient API token); a 400 raises
   ``ValueError`` with the server's message (e.g. a ``ttl`` over the server's limit).
