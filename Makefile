@@ -56,7 +56,14 @@ test: sysdeps $(VENV)/.installed-test lint
 HOST ?= 127.0.0.1
 PORT ?= 7420
 STORE ?=
+# A STORE of another kind than SQLite needs its client library: the extra of its scheme.
+COMMA := ,
+STORE_SCHEME = $(firstword $(subst +, ,$(firstword $(subst :, ,$(STORE)))))
+STORE_EXTRA = $(filter redis postgresql memcached mongodb etcd zookeeper http,$(patsubst \
+	rediss,redis,$(patsubst postgres,postgresql,$(patsubst etcds,etcd,$(patsubst \
+	zookeepers,zookeeper,$(patsubst https,http,$(STORE_SCHEME)))))))
 serve: $(VENV)/.installed-server
+	$(if $(STORE_EXTRA),$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[server$(COMMA)$(STORE_EXTRA)]')
 	$(BIN)/keymutex serve --host $(HOST) --port $(PORT) $(if $(STORE),--store $(STORE))
 
 demo: $(VENV)/.installed-base

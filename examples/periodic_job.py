@@ -78,6 +78,11 @@ def main() -> int:
     )
     parser.add_argument("--record", help="JSON-lines file of what each worker did")
     args = parser.parse_args()
+    if args.url.partition(":")[0] == "memory":  # what `keymutex run` says too
+        parser.error(
+            "memory:// lives in one process, and the workers here are processes: each"
+            " would hold its own locks; give a store they share, e.g. sqlite:///tmp/jobs.db"
+        )
     try:  # one line if this store cannot be used here, not a traceback from every worker
         with keymutex.Locks(args.url) as probe:
             probe.holder("probe")

@@ -194,6 +194,11 @@ def main() -> int:
     args = parser.parse_args()
     if not args.url:
         parser.error("give a store URL (postgresql://…, mongodb://…) or set $KEYMUTEX_STORE")
+    if args.url.partition(":")[0] == "memory":  # what `keymutex run` says too
+        parser.error(
+            "memory:// lives in one process, and the workers here are processes: each"
+            " would hold its own locks; give a store they share, e.g. sqlite:///tmp/p.db"
+        )
     try:  # one line if this store cannot be used here, not a traceback from every worker
         with keymutex.Locks(args.url) as probe:
             probe.holder("probe")

@@ -41,6 +41,7 @@ import signal
 import socket
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -72,6 +73,7 @@ __all__ = ["main"]
 EX_USAGE = 2  # click's status for usage errors
 EX_UNAVAILABLE = 69
 EX_SOFTWARE = 70
+EX_IOERR = 74
 EX_TEMPFAIL = 75
 EX_NOEXEC = 126
 EX_NOTFOUND = 127
@@ -456,12 +458,28 @@ def _table(holders: Sequence[Holder]) -> list[str]:
         )
         for holder in holders
     ]
-    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(5)]
+    widths = [max(_width(row[column]) for row in [header, *rows]) for column in range(5)]
     lines = []
     for row in [header, *rows]:
-        cells = [cell.ljust(width) for cell, width in zip(row[:5], widths, strict=True)]
+        cells = [
+            cell + " " * (width - _width(cell))
+            for cell, width in zip(row[:5], widths, strict=True)
+        ]
         lines.append("  ".join([*cells, row[5]]).rstrip())
     return lines
+
+
+def _width(text: str) -> int:
+    """Columns ``text`` takes in a terminal: wide (East Asian) characters take two,
+    combining marks none."""
+    return sum(
+        0
+        if unicodedata.combining(char)
+        else 2
+        if unicodedata.east_asian_width(char) in "WF"
+        else 1
+        for char in text
+    )
 
 
 # -- the commands --------------------------------------------------------------------
@@ -940,6 +958,7 @@ class _Run:
         self.process: asyncio.subprocess.Process | None = None
         self.pending: list[int] = []
         self.interrupted_by: int | None = None
+        self.received: set[int] = set()  # the signals sent to keymutex itself
         self.lost = False
         self.new_holder: Holder | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -949,6 +968,7 @@ class _Run:
         return self.command[0]
 
     def on_signal(self, signum: int) -> None:
+        self.received.add(signum)
         if self.phase == "waiting":
             if self._task is not None and self.interrupted_by is None:
                 self.interrupted_by = signum
@@ -971,8 +991,7 @@ class _Run:
             f" {self.name} ended; the lease expires by its TTL",
             err=True,
         )
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _die_by(signum)
         os._exit(128 + signum)
 
     def _forward(self, signum: int) -> None:
@@ -1131,7 +1150,60 @@ class _Run:
         return 128 - returncode if returncode < 0 else returncode
 
 
-@cli.command(name="run")
+def _die_by(signum: int) -> None:
+    """End keymutex by ``signum`` itself, as the signal would have (returns if it could
+    not). A shell running keymutex in a script or loop stops at a Ctrl-C only if its
+    child died *by* SIGINT ("wait and cooperative exit"); an exit with 130 lets the
+    loop go on. Only for the ending signals keymutex was sent itself (at a terminal,
+    Ctrl-C reaches keymutex and COMMAND alike); a core dump is not made for SIGQUIT."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if signum not in ENDING_SIGNALS:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        import resource
+
+        _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+    signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+    os.kill(os.getpid(), signum)
+
+
+class _RunCommand(click.Command):
+    """``run``: everything from COMMAND on is COMMAND's, ``--`` or not.
+
+    click takes options anywhere on the line: ``keymutex run job rsync -q src dst``
+    gave ``-q`` to keymutex and ``rsync src dst`` to run, and ``run job ls -la`` failed
+    with "No such option". Like ``flock``, ``timeout`` or ``nohup``, the first word
+    after KEY (and keymutex's own options) starts COMMAND: a ``--`` is put before it.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        takes_value = {
+            name: not (param.is_flag or param.count)
+            for param in self.get_params(ctx)
+            if isinstance(param, click.Option)
+            for name in (*param.opts, *param.secondary_opts)
+        }
+        at, positional = 0, 0
+        while at < len(args):
+            arg = args[at]
+            if arg == "--":
+                break
+            if arg.startswith("-") and len(arg) > 1:  # an option, maybe with its value
+                at += 2 if "=" not in arg and takes_value.get(arg, False) else 1
+                continue
+            positional += 1
+            if positional == 2:  # KEY, then COMMAND
+                args = [*args[:at], "--", *args[at:]]
+                break
+            at += 1
+        return super().parse_args(ctx, args)
+
+
+@cli.command(name="run", cls=_RunCommand)
 @click.argument("key", type=KEY)
 @click.argument(
     "command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- COMMAND [ARG]..."
@@ -1216,7 +1288,9 @@ def run_command(
     &) stays ignored, by COMMAND too. A signal that arrives while waiting for the lock
     stops the wait: COMMAND is not started and the exit status is 128+N; one that
     arrives after COMMAND ended stops the release: the lease expires by its TTL, exit
-    status 128+N.
+    status 128+N. When the signal that ended keymutex or COMMAND was sent to keymutex
+    too (SIGHUP, SIGINT, SIGQUIT, SIGTERM), keymutex ends by it rather than exiting
+    128+N, so that a script or loop running it stops at a Ctrl-C as for COMMAND alone.
 
     \b
     Lost lease: if renewing fails (the key was force-released or taken over, or the
@@ -1244,15 +1318,32 @@ def run_command(
     url = _store_url(store)
     if ttl is not None:
         _check_ttl_for(ctx, url, ttl)
+    run = _Run(key, command, quiet=quiet, info=info)
     with _store_errors(url):
         status = asyncio.run(
-            _Run(key, command, quiet=quiet, info=info).main(
-                lambda: _open(ctx, AsyncLocks, url, namespace), ttl, timeout
-            )
+            run.main(lambda: _open(ctx, AsyncLocks, url, namespace), ttl, timeout)
         )
+    if status > 128 and status - 128 in run.received:  # ended by a signal sent to it too
+        _die_by(status - 128)
     ctx.exit(status)
 
 
+# What writing to stdout fails with, other than a closed pipe (click's own).
+_OUTPUT_ERRORS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG, errno.EBADF}
+
+
 def main(args: Sequence[str] | None = None) -> None:
-    """Entry point of the ``keymutex`` console script and of ``python -m keymutex``."""
-    cli.main(args=args, prog_name="keymutex")
+    """Entry point of the ``keymutex`` console script and of ``python -m keymutex``.
+
+    Output that cannot be written (a full disk, a closed terminal) is one line on
+    stderr and exit 74 (EX_IOERR), not a traceback. (A closed pipe is click's: quiet.)
+    """
+    try:
+        cli.main(args=args, prog_name="keymutex")
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_ERRORS:
+            raise
+        with contextlib.suppress(OSError):
+            sys.stderr.write(f"keymutex: cannot write output: {exc.strerror or exc}\n")
+            sys.stderr.flush()
+        sys.exit(EX_IOERR)

@@ -218,6 +218,23 @@ def test_run_passes_command_arguments_and_output_through(store: str, env: dict[s
     assert result.stdout.strip() == "['--ttl', '-x', '']"
 
 
+def test_run_without_dashes_leaves_the_commands_options_to_it(
+    store: str, env: dict[str, str]
+) -> None:
+    """Found by review: without ``--``, click took the command's options that share a
+    name with keymutex's (``--ttl``, ``-q``, ``--info``) for itself, silently, and
+    failed on the others (``ls -la``: "No such option"). Everything from the command
+    on is the command's; keymutex's own options go before it."""
+    script = "import sys; print(sys.argv[1:])"
+    result = keymutex(
+        "run", "--store", store, "job", "--timeout", "5", sys.executable, "-c", script,
+        "--ttl", "600", "-q", "--info", "{}", "-la", "rest",
+        env=env,
+    )  # fmt: skip
+    assert result.stdout.strip() == "['--ttl', '600', '-q', '--info', '{}', '-la', 'rest']"
+    assert holder_json("job", store, env) is None
+
+
 def test_two_runs_on_one_key_take_turns(
     tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
 ) -> None:
@@ -279,12 +296,32 @@ def test_namespaces_are_separate(
     assert holder.finish()[0] == 0
 
 
+def test_a_ctrl_c_stops_the_shell_loop_that_runs_keymutex(store: str, env: dict[str, str]) -> None:
+    """Found by review: after a Ctrl-C (SIGINT to the foreground process group), a
+    shell loop calling ``keymutex run`` went on with its next round, as keymutex exited
+    130 instead of ending by SIGINT: a shell stops only if its child died by it."""
+    keymutex_line = " ".join(shlex.quote(word) for word in [*KEYMUTEX, "run", "--store", store])
+    loop = f"for i in 1 2 3; do {keymutex_line} job -- sleep 5; echo round $i; done"
+    shell = subprocess.Popen(
+        ["bash", "-c", loop], env=env, start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + WAIT
+    while holder_json("job", store, env) is None:
+        assert time.monotonic() < deadline, "keymutex never held the key"
+        time.sleep(0.05)
+    os.killpg(shell.pid, signal.SIGINT)  # what a terminal does at Ctrl-C
+    out, _ = shell.communicate(timeout=WAIT)
+    assert shell.returncode == -signal.SIGINT
+    assert out == ""
+    assert holder_json("job", store, env) is None
+
+
 @pytest.mark.parametrize(
     ("sent", "trap", "expected"),
     [
         pytest.param("SIGTERM", ["--trap", "SIGTERM", "5"], 5, id="SIGTERM-handled"),
-        pytest.param("SIGTERM", [], 128 + signal.SIGTERM, id="SIGTERM-kills"),
-        pytest.param("SIGINT", [], 128 + signal.SIGINT, id="SIGINT-kills"),
+        pytest.param("SIGTERM", [], -signal.SIGTERM, id="SIGTERM-kills"),
+        pytest.param("SIGINT", [], -signal.SIGINT, id="SIGINT-kills"),
         pytest.param("SIGHUP", ["--trap", "SIGHUP", "0"], 0, id="SIGHUP-handled"),
         pytest.param("SIGUSR1", ["--trap", "SIGUSR1", "9"], 9, id="SIGUSR1-handled"),
     ],
@@ -325,7 +362,7 @@ def test_a_signal_while_waiting_stops_the_wait_without_running_the_command(
     waiter.wait_for_stderr("waiting for")
     os.kill(waiter.pid, signal.SIGTERM)
     status, _, stderr = waiter.finish()
-    assert status == 128 + signal.SIGTERM
+    assert status == -signal.SIGTERM  # ended by it, as the shell that waits must see
     assert "SIGTERM while waiting for 'job'" in stderr
     assert not ran.exists()
     go.touch()
@@ -407,7 +444,7 @@ def test_the_work_of_a_script_is_stopped_not_only_its_shell(
             assert status == 70, stderr
             assert "and the processes it started" in stderr
         else:
-            assert status in (0, 128 + signal.SIGTERM), stderr
+            assert status in (0, -signal.SIGTERM), stderr
     finally:
         go.touch()  # lets a child left running (the bug) end
 
@@ -485,7 +522,7 @@ def test_a_signal_after_the_command_ended_stops_a_release_that_hangs(
             os.kill(holder.pid, signal.SIGTERM)
             time.sleep(0.2)
         status, _, stderr = holder.finish()
-        assert status == 128 + signal.SIGTERM, stderr
+        assert status == -signal.SIGTERM, stderr
         assert "SIGTERM while releasing 'job'" in stderr
         assert "expires by its TTL" in stderr
     finally:
@@ -534,6 +571,42 @@ def test_run_shows_any_command_line_it_can_run(
 
 
 # -- ls, show, release ---------------------------------------------------------------
+
+
+def test_ls_aligns_wide_characters_and_says_when_it_cannot_write(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
+) -> None:
+    """Found by review: a key of wide (CJK) characters pushed its row's columns right
+    (padding counted characters, not columns); and ``ls > /dev/full`` ended in a
+    traceback."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    holders = []
+    for n, key in enumerate(["wide:日本語キー", "narrow:abcdefghijk"]):
+        ready_n = str(ready.with_suffix(f".{n}"))
+        args = ["run", key, "--store", store, "--", *child, "--ready", ready_n, "--wait", str(go)]
+        holders.append(background(*args))
+    for n in range(len(holders)):
+        wait_for_file(ready.with_suffix(f".{n}"))
+    table = keymutex("ls", "--store", store, env=env).stdout.splitlines()
+
+    def columns(text: str) -> int:  # the test's own count: kana and CJK ideographs
+        return sum(
+            2 if "\u3040" <= c <= "\u30ff" or "\u4e00" <= c <= "\u9fff" else 1 for c in text
+        )
+
+    owner = f"{socket.gethostname()}:"
+    owner_columns = {columns(line[: line.index(owner)]) for line in table[1:]}
+    assert len(owner_columns) == 1, table
+    with open("/dev/full", "w") as full:
+        failed = subprocess.run(
+            [*KEYMUTEX, "ls", "--store", store],
+            env=env, stdout=full, stderr=subprocess.PIPE, text=True, timeout=WAIT, check=False,
+        )  # fmt: skip
+    assert failed.returncode == 74
+    assert failed.stderr == "keymutex: cannot write output: No space left on device\n"
+    go.touch()
+    for holder in holders:
+        assert holder.finish()[0] == 0
 
 
 def test_ls_show_and_release_force(

@@ -258,3 +258,19 @@ def test_double_ticket_js_shares_one_lock_between_node_and_python() -> None:
         assert not second_created, f"{user}: the second holder created another\n{output}"
         assert seen == ticket
     assert "Verdict: without a lock" in output
+
+
+@pytest.mark.parametrize("example", ["periodic_job.py", "publish_per_user.py"])
+def test_an_example_of_processes_refuses_the_memory_store(example: str) -> None:
+    """Found by review: on ``memory://`` each worker process held its own locks, and the
+    example printed its broken run (every worker ran every tick) as if it were fine."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / example), "memory://"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "memory:// lives in one process" in result.stderr
+    assert "Traceback" not in result.stderr

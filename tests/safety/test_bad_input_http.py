@@ -163,6 +163,7 @@ ROWS = [
     acquire("body-empty", b"", "the body is not valid JSON: Expecting value", headers=JSON_TYPE),
     acquire("body-truncated", b'{"key": "doc"', "the body is not valid JSON", headers=JSON_TYPE),
     acquire("body-not-utf8", b"\xff\xfe{}", "the body is not UTF-8 text", headers=JSON_TYPE),
+    acquire("body-bom", b'\xef\xbb\xbf{"key": "a"}', "the body begins with a byte order mark", headers=JSON_TYPE),
     acquire("body-array", b'["doc"]', "the body must be a JSON object, not [\"doc\"]", headers=JSON_TYPE),
     acquire("body-string", b'"doc"', "the body must be a JSON object, not \"doc\"", headers=JSON_TYPE),
     acquire("body-null", b"null", "the body must be a JSON object, not null", headers=JSON_TYPE),

@@ -146,6 +146,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise invalid("the body is not UTF-8 text") from None
+    if text.startswith("\ufeff"):  # JSON text must not begin with one (RFC 8259, 8.1)
+        raise invalid("the body begins with a byte order mark (EF BB BF): send JSON without it")
     try:
         data = _DECODER.decode(text)
     except RecursionError:
