@@ -21,7 +21,11 @@ the lease it holds; releasing that token behind its back would take the lease fr
 One thread (``GiveBacks``) or task (``AsyncGiveBacks``) per client does it, while it
 has tokens to give back. Each round of releases stops at the first that fails (the
 store is still out of reach): the others wait for their next time. Closing the client
-makes one last round of every token still waiting, then the store closes.
+makes one last round of every token still waiting, then the store closes; it waits for
+that round at most ``JOIN_GRACE`` seconds (the round goes on, and closes the store at
+its end). An ``AsyncLocks`` gives back in the event loop where its acquire failed; the
+tokens still waiting when that loop ends are taken up by the next failure in a later
+loop, or left to their TTL. At most ``MAX_TOKENS`` wait at once.
 """
 
 from __future__ import annotations
@@ -43,7 +47,11 @@ _LOG = logging.getLogger("keymutex")
 
 FIRST_WAIT = 0.1  # seconds between the first two releases
 GROWTH = 3.0  # each wait this much longer than the one before
-JOIN_GRACE = 5.0  # seconds Locks.close() waits for the last round
+JOIN_GRACE = 5.0  # seconds close() and aclose() wait for the last round
+# Tokens kept at most: beyond, a failed acquire's grant is left to its TTL. Bounds the
+# memory, and the releases once the store is back, of an application that retries
+# failing acquires in a tight loop.
+MAX_TOKENS = 10_000
 
 
 class _Calls(Protocol):
@@ -76,6 +84,9 @@ class _Plan:
         return bool(self._due)
 
     def add(self, key: str, token: str, ttl: float, now: float) -> None:
+        if len(self._due) >= MAX_TOKENS:  # failing acquires in a tight loop, store down
+            _LOG.debug("not giving back %r: %d tokens wait already", key, MAX_TOKENS)
+            return
         self._push(now, _Token(key, token, now + ttl, FIRST_WAIT))
 
     def next_batch(self, now: float, *, closing: bool) -> list[_Token] | float | None:
@@ -196,30 +207,37 @@ class AsyncGiveBacks:
     def add(self, key: str, token: str, ttl: float) -> None:
         """As ``GiveBacks.add``; called in the client's event loop."""
         self._plan.add(key, token, ttl, _clock.monotonic())
-        if self._task is None:
+        if not self._runs_here(self._task):  # none yet, or ended with an earlier loop
             self._calls.enter(beside=True)
             self._wakeup = asyncio.Event()
             self._task = asyncio.ensure_future(self._run(self._wakeup))
         elif self._wakeup is not None:
             self._wakeup.set()
 
+    @staticmethod
+    def _runs_here(task: asyncio.Task[None] | None) -> bool:
+        """Whether ``task`` is under way in the running loop. (An ``AsyncLocks`` may be
+        used by one ``asyncio.run`` after another: a task of an ended loop is over.)"""
+        return (
+            task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop()
+        )
+
     async def aclose(self) -> None:
         """One last round for every token waiting, awaited (unless from it)."""
         self._closing = True
         task = self._task
-        if task is None:
+        if task is None or not self._runs_here(task):
             return
         if self._wakeup is not None:
             self._wakeup.set()
-        if task is not asyncio.current_task():
-            await asyncio.wait([task])
+        if task is not asyncio.current_task():  # bounded, as Locks.close: it may hang
+            await asyncio.wait([task], timeout=JOIN_GRACE)
 
     async def _run(self, wakeup: asyncio.Event) -> None:
         try:
             while True:
                 step = self._plan.next_batch(_clock.monotonic(), closing=self._closing)
                 if step is None:
-                    self._task = None
                     return
                 if isinstance(step, float):
                     wakeup.clear()
@@ -228,6 +246,8 @@ class AsyncGiveBacks:
                     continue
                 await self._round(step)
         finally:
+            if self._task is asyncio.current_task():
+                self._task = None
             await self._calls.__aexit__()
 
     async def _round(self, batch: list[_Token]) -> None:

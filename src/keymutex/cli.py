@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import datetime
 import errno
+import functools
 import gc
 import getpass
 import ipaddress
@@ -96,6 +97,8 @@ ENDING_SIGNALS = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal
 MAX_CMD_BYTES = 1024  # JSON bytes of the command line shown to others in the lease's info
 RUN_INFO_FIELDS = ("cmd", "host", "pid", "user")  # what `run` shows of itself
 RELEASE_TTL = 5.0  # lifetime of the lease that `release --force` takes and gives back
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WATCH_EVERY = 1.0  # seconds between the checks of a `run`'s lease while its command runs
 
 AnyLocks = TypeVar("AnyLocks", Locks, AsyncLocks)
 
@@ -1121,16 +1124,21 @@ class _Run:
             KEYMUTEX_FENCE=str(lease.fence),
             KEYMUTEX_TOKEN=lease.token,
         )
+        orphaned = _parent_death_signal()
         try:
             try:
-                process = await asyncio.create_subprocess_exec(*self.command, env=env)
+                process = await asyncio.create_subprocess_exec(
+                    *self.command, env=env, preexec_fn=orphaned
+                )
             except OSError as exc:
                 if exc.errno != errno.ENOEXEC:
                     raise
                 # A script without #!: run by /bin/sh, as a shell, env or flock do.
                 path = shutil.which(self.name) if os.sep not in self.name else self.name
                 script = [path or self.name, *self.command[1:]]
-                process = await asyncio.create_subprocess_exec("/bin/sh", *script, env=env)
+                process = await asyncio.create_subprocess_exec(
+                    "/bin/sh", *script, env=env, preexec_fn=orphaned
+                )
         except FileNotFoundError:
             click.echo(f"keymutex: {self.name}: command not found{self._key_hint()}", err=True)
             return EX_NOTFOUND
@@ -1146,8 +1154,54 @@ class _Run:
             self._forward(signum)
         if self.lost:
             _signal(process, signal.SIGTERM, descendants=True)
-        returncode = await process.wait()
+        watch = asyncio.create_task(self._watch(lease))
+        try:
+            returncode = await process.wait()
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         return 128 - returncode if returncode < 0 else returncode
+
+    async def _watch(self, lease: AsyncLease) -> None:
+        """Renew every ``WATCH_EVERY`` seconds while COMMAND runs, not only every TTL/3.
+
+        A ``release --force`` (or a takeover) frees the key at once: renewing only
+        every TTL/3 (10 s by default, 20 min with --ttl 3600), COMMAND ran on that long
+        beside the next holder. A renewal by this lease's token fails as soon as it is
+        taken: ``on_lost`` then stops COMMAND within a second. A store that cannot be
+        reached is the background renewer's to judge, by the lease's deadline.
+        """
+        if lease._ttl / 3 <= WATCH_EVERY:
+            return  # the renewer looks as often already
+        while not lease.lost:
+            await asyncio.sleep(WATCH_EVERY)
+            try:
+                await lease.renew()
+            except (LockLost, StoreError):
+                continue  # lost: on_lost has run (and the loop ends); else the renewer's
+
+
+def _parent_death_signal() -> Callable[[], object] | None:
+    """What COMMAND's process runs before its program: on Linux, ask for SIGTERM when
+    keymutex dies (``prctl(PR_SET_PDEATHSIG)``). keymutex killed with SIGKILL (the OOM
+    killer, ``kill -9``) cannot tell COMMAND, nor renew: COMMAND ran on past the TTL
+    beside the next holder. ``None`` where there is no such call.
+
+    The function runs in the child between fork and exec, where another thread's
+    locks may be held: it only calls a C function resolved beforehand, with numbers.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.restype = ctypes.c_int
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    return functools.partial(prctl, PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 def _die_by(signum: int) -> None:
@@ -1298,7 +1352,8 @@ def run_command(
     COMMAND and another holder may already be running. keymutex then warns on stderr
     and sends SIGTERM to COMMAND and the processes it started (on Linux) rather than
     letting two holders overlap; it waits for COMMAND to end and exits 70, whatever
-    COMMAND's status. A resource that checks KEYMUTEX_FENCE rejects its late writes
+    COMMAND's status. While COMMAND runs, the lease is renewed every second (not only
+    every TTL/3), so that a force release stops COMMAND within about a second. A resource that checks KEYMUTEX_FENCE rejects its late writes
     either way.
 
     \b

@@ -419,6 +419,52 @@ def script_running(child: list[str], *args: str) -> list[str]:
     return ["sh", "-c", f"{shlex.join([*child, *args])}; true"]
 
 
+def test_keymutex_killed_with_sigkill_takes_its_command_along(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
+) -> None:
+    """Found by review: ``keymutex run`` killed with SIGKILL (the OOM killer) could
+    neither renew nor tell its command, which ran on past the TTL beside the next
+    holder. The command now gets SIGTERM when keymutex dies (Linux: PR_SET_PDEATHSIG)."""
+    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
+    holder = background(
+        "run", "job", "--store", store, "--ttl", "120", "--",
+        *child, "--log", str(log), "K", "--trap", "SIGTERM", "0",
+        "--ready", str(ready), "--wait", str(go),
+    )  # fmt: skip
+    try:
+        wait_for_file(ready)
+        os.kill(holder.pid, signal.SIGKILL)
+        wait_for_line(log, "got SIGTERM")
+    finally:
+        go.touch()
+
+
+def test_a_force_release_stops_the_command_within_seconds_not_at_the_next_renewal(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
+) -> None:
+    """Found by review: ``release --force`` frees the key at once, but ``run`` learnt
+    of it only at its next renewal, TTL/3 later (here 40 s; 10 s by default): its
+    command ran on that long beside the next holder. It now renews every second while
+    its command runs."""
+    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
+    holder = background(
+        "run", "job", "--store", store, "--ttl", "120", "--",
+        *child, "--log", str(log), "F", "--trap", "SIGTERM", "0",
+        "--ready", str(ready), "--wait", str(go),
+    )  # fmt: skip
+    try:
+        wait_for_file(ready)
+        released = time.monotonic()
+        keymutex("release", "job", "--force", "--store", store, env=env)
+        wait_for_line(log, "got SIGTERM")  # WAIT (20 s) is half the renewal interval
+        stopped = time.monotonic() - released
+        status, _, stderr = holder.finish()
+        assert status == 70, stderr
+        assert stopped < WAIT
+    finally:
+        go.touch()
+
+
 @pytest.mark.parametrize("how", ["lost lease", "SIGTERM to keymutex"])
 def test_the_work_of_a_script_is_stopped_not_only_its_shell(
     tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any, how: str

@@ -328,3 +328,67 @@ async def test_async_a_token_the_caller_named_is_not_given_back(namespace: str) 
         assert store.releases == []
         assert await other.holder("k") is not None
         await other.release("k", "a-token-the-caller-named")
+
+
+def test_an_async_client_used_by_one_event_loop_after_another_gives_back_in_each(
+    namespace: str,
+) -> None:
+    """Found by review: the give-back task of a first ``asyncio.run`` ended with its
+    loop, and later failures only rang it: nothing was given back, and ``aclose()``
+    waited for a task of a closed loop (``RuntimeError: Event loop is closed``)."""
+    failing = keymutex.AsyncLocks(namespace=namespace)
+    store = losing_async(failing)
+    other = keymutex.Locks(namespace=namespace)
+
+    async def fail_once(key: str) -> None:
+        store.lose, store.down = True, 1  # the first release fails: the next is 0.1 s on
+        with pytest.raises(keymutex.StoreError):
+            await failing.acquire(key, ttl=GHOST_TTL, timeout=0)
+        store.lose = False
+        await asyncio.wait_for(_until(lambda: store.down == 0), WAIT)
+
+    async def given_back() -> None:
+        while other.holder("k1") is not None or other.holder("k2") is not None:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+    async def fail_again_and_wait() -> None:
+        await fail_once("k2")
+        await asyncio.wait_for(given_back(), WAIT)  # k2's ghost, and k1's left over
+
+    asyncio.run(fail_once("k1"))  # its loop ends before the give-back could end
+    asyncio.run(fail_again_and_wait())
+    asyncio.run(failing.aclose())
+    other.close()
+
+
+def test_at_most_max_tokens_wait_to_be_given_back() -> None:
+    plan = _Plan()
+    for n in range(_giveback.MAX_TOKENS + 5):
+        plan.add("k", str(n), 10.0, now=0.0)
+    batch = plan.next_batch(0.0, closing=True)
+    assert isinstance(batch, list)
+    assert len(batch) == _giveback.MAX_TOKENS
+
+
+@pytest.mark.asyncio
+async def test_async_closing_waits_a_bounded_time_for_the_last_round(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_giveback, "JOIN_GRACE", 0.2)
+    failing = keymutex.AsyncLocks(namespace=namespace)
+    store = losing_async(failing)
+    store.lose = True
+    hang = asyncio.Event()
+    real_release = store.release
+
+    async def release(key: str, token: str) -> Outcome:
+        if store.lose:
+            await hang.wait()  # a store that does not answer
+        return await real_release(key, token)
+
+    failing._give_backs._release = release
+    with pytest.raises(keymutex.StoreError):
+        await failing.acquire("k", ttl=GHOST_TTL, timeout=0)
+    await asyncio.wait_for(failing.aclose(), WAIT)  # returns after JOIN_GRACE
+    store.lose = False
+    hang.set()  # the store answers: the give-back ends, and closes the store
