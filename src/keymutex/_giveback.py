@@ -114,9 +114,8 @@ class _Plan:
 def _found(token: _Token, outcome: Outcome) -> bool:
     if outcome.ok:
         _LOG.warning(
-            "released %r: the store had granted it to an acquire that failed (%s)",
+            "released %r: granted to an acquire whose answer came too late or was lost",
             token.key,
-            "its answer came too late or was lost",
         )
     return outcome.ok
 
