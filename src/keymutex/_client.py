@@ -911,7 +911,11 @@ class Locks:
         return self._acquire(self._config.request(key, ttl, timeout, renew, info, steal, on_lost))
 
     def renew(self, key: str, token: str, ttl: float | None = None) -> Lease:
-        """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
+        """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none.
+
+        Returns the ``Lease`` this client granted to ``token``, renewed, if it has it;
+        else a new ``Lease`` for the token (not renewed in the background).
+        """
         request = self._config.renew_args(key, token, ttl)
         with self._at_store:
             granted = _granted_here(self._leases, request.key, request.token)
@@ -922,6 +926,9 @@ class Locks:
                 )
                 if granted is not None and _extend(granted, outcome, sent_at, request.ttl):
                     self._renewer.renewed(granted, sent_at)  # maybe to a shorter TTL
+                    # The lease itself: releasing what renew returned releases it, not
+                    # a twin whose release left the lease to be found lost.
+                    return granted
         return Lease(
             self,
             request.key,
@@ -1594,6 +1601,7 @@ class AsyncLocks:
                 )
                 if granted is not None and _extend(granted, outcome, sent_at, request.ttl):
                     self._renewer.renewed(granted, sent_at)  # as in Locks.renew
+                    return granted
         return AsyncLease(
             self,
             request.key,

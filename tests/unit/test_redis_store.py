@@ -1011,3 +1011,36 @@ def test_a_channel_joined_while_it_is_being_unsubscribed_stays_subscribed(
         thread.join(10)
         assert len(got) == 1
         got[0].release()
+
+
+class _Alarm(Exception):
+    pass
+
+
+def test_an_exception_a_signal_handler_raises_while_waiting_reaches_the_caller(
+    redis_url: str, namespace: str
+) -> None:
+    """Found by review: raised in the waiting thread while it read the subscription
+    connection (an alarm-based timeout, a job's soft time limit), the exception was
+    taken for a connection failure, logged, and the wait went on until the key was
+    free. It reaches the caller, and waiting works afterwards."""
+    import signal
+
+    def alarm(signum: int, frame: object) -> None:
+        raise _Alarm
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    try:
+        with (
+            keymutex.Locks(redis_url, namespace=namespace) as holding,
+            keymutex.Locks(redis_url, namespace=namespace) as waiting,
+        ):
+            lease = holding.acquire("k", ttl=60.0, timeout=0)
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(_Alarm):
+                waiting.acquire("k", timeout=20.0)
+            threading.Timer(0.3, lease.release).start()
+            waiting.acquire("k", timeout=20.0).release()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -486,3 +486,35 @@ async def test_release_by_token_of_a_renewing_lease_is_not_a_loss_async(url: str
             with pytest.raises(keymutex.LockLost, match="already released"):
                 await lease.release()
         assert lost == []
+
+
+def test_renew_by_token_answers_the_lease_itself_whose_release_is_not_a_loss(url: str) -> None:
+    """Found by review: ``locks.renew(key, token)`` of a lease this client granted
+    answered a twin ``Lease``; releasing the twin left the lease itself to be found
+    lost (``on_lost``, and ``LockLost`` on leaving its block). It answers the lease."""
+    with keymutex.Locks(url, ttl=0.6) as locks:
+        lost: list[Any] = []
+        with locks.lock("k", on_lost=lost.append) as lease:
+            renewed = locks.renew("k", lease.token, ttl=0.9)
+            assert renewed is lease
+            renewed.release()
+            time.sleep(3 * 0.3)  # renewals would have been due
+            assert lost == []
+            assert locks.holder("k") is None
+        assert lost == []
+        other = locks.acquire("j", timeout=0)  # not renewing: still answered itself
+        assert locks.renew("j", other.token) is other
+        other.release()
+
+
+@pytest.mark.asyncio
+async def test_renew_by_token_answers_the_lease_itself_async(url: str) -> None:
+    async with keymutex.AsyncLocks(url, ttl=0.6) as locks:
+        lost: list[Any] = []
+        async with locks.lock("k", on_lost=lost.append) as lease:
+            renewed = await locks.renew("k", lease.token, ttl=0.9)
+            assert renewed is lease
+            await renewed.release()
+            await asyncio.sleep(3 * 0.3)
+            assert lost == []
+        assert lost == []

@@ -843,7 +843,13 @@ class _Subscriptions:
                     self._followers[event] = None
                     event.clear()  # a ring or a turn to read from now on sets it again
             if not lead:
-                event.wait(remaining)
+                try:
+                    event.wait(remaining)
+                except BaseException:  # raised in this thread (a signal handler's)
+                    with self._mutex:
+                        self._followers.pop(event, None)
+                        self._pass_on()
+                    raise
                 continue
             try:
                 self._read_until(done, deadline)
@@ -874,6 +880,13 @@ class _Subscriptions:
             except Exception as exc:  # the driver's, or a socket closed under it by close()
                 if self._closed:
                     return
+                if not isinstance(exc, redis.exceptions.RedisError):
+                    # Not the connection's: raised in this thread while it read (by a
+                    # signal handler: an alarm, a job's time limit), which is the
+                    # caller's to see. The reply may be half read: reconnect next time.
+                    with contextlib.suppress(Exception):
+                        pubsub.connection.disconnect()
+                    raise
                 failures += 1
                 _LOG.warning("Redis pub/sub connection failed (%s); reconnecting", exc)
                 time.sleep(min(1.0, 0.05 * 2**failures, max(0.0, deadline - time.monotonic())))
