@@ -623,6 +623,7 @@ export class Lease {
   /** @type {number} */ #deadline;
   /** @type {AbortController} */ #lostController = new AbortController();
   /** @type {boolean} */ #released = false;
+  /** @type {Promise<void> | null} */ #releasing = null;
   /** @type {Renewer | null} */ #renewer = null;
   /** @type {Promise<void>} settles when the renewal under way, if any, has ended */
   #renewing = Promise.resolve();
@@ -692,12 +693,14 @@ export class Lease {
 
   /**
    * A renewal by key and token through the client that granted this lease: the lease's
-   * own renewal. Resolves to the renewed lease as a new Lease, as a stateless one does.
+   * own renewal. Resolves to this lease: releasing what locks.renew returned releases
+   * it, not a twin whose release left this one to be found lost.
    * @param {number} ttl
    * @returns {Promise<Lease>}
    */
-  [renewByToken](ttl) {
-    return this.#renew(ttl, undefined);
+  async [renewByToken](ttl) {
+    await this.#renew(ttl, undefined);
+    return this;
   }
 
   /**
@@ -749,7 +752,19 @@ export class Lease {
    * as held).
    * @returns {Promise<void>}
    */
-  async release() {
+  release() {
+    // A release under way is awaited, not sent again: the second would be refused
+    // (the first released), and the lease reported lost.
+    if (this.#releasing === null) {
+      this.#releasing = this.#release().finally(() => {
+        this.#releasing = null;
+      });
+    }
+    return this.#releasing;
+  }
+
+  /** @returns {Promise<void>} */
+  async #release() {
     this.#stopRenewing();
     this.#checkHeld('before it was released');
     try {
@@ -868,8 +883,9 @@ export class Lease {
   async [finishLease](fnFailed) {
     this.#stopRenewing();
     if (this.#released) return;
+    const releasing = this.#releasing ?? this.release(); // one that fn started, unawaited
     try {
-      await this.release();
+      await releasing;
     } catch (error) {
       if (!fnFailed) throw error;
     }
@@ -1025,7 +1041,8 @@ export class LockClient {
    * Extends the lease that `token` holds on `key` (stateless: key and token only).
    * Throws LockLost (with the new holder) when the token no longer holds the key.
    * A live lease this client granted to that token is renewed as by lease.renew(): it
-   * takes the new ttl and deadline in, and withLock's renewer of it is re-planned.
+   * takes the new ttl and deadline in, withLock's renewer of it is re-planned, and it
+   * is what this resolves to.
    * @param {string} key
    * @param {string} token
    * @param {{ttl?: number}} [options]
@@ -1304,15 +1321,33 @@ export class LockClient {
         headers: this.#headers(body !== undefined),
         body: body === undefined ? undefined : JSON.stringify(body),
         signal: limit.signal,
+        // A redirect followed turns a POST into a GET without its body (301-303):
+        // named as what it is instead, so that the client is given the right URL.
+        redirect: 'manual',
       });
       text = await response.text();
     } catch (error) {
       if (signal?.aborted) throw signal.reason;
       if (limit.signal.aborted) throw limit.signal.reason;
+      const cause = /** @type {{cause?: {code?: unknown}}} */ (error)?.cause;
+      if (cause?.code === 'UND_ERR_HEADERS_TIMEOUT' || cause?.code === 'UND_ERR_BODY_TIMEOUT') {
+        // Node's fetch gives up on a reply after 300 s of its own: a timeout all the
+        // same (not a connection that failed, which an acquire would send again).
+        const message = `the lock server at ${this.#base} did not answer ${method} ${path} (Node's fetch stops waiting after 300 s)`;
+        throw new StoreError(message, {code: 'timeout', cause: error});
+      }
       const reason = error instanceof Error ? (error.cause instanceof Error ? error.cause.message : error.message) : String(error);
       throw new StoreError(`cannot reach the lock server at ${this.#base}: ${reason}`, {code: 'unreachable', cause: error});
     } finally {
       limit.clear();
+    }
+    if (response.type === 'opaqueredirect' || (response.status >= 300 && response.status < 400)) {
+      const target = response.headers.get('location');
+      const to = target ? ` to ${new URL(target, url).href}` : '';
+      throw new StoreError(
+        `the lock server at ${this.#base} answered ${method} ${path} with a redirect${to}: give the client the URL it redirects to`,
+        {status: response.status},
+      );
     }
     let reply;
     try {

@@ -770,3 +770,59 @@ describe('withLock follows renewals and releases made while fn runs', {skip}, ()
     assert.equal(other.lost, true);
   });
 });
+
+describe('found by review (2026-11-28)', {skip}, () => {
+  test('a second release while the first is under way waits for it: no LockLost, no loss in withLock', async () => {
+    const locks = client();
+    const key = newKey('double-release');
+    const lease = await locks.acquire(key, {timeout: 0});
+    const results = await Promise.allSettled([lease.release(), lease.release()]);
+    assert.deepEqual(results.map((r) => r.status), ['fulfilled', 'fulfilled']);
+    await assert.rejects(lease.release(), /already released/);
+    let lost = false;
+    await locks.withLock(newKey('unawaited-release'), async (held) => {
+      held.signal.addEventListener('abort', () => {
+        lost = true;
+      });
+      void held.release(); // started, not awaited
+    });
+    assert.equal(lost, false);
+  });
+
+  test('renew by token through the client that granted the lease resolves to that lease', async () => {
+    const locks = client({ttl: 2});
+    const key = newKey('renew-itself');
+    let lost = false;
+    await locks.withLock(
+      key,
+      async (lease) => {
+        const renewed = await locks.renew(key, lease.token);
+        assert.equal(renewed, lease);
+        await renewed.release();
+        await sleep(1500); // a renewal would have been due
+      },
+      {onLost: () => (lost = true)},
+    );
+    assert.equal(lost, false);
+  });
+
+  test('a redirect is an error that names its target, not a POST turned GET', async () => {
+    const server = http.createServer((request, response) => {
+      response.writeHead(301, {Location: `${url}${request.url}`});
+      response.end();
+    });
+    await new Promise((resolve) => server.listen(0, '127.0.0.1', resolve));
+    try {
+      const {port} = /** @type {import('node:net').AddressInfo} */ (server.address());
+      const redirected = new LockClient({url: `http://127.0.0.1:${port}`, namespace: 'js-test'});
+      await assert.rejects(redirected.acquire(newKey('redirect'), {timeout: 0}), (error) => {
+        assert.ok(error instanceof StoreError);
+        assert.equal(error.status, 301);
+        assert.match(error.message, /with a redirect to http:\/\/127\.0\.0\.1/);
+        return true;
+      });
+    } finally {
+      server.close();
+    }
+  });
+});
