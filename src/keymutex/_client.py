@@ -52,6 +52,8 @@ from keymutex._store import (
     PartialRenewal,
     RenewRequest,
     Store,
+    StoreOfTheLoop,
+    ThreadedAsyncStore,
     Waiter,
     max_ttl_of,
 )
@@ -1495,9 +1497,17 @@ class AsyncLocks:
         **store_options: object,
     ) -> None:
         self._config = _Config(url, namespace, ttl, owner, asynchronous=True)
-        self._store: AsyncStore = self._config.driver.open_async(
-            self._config.url, namespace=self._config.namespace, options=store_options
-        )
+
+        def open_store() -> AsyncStore:
+            return self._config.driver.open_async(
+                self._config.url, namespace=self._config.namespace, options=store_options
+            )
+
+        store = open_store()
+        # A store of connections made in a loop is opened again in the next loop.
+        self._store: AsyncStore = store
+        if not isinstance(store, ThreadedAsyncStore):
+            self._store = StoreOfTheLoop(store, open_store)
         self._gate: AsyncKeyedLock = AsyncKeyedLock()
         self._renewer = _AsyncRenewer(self._store)
         self._at_store = _StoreCalls("AsyncLocks", self._store.aclose)

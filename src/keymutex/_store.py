@@ -26,6 +26,7 @@ translated by ``translate_errors`` in the store module, never leaked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -338,3 +339,92 @@ class ThreadedAsyncStore:
         if self._running:
             await asyncio.wait(set(self._running))
         await self._call(self._store.close)
+
+
+class StoreOfTheLoop:
+    """An ``AsyncStore`` opened again in an event loop after the one it was used in has
+    closed.
+
+    The connections of ``redis.asyncio`` and ``httpx`` belong to the loop that made
+    them: an ``AsyncLocks`` used by one ``asyncio.run`` after another (a module-level
+    client; pytest-asyncio's loop per test) failed in the second with ``RuntimeError:
+    Event loop is closed``. Each step asks for the store of the running loop; once the
+    loop of the store in hand has closed, a new one is opened, and the old one closed
+    as far as it can be without its loop, in the background. Tokens work from any
+    store instance, so leases granted in the earlier loop are renewed and released in
+    the next. Stores that keep nothing of a loop (``ThreadedAsyncStore``) need none
+    of this.
+    """
+
+    def __init__(self, store: AsyncStore, open_store: Callable[[], AsyncStore]) -> None:
+        self._open = open_store
+        self._store = store
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._store.capabilities
+
+    @capabilities.setter
+    def capabilities(self, value: Capabilities) -> None:
+        self._store.capabilities = value
+
+    def _here(self) -> AsyncStore:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            if self._loop is not None and self._loop.is_closed():
+                old, self._store = self._store, self._open()
+                task = asyncio.ensure_future(_close_quietly(old))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            self._loop = loop
+        return self._store
+
+    def __getattr__(self, name: str) -> Any:  # a store's own extras (tests, the CLI)
+        return getattr(self._store, name)
+
+    async def try_acquire(
+        self,
+        key: str,
+        *,
+        token: str,
+        ttl: float,
+        owner: str,
+        info: dict[str, Any] | None,
+        steal: bool,
+        waiter: AsyncWaiter | None,
+    ) -> Outcome:
+        return await self._here().try_acquire(
+            key, token=token, ttl=ttl, owner=owner, info=info, steal=steal, waiter=waiter
+        )
+
+    async def renew(self, key: str, token: str, ttl: float) -> Outcome:
+        return await self._here().renew(key, token, ttl)
+
+    async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
+        return await self._here().renew_many(requests)
+
+    async def release(self, key: str, token: str) -> Outcome:
+        return await self._here().release(key, token)
+
+    async def holder(self, key: str) -> Holder | None:
+        return await self._here().holder(key)
+
+    async def holders(self, prefix: str) -> list[Holder]:
+        return await self._here().holders(prefix)
+
+    async def waiter(self, key: str) -> AsyncWaiter:
+        return await self._here().waiter(key)
+
+    async def aclose(self) -> None:
+        store = self._here()
+        if self._closing:
+            await asyncio.wait(self._closing)
+        await store.aclose()
+
+
+async def _close_quietly(store: AsyncStore) -> None:
+    """Close a store whose loop has ended: what needed that loop fails, and is let be."""
+    with contextlib.suppress(Exception):  # its connections went with their loop
+        await store.aclose()

@@ -357,6 +357,11 @@ class LocksMachine(RuleBasedStateMachine):
             self._expect(Expect(False, self.model.live(key)), what, key, call)
             return multiple()
         lease = self._expect(Expect(True), what, key, call)
+        for known in self.tracked:
+            if known.lease is lease:  # the client's own live lease, which it answers
+                assert known.view.client == client
+                assert known.view.deadline == grant.expires  # extended by the model too
+                return known
         # The lease keeps its owner and fence: renewing from elsewhere changes neither.
         assert (lease.key, lease.fence, lease.owner, lease.info) == (
             key,

@@ -732,7 +732,7 @@ def interleave_async(
     locks: keymutex.AsyncLocks,
     between: Callable[[], Awaitable[object]],
 ) -> Interleaving:
-    store = locks._store
+    store = locks._store._store  # type: ignore[attr-defined] # within StoreOfTheLoop
     assert isinstance(store, etcd_store.AsyncEtcdStore)
     client = store._transport._client
     post = client.post

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import threading
 import time
@@ -1044,3 +1045,39 @@ def test_an_exception_a_signal_handler_raises_while_waiting_reaches_the_caller(
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # the first loop's sockets
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_async_client_works_in_one_event_loop_after_another(
+    redis_url: str, namespace: str
+) -> None:
+    """Found by review: an ``AsyncLocks`` used by a second ``asyncio.run`` (a
+    module-level client; pytest-asyncio's loop per test) failed with ``RuntimeError:
+    Event loop is closed``: redis.asyncio's connections belong to the first loop. The
+    store is opened again in the next loop (``StoreOfTheLoop``); a lease granted in the
+    first is renewed and released in the second."""
+    locks = keymutex.AsyncLocks(redis_url, namespace=namespace)
+
+    async def first() -> keymutex.AsyncLease:
+        return await locks.acquire("kept", ttl=5.0, timeout=0)
+
+    async def second(kept: keymutex.AsyncLease) -> None:
+        await kept.renew()
+        await (await locks.acquire("k", timeout=0)).release()
+
+        async def hold() -> None:
+            held = await locks.acquire("w", timeout=0)
+            await asyncio.sleep(0.2)
+            await held.release()
+
+        holding = asyncio.create_task(hold())
+        await asyncio.sleep(0.05)
+        await (await locks.acquire("w", timeout=5.0)).release()  # waits, woken
+        await holding
+        await kept.release()
+
+    kept = asyncio.run(first())
+    asyncio.run(second(kept))
+    asyncio.run(locks.aclose())
+    gc.collect()  # the first loop's sockets, which cannot be closed without it: here
