@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -342,24 +343,25 @@ class ThreadedAsyncStore:
 
 
 class StoreOfTheLoop:
-    """An ``AsyncStore`` opened again in an event loop after the one it was used in has
-    closed.
+    """An ``AsyncStore`` of its own for each event loop it is used in.
 
     The connections of ``redis.asyncio`` and ``httpx`` belong to the loop that made
     them: an ``AsyncLocks`` used by one ``asyncio.run`` after another (a module-level
-    client; pytest-asyncio's loop per test) failed in the second with ``RuntimeError:
-    Event loop is closed``. Each step asks for the store of the running loop; once the
-    loop of the store in hand has closed, a new one is opened, and the old one closed
-    as far as it can be without its loop, in the background. Tokens work from any
-    store instance, so leases granted in the earlier loop are renewed and released in
-    the next. Stores that keep nothing of a loop (``ThreadedAsyncStore``) need none
-    of this.
+    client; pytest-asyncio's loop per test), or by loops of its own in threads, failed
+    in the second with ``RuntimeError: Event loop is closed`` or "attached to a
+    different loop". Each step takes the store of the running loop, opened at its
+    first step there; the stores of loops that have closed are closed as far as they
+    can be without their loop, in the background. Tokens work from any store
+    instance, so leases granted in one loop are renewed and released in the next.
+    Stores that keep nothing of a loop (``ThreadedAsyncStore``) need none of this.
     """
 
     def __init__(self, store: AsyncStore, open_store: Callable[[], AsyncStore]) -> None:
         self._open = open_store
-        self._store = store
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._unused: AsyncStore | None = store  # opened already, for the first loop
+        self._store = store  # the one used last: its capabilities, its extras
+        self._stores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncStore]
+        self._stores = weakref.WeakKeyDictionary()
         self._closing: set[asyncio.Task[None]] = set()
 
     @property
@@ -372,14 +374,16 @@ class StoreOfTheLoop:
 
     def _here(self) -> AsyncStore:
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            if self._loop is not None and self._loop.is_closed():
-                old, self._store = self._store, self._open()
-                task = asyncio.ensure_future(_close_quietly(old))
+        store = self._stores.get(loop)
+        if store is None:
+            store, self._unused = self._unused or self._open(), None
+            self._stores[loop] = store
+            for ended in [x for x in self._stores if x.is_closed()]:
+                task = asyncio.ensure_future(_close_quietly(self._stores.pop(ended)))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            self._loop = loop
-        return self._store
+        self._store = store
+        return store
 
     def __getattr__(self, name: str) -> Any:  # a store's own extras (tests, the CLI)
         return getattr(self._store, name)
@@ -418,10 +422,17 @@ class StoreOfTheLoop:
         return await self._here().waiter(key)
 
     async def aclose(self) -> None:
-        store = self._here()
+        """Close the store of the running loop (and those of closed loops). The stores
+        of other loops still open are theirs: closed when collected."""
+        loop = asyncio.get_running_loop()
+        for ended in [x for x in self._stores if x.is_closed()]:
+            await _close_quietly(self._stores.pop(ended))
         if self._closing:
             await asyncio.wait(self._closing)
-        await store.aclose()
+        store = self._stores.pop(loop, None) or self._unused
+        self._unused = None
+        if store is not None:
+            await store.aclose()
 
 
 async def _close_quietly(store: AsyncStore) -> None:

@@ -110,7 +110,9 @@ class _Failure(click.ClickException):
     """Ends the command: ``keymutex: <message>`` on stderr, exit with ``exit_code``."""
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"keymutex: {self.format_message()}", err=True, file=file)
+        # Unwritable stderr: the exit status (69, 75, ...) still says what happened.
+        with contextlib.suppress(OSError, ValueError):
+            click.echo(f"keymutex: {self.format_message()}", err=True, file=file)
 
 
 class _Unavailable(_Failure):
@@ -938,6 +940,14 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _tell(message: str) -> None:
+    """A line for the user on stderr, from ``run``: a stderr that cannot be written (a
+    full disk, a reader gone) must not stop what ``run`` does next (send SIGTERM to a
+    command whose lease was lost), nor change its exit status."""
+    with contextlib.suppress(OSError, ValueError):
+        click.echo(message, err=True)
+
+
 class _Run:
     """One ``keymutex run``: wait for the lock, run the child, forward signals.
 
@@ -989,10 +999,9 @@ class _Run:
         """Exit at once, 128+N: the release waits for a store that does not answer (a
         closing client would wait for it too, and so would the interpreter's exit, for
         the thread it runs in). The lease expires by its TTL."""
-        click.echo(
+        _tell(
             f"keymutex: {signal.Signals(signum).name} while releasing {self.key!r} after"
-            f" {self.name} ended; the lease expires by its TTL",
-            err=True,
+            f" {self.name} ended; the lease expires by its TTL"
         )
         _die_by(signum)
         os._exit(128 + signum)
@@ -1008,12 +1017,11 @@ class _Run:
         process = self.process
         if self.phase != "running" or process is None or process.returncode is not None:
             return  # not started yet (it will not be), or already ended
-        click.echo(
+        _signal(process, signal.SIGTERM, descendants=True)  # first: whatever stderr does
+        _tell(
             f"keymutex: warning: lost the lock on {self.key!r} while {self.name} runs;"
-            f" sending SIGTERM to it (pid {process.pid}) and the processes it started",
-            err=True,
+            f" sent SIGTERM to it (pid {process.pid}) and the processes it started"
         )
-        _signal(process, signal.SIGTERM, descendants=True)
 
     async def main(
         self, open_locks: Callable[[], AsyncLocks], ttl: float | None, timeout: float | None
@@ -1031,10 +1039,9 @@ class _Run:
         except asyncio.CancelledError:
             if self.interrupted_by is None:
                 raise
-            click.echo(
+            _tell(
                 f"keymutex: {signal.Signals(self.interrupted_by).name} while waiting for"
-                f" {self.key!r}; {self.name} was not started",
-                err=True,
+                f" {self.key!r}; {self.name} was not started"
             )
             return 128 + self.interrupted_by
         finally:
@@ -1056,7 +1063,7 @@ class _Run:
                 raise self._not_acquired(exc, timeout) from exc
             if not self.quiet:
                 holder = "" if exc.holder is None else f", held by {_describe(exc.holder)}"
-                click.echo(f"keymutex: waiting for {self.key!r}{holder}", err=True)
+                _tell(f"keymutex: waiting for {self.key!r}{holder}")
         remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
         try:
             return await locks.acquire(
@@ -1084,10 +1091,9 @@ class _Run:
         except StoreError as exc:
             # Only the release failed: the lease expires by its TTL, and the
             # command's status is still the answer.
-            click.echo(
+            _tell(
                 f"keymutex: warning: could not release {self.key!r} ({exc});"
-                " it is freed when its lease expires",
-                err=True,
+                " it is freed when its lease expires"
             )
         finally:
             self.phase = "done"
@@ -1099,9 +1105,8 @@ class _Run:
             if self.process is None
             else f"{self.name} exited with status {status}"
         )
-        click.echo(
-            f"keymutex: the lock on {self.key!r} was lost{holder}; {ran}; exit status {EX_SOFTWARE}",
-            err=True,
+        _tell(
+            f"keymutex: the lock on {self.key!r} was lost{holder}; {ran}; exit status {EX_SOFTWARE}"
         )
         return EX_SOFTWARE
 
@@ -1140,13 +1145,13 @@ class _Run:
                     "/bin/sh", *script, env=env, preexec_fn=orphaned
                 )
         except FileNotFoundError:
-            click.echo(f"keymutex: {self.name}: command not found{self._key_hint()}", err=True)
+            _tell(f"keymutex: {self.name}: command not found{self._key_hint()}")
             return EX_NOTFOUND
         except PermissionError:
-            click.echo(f"keymutex: {self.name}: permission denied", err=True)
+            _tell(f"keymutex: {self.name}: permission denied")
             return EX_NOEXEC
         except OSError as exc:
-            click.echo(f"keymutex: {self.name}: cannot execute: {exc.strerror or exc}", err=True)
+            _tell(f"keymutex: {self.name}: cannot execute: {exc.strerror or exc}")
             return EX_NOEXEC
         self.process = process
         self.phase = "running"

@@ -419,6 +419,32 @@ def script_running(child: list[str], *args: str) -> list[str]:
     return ["sh", "-c", f"{shlex.join([*child, *args])}; true"]
 
 
+def test_a_lost_lease_stops_the_command_even_when_stderr_cannot_be_written(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str]
+) -> None:
+    """Found by review: with stderr on a full disk (or a pipe whose reader left), the
+    warning before the SIGTERM failed, and the SIGTERM was never sent: the command ran
+    on beside the next holder, and keymutex exited 74, not 70."""
+    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
+    args = [*child, "--log", str(log), "S", "--trap", "SIGTERM", "0"]
+    with open("/dev/full", "w") as full:
+        holder = subprocess.Popen(
+            [*KEYMUTEX, "run", "job", "--store", store, "--ttl", "120", "--",
+             *args, "--ready", str(ready), "--wait", str(go)],
+            env=env, stderr=full, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for_file(ready)
+        keymutex("release", "job", "--force", "--store", store, env=env)
+        wait_for_line(log, "got SIGTERM")
+        assert holder.wait(WAIT) == 70
+    finally:
+        go.touch()
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
 def test_keymutex_killed_with_sigkill_takes_its_command_along(
     tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
 ) -> None:

@@ -1081,3 +1081,30 @@ def test_an_async_client_works_in_one_event_loop_after_another(
     asyncio.run(second(kept))
     asyncio.run(locks.aclose())
     gc.collect()  # the first loop's sockets, which cannot be closed without it: here
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_async_client_works_in_loops_that_were_not_closed(
+    redis_url: str, namespace: str
+) -> None:
+    """Found by review: a loop left open (``run_until_complete`` on new loops, or loops
+    in threads) kept its store, which the next loop then used: "attached to a different
+    loop". Each loop has a store of its own."""
+    clients = [keymutex.AsyncLocks(redis_url, namespace=namespace)]
+    loops = [asyncio.new_event_loop() for _ in range(3)]
+
+    async def use(n: int) -> None:
+        await (await clients[0].acquire(f"k{n}", timeout=0)).release()
+
+    try:
+        for n, loop in enumerate(loops):
+            loop.run_until_complete(use(n))
+        loops[-1].run_until_complete(clients[0].aclose())
+    finally:
+        for loop in loops:
+            loop.close()
+    clients.clear()
+    loops.clear()
+    del loop
+    gc.collect()  # the stores of the other loops, closed with their sockets: here
