@@ -196,6 +196,30 @@ def test_a_window_that_lost_its_lock_says_when_the_document_is_free_again(
     expect(alice.locator("#state")).to_have_text("Editing as Alice")
 
 
+def test_a_window_shown_free_names_whoever_takes_the_document_next(
+    server: Server, store: str, windows: Windows
+) -> None:
+    """Found by review (2026-11-28): a window that had shown "The document is free
+    now" stopped following the key, and went on saying "free" while Carol edited."""
+    url = f"{server.url}/demo/edit/doc%3Afree-then-taken"
+    alice = windows.open("Alice")
+    start_editing(alice, url, "Alice")
+    expect(alice.locator("#state")).to_have_text("Editing as Alice")
+    bob = windows.open("Bob")
+    start_editing(bob, url, "Bob")
+    bob.click("#take-over")
+    expect(alice.locator("#state")).to_have_text("Your lock was taken over by Bob", timeout=10_000)
+    bob.click("#stop")
+    expect(alice.locator("#state")).to_have_text("The document is free now", timeout=10_000)
+    with keymutex.Locks(store, owner="Carol") as locks:
+        lease = locks.acquire("doc:free-then-taken", timeout=0)
+        try:
+            expect(alice.locator("#state")).to_contain_text("Carol", timeout=10_000)
+            expect(alice.locator("#take-over")).to_be_visible()
+        finally:
+            lease.release()
+
+
 # ---------------------------------------------------------------------------------------
 # The dashboard: force release
 

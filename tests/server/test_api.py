@@ -325,7 +325,9 @@ async def test_made_up_methods_share_one_metrics_label(api: httpx.AsyncClient) -
 
 
 async def test_pages_and_static_files(api: httpx.AsyncClient) -> None:
-    for path, name in [("/", "index.html"), ("/demo/edit/doc%3A42", "edit.html")]:
+    pages = [("/", "index.html"), ("/demo/edit/doc%3A42", "edit.html")]
+    pages.append(("/demo/edit/line1%0Aline2", "edit.html"))  # was a 404: a newline in a key
+    for path, name in pages:
         reply = await api.get(path)
         if (STATIC / name).is_file():
             assert reply.status_code == 200

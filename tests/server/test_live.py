@@ -16,6 +16,7 @@ import pytest
 
 import keymutex
 from keymutex._store import Capabilities
+from keymutex.server._app import HEARTBEAT
 
 from .conftest import ADMIN_TOKEN, EDITOR_TOKEN, Live, bearer, write_tokens
 
@@ -92,6 +93,27 @@ def test_event_stream_sends_a_snapshot_after_a_change(http: httpx.Client) -> Non
         assert time.monotonic() - changed_at < 1.5  # within 1 s of a change (+ slack)
         assert [h["key"] for h in snapshot["holders"]] == ["doc:7"]
         assert snapshot["holders"][0]["info"] == {"who": "me"}
+
+
+def test_event_stream_sends_a_snapshot_after_a_renewal(http: httpx.Client) -> None:
+    """Found by review: renewals sent no event, so a dashboard counted a short lease
+    down from a snapshot up to 5 s old and showed it expired while it was renewed."""
+    with httpx.Client(base_url=str(http.base_url)) as other:
+        lease = _acquire(other, "renewed:1")
+        with http.stream("GET", "/v1/events", params={"prefix": "renewed:"}) as stream:
+            lines = stream.iter_lines()
+            first = _next_event(lines)
+            assert [h["key"] for h in first["holders"]] == ["renewed:1"]
+            started = time.monotonic()
+            for _ in range(3):  # the event of each renewal, not the heartbeat's (4 s)
+                reply = other.post(
+                    "/v1/renew", json={"key": "renewed:1", "token": lease["token"], "ttl": 90}
+                )
+                assert reply.status_code == 200, reply.text
+                snapshot = _next_event(lines)
+                assert snapshot["holders"][0]["expires_at"] > first["holders"][0]["expires_at"]
+                first = snapshot
+            assert time.monotonic() - started < HEARTBEAT  # not three heartbeats
 
 
 def test_head_of_the_event_stream_is_its_headers_and_ends(http: httpx.Client) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from starlette.applications import Starlette
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -79,6 +80,16 @@ HEARTBEAT = 4.0  # seconds between event-stream snapshots when nothing changes (
 COALESCE = 0.1  # after a change, an event stream waits this long: one snapshot per burst
 FORCE_RELEASE_TTL = 5.0  # the lease force-release takes over, then gives back at once
 HEALTH_KEY = "keymutex:healthz"  # read (never written) by /healthz to reach the store
+
+
+class _KeyConvertor(PathConvertor):
+    """A key in a page's path: any characters, a newline too (``path`` stops at one,
+    so the edit page of such a key, which the API takes, was a 404)."""
+
+    regex = r"[\s\S]*"
+
+
+register_url_convertor("keymutex_key", _KeyConvertor())
 
 
 # Built once: ``json.dumps`` with options builds a new encoder per call.
@@ -543,6 +554,7 @@ class _Server:
             except LockLost as exc:
                 raise self.lost(namespace, exc) from None
         self.metrics.renewals.labels(self.metrics.namespace(namespace)).inc()
+        self.changes.renewed(namespace)
         return JSONResponse(self.lease_json(lease, ttl, received))
 
     def lost(self, namespace: str, exc: LockLost) -> ApiError:
@@ -576,6 +588,7 @@ class _Server:
                     shown["expires_in"] = min(ttl, outcome.remaining)
                 results.append({**shown, "token": token, "ttl": ttl})
                 self.metrics.renewals.labels(self.metrics.namespace(namespace)).inc()
+                self.changes.renewed(namespace)
             else:
                 self.metrics.lost.labels(self.metrics.namespace(namespace)).inc()
                 results.append(
@@ -872,7 +885,7 @@ class _Server:
             Route("/metrics", self.metrics_page, methods=get),
             Route("/openapi.json", self.openapi, methods=get),
             Route("/", self.page("index.html"), methods=get),
-            Route("/demo/edit/{key:path}", self.page("edit.html"), methods=get),
+            Route("/demo/edit/{key:keymutex_key}", self.page("edit.html"), methods=get),
             Mount(
                 "/static",
                 # keymutex.js links to clients/js/keymutex.js in a checkout (a wheel has

@@ -66,6 +66,11 @@ class Changes:
         self.keys.fire((namespace, key))
         self.namespaces.fire(namespace)
 
+    def renewed(self, namespace: str) -> None:
+        """A lease's expiry moved: event streams show it (dashboards count down from
+        the last snapshot); long polls on its key have nothing to learn."""
+        self.namespaces.fire(namespace)
+
     @contextlib.contextmanager
     def waiting_on(self, namespace: str, key: str) -> Iterator[None]:
         """Count a request as waiting on ``key`` for the block (shown by holders, events)."""

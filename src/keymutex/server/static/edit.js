@@ -8,6 +8,7 @@ import {LockClient, LockLost, Locked, Unauthorized} from './keymutex.js';
 
 const TTL = 15; // seconds: how long a crashed tab blocks the document
 const HEARTBEAT_MS = 5000; // three heartbeats per ttl, so one lost request costs nothing
+const FREE_RECHECK_MS = 2000; // a lost lock's tab, shown "free": looks again this often
 // Less than this many seconds left on the lease means that no heartbeat got through for
 // TTL/2 (a slow or unreachable server, or requests queued behind the browser's six
 // connections per server): the page warns and pauses editing until one does.
@@ -278,6 +279,7 @@ async function follow(holder, gone = null) {
   if (!signal) return;
   const locks = /** @type {LockClient} */ (client);
   let current = holder;
+  let freeShown = false;
   while (!signal.aborted) {
     try {
       if (current === null) current = await locks.holder(key); // expired: held by someone?
@@ -290,11 +292,17 @@ async function follow(holder, gone = null) {
       }
       watched = current;
       if (current === null) {
-        watching = null;
-        following = false;
-        show('lost', 'The document is free now', 'Your lock was lost: what you typed since was not saved here. Edit again to take the lock.', {editAgain: true});
-        return;
+        if (!freeShown) {
+          show('lost', 'The document is free now', 'Your lock was lost: what you typed since was not saved here. Edit again to take the lock.', {editAgain: true});
+          freeShown = true;
+        }
+        // Still followed: another tab may take it first (a waiting one, at once), and
+        // this one must not go on saying "free" (a wait on a free key answers at once).
+        holder = null;
+        await sleep(FREE_RECHECK_MS, signal);
+        continue;
       }
+      freeShown = false;
       if (holder === null || current.fence !== holder.fence) {
         show('lost', `Your lock was lost; ${who(current)} holds it now`, 'Editing is disabled: your changes here would overwrite theirs.', {takeOver: true});
       }
@@ -340,6 +348,7 @@ async function watch(holder) {
   if (!signal) return;
   const locks = /** @type {LockClient} */ (client);
   let current = holder;
+  let unreached = false; // the last request failed: the page says so
   while (!signal.aborted) {
     try {
       if (current === null) {
@@ -368,6 +377,16 @@ async function watch(holder) {
         editing();
         return;
       }
+      if (unreached) {
+        // Back after a failure: say who holds it now, not after the next long poll
+        // (up to 30 s, the "cannot reach" message shown all along).
+        current = await locks.holder(key);
+        unreached = false;
+        if (signal.aborted) return;
+        watched = current;
+        lockedBy(current);
+        if (current === null) continue;
+      }
       const result = await locks.wait(key, current.fence, 30, {signal});
       current = result.holder;
       if (signal.aborted) return;
@@ -380,6 +399,7 @@ async function watch(holder) {
         return;
       }
       view.detail.textContent = `${unreachable(error.message)}; retrying…`;
+      unreached = true;
       await sleep(2000, signal);
     }
   }
