@@ -170,13 +170,9 @@ def test_edit_page_shows_a_name_or_namespace_too_long_and_keeps_its_form(
         assert locks.holder("doc:ns") is None
 
 
-def test_a_window_that_lost_its_lock_says_when_the_document_is_free_again(
-    server: Server, store: str, windows: Windows
-) -> None:
-    """Found trying the demo: after Bob took over and then left, Alice's window still
-    said "taken over by Bob … your changes would overwrite theirs", offering to take
-    over a document nobody held. It follows the key now, and never takes it by itself."""
-    url = f"{server.url}/demo/edit/doc%3Afree"
+def _taken_over_then_freed(server: Server, windows: Windows, quoted_key: str) -> Page:
+    """Alice edits; Bob takes over, then stops: Alice's window, which says it is free."""
+    url = f"{server.url}/demo/edit/{quoted_key}"
     alice = windows.open("Alice")
     start_editing(alice, url, "Alice")
     expect(alice.locator("#state")).to_have_text("Editing as Alice")
@@ -187,6 +183,16 @@ def test_a_window_that_lost_its_lock_says_when_the_document_is_free_again(
     expect(alice.locator("#state")).to_have_text("Your lock was taken over by Bob", timeout=10_000)
     bob.click("#stop")  # Bob is done: the document is free
     expect(alice.locator("#state")).to_have_text("The document is free now", timeout=10_000)
+    return alice
+
+
+def test_a_window_that_lost_its_lock_says_when_the_document_is_free_again(
+    server: Server, store: str, windows: Windows
+) -> None:
+    """Found trying the demo: after Bob took over and then left, Alice's window still
+    said "taken over by Bob … your changes would overwrite theirs", offering to take
+    over a document nobody held. It follows the key now, and never takes it by itself."""
+    alice = _taken_over_then_freed(server, windows, "doc%3Afree")
     expect(alice.locator("#edit-again")).to_be_visible()
     expect(alice.locator("#take-over")).to_be_hidden()
     with keymutex.Locks(store) as locks:
@@ -201,16 +207,7 @@ def test_a_window_shown_free_names_whoever_takes_the_document_next(
 ) -> None:
     """Found by review (2026-11-28): a window that had shown "The document is free
     now" stopped following the key, and went on saying "free" while Carol edited."""
-    url = f"{server.url}/demo/edit/doc%3Afree-then-taken"
-    alice = windows.open("Alice")
-    start_editing(alice, url, "Alice")
-    expect(alice.locator("#state")).to_have_text("Editing as Alice")
-    bob = windows.open("Bob")
-    start_editing(bob, url, "Bob")
-    bob.click("#take-over")
-    expect(alice.locator("#state")).to_have_text("Your lock was taken over by Bob", timeout=10_000)
-    bob.click("#stop")
-    expect(alice.locator("#state")).to_have_text("The document is free now", timeout=10_000)
+    alice = _taken_over_then_freed(server, windows, "doc%3Afree-then-taken")
     with keymutex.Locks(store, owner="Carol") as locks:
         lease = locks.acquire("doc:free-then-taken", timeout=0)
         try:
