@@ -53,7 +53,6 @@ from keymutex._store import (
     RenewRequest,
     Store,
     StoreOfTheLoop,
-    ThreadedAsyncStore,
     Waiter,
     max_ttl_of,
 )
@@ -1504,9 +1503,9 @@ class AsyncLocks:
             )
 
         store = open_store()
-        # A store of connections made in a loop is opened again in the next loop.
+        # A store whose connections belong to a loop has a store of its own per loop.
         self._store: AsyncStore = store
-        if not isinstance(store, ThreadedAsyncStore):
+        if getattr(store, "loop_bound", False):
             self._store = StoreOfTheLoop(store, open_store)
         self._gate: AsyncKeyedLock = AsyncKeyedLock()
         self._renewer = _AsyncRenewer(self._store)

@@ -1732,6 +1732,10 @@ class EtcdStore:
 class AsyncEtcdStore:
     """The etcd store for one namespace (asyncio, on ``httpx.AsyncClient``)."""
 
+    # Its connections belong to the event loop that made them: an AsyncLocks used by
+    # one loop after another opens a store of its own in each (_store.StoreOfTheLoop).
+    loop_bound = True
+
     capabilities = CAPABILITIES
 
     def __init__(self, target: _Target, namespace: str) -> None:

@@ -583,6 +583,10 @@ class _AsyncHttpWaiter(_WaiterState):
 class AsyncHttpStore:
     """The ``http://`` store for one namespace, for asyncio: one ``httpx.AsyncHTTPTransport``."""
 
+    # Its connections belong to the event loop that made them: an AsyncLocks used by
+    # one loop after another opens a store of its own in each (_store.StoreOfTheLoop).
+    loop_bound = True
+
     def __init__(self, base_url: str, namespace: str, *, api_token: str | None, timeout: float):
         self.capabilities = CAPABILITIES
         self._base_url = base_url

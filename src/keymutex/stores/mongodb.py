@@ -708,6 +708,10 @@ class _AsyncWatcher:
 class AsyncMongoStore:
     """The MongoDB store for asyncio, on pymongo's native ``AsyncMongoClient``."""
 
+    # Its connections belong to the event loop that made them: an AsyncLocks used by
+    # one loop after another opens a store of its own in each (_store.StoreOfTheLoop).
+    loop_bound = True
+
     def __init__(self, client: AsyncMongoClient[Any], target: Target, namespace: str) -> None:
         self._client = client
         self._namespace = namespace

@@ -1670,6 +1670,10 @@ class RedisStore:
 class AsyncRedisStore:
     """The Redis store for one namespace (asyncio, on ``redis.asyncio``)."""
 
+    # Its connections belong to the event loop that made them: an AsyncLocks used by
+    # one loop after another opens a store of its own in each (_store.StoreOfTheLoop).
+    loop_bound = True
+
     capabilities = CAPABILITIES
 
     def __init__(
