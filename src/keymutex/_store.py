@@ -390,20 +390,8 @@ class StoreOfTheLoop:
     def __getattr__(self, name: str) -> Any:  # a store's own extras (tests, the CLI)
         return getattr(self._store, name)
 
-    async def try_acquire(
-        self,
-        key: str,
-        *,
-        token: str,
-        ttl: float,
-        owner: str,
-        info: dict[str, Any] | None,
-        steal: bool,
-        waiter: AsyncWaiter | None,
-    ) -> Outcome:
-        return await self._here().try_acquire(
-            key, token=token, ttl=ttl, owner=owner, info=info, steal=steal, waiter=waiter
-        )
+    async def try_acquire(self, key: str, **arguments: Any) -> Outcome:
+        return await self._here().try_acquire(key, **arguments)
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
         return await self._here().renew(key, token, ttl)
