@@ -445,20 +445,29 @@ def test_a_lost_lease_stops_the_command_even_when_stderr_cannot_be_written(
             holder.wait()
 
 
+def _running_a_trapping_command(
+    tmp_path: Path, store: str, child: list[str], background: Any
+) -> tuple[Any, Path, Path]:
+    """``run job`` (TTL 120 s: renewed every 40 s) of a command that logs a SIGTERM and
+    waits for ``go``, started: (keymutex, the command's log, ``go``)."""
+    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
+    holder = background(
+        "run", "job", "--store", store, "--ttl", "120", "--",
+        *child, "--log", str(log), "C", "--trap", "SIGTERM", "0",
+        "--ready", str(ready), "--wait", str(go),
+    )  # fmt: skip
+    wait_for_file(ready)
+    return holder, log, go
+
+
 def test_keymutex_killed_with_sigkill_takes_its_command_along(
     tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
 ) -> None:
     """Found by review: ``keymutex run`` killed with SIGKILL (the OOM killer) could
     neither renew nor tell its command, which ran on past the TTL beside the next
     holder. The command now gets SIGTERM when keymutex dies (Linux: PR_SET_PDEATHSIG)."""
-    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
-    holder = background(
-        "run", "job", "--store", store, "--ttl", "120", "--",
-        *child, "--log", str(log), "K", "--trap", "SIGTERM", "0",
-        "--ready", str(ready), "--wait", str(go),
-    )  # fmt: skip
+    holder, log, go = _running_a_trapping_command(tmp_path, store, child, background)
     try:
-        wait_for_file(ready)
         os.kill(holder.pid, signal.SIGKILL)
         wait_for_line(log, "got SIGTERM")
     finally:
@@ -472,14 +481,8 @@ def test_a_force_release_stops_the_command_within_seconds_not_at_the_next_renewa
     of it only at its next renewal, TTL/3 later (here 40 s; 10 s by default): its
     command ran on that long beside the next holder. It now renews every second while
     its command runs."""
-    log, ready, go = tmp_path / "log", tmp_path / "ready", tmp_path / "go"
-    holder = background(
-        "run", "job", "--store", store, "--ttl", "120", "--",
-        *child, "--log", str(log), "F", "--trap", "SIGTERM", "0",
-        "--ready", str(ready), "--wait", str(go),
-    )  # fmt: skip
+    holder, log, go = _running_a_trapping_command(tmp_path, store, child, background)
     try:
-        wait_for_file(ready)
         released = time.monotonic()
         keymutex("release", "job", "--force", "--store", store, env=env)
         wait_for_line(log, "got SIGTERM")  # WAIT (20 s) is half the renewal interval
