@@ -74,7 +74,7 @@ export class Lease {
   readonly ttl: number;
   readonly acquiredAt: number;
   readonly expiresAt: number;
-  /** Seconds left on this process's monotonic clock; never more than the server granted. */
+  /** Seconds left on this process's monotonic clock (time suspended counted); never more than the server granted. */
   readonly remaining: number;
   /** True once the lease is known gone, or its local deadline has passed; a lost lease is never revived. */
   readonly lost: boolean;

@@ -1,7 +1,8 @@
 // keymutex-client: lease locks on a keymutex lock server, over its HTTP API (v1).
 //
 // One ES module without dependencies, for Node >= 18 and browsers (it only needs
-// fetch, AbortController, TextEncoder, performance.now, btoa and crypto.getRandomValues).
+// fetch, AbortController, TextEncoder, performance.now, Date.now, btoa and
+// crypto.getRandomValues).
 // The lock server serves this very file as /static/keymutex.js
 // (src/keymutex/server/static/ links here).
 //
@@ -513,7 +514,26 @@ function sleep(ms, signal) {
   });
 }
 
-const now = () => performance.now();
+/**
+ * The clock of every time decision, in ms: performance.now(), moved on by the time the
+ * machine spent suspended. performance.now() stops during a suspend in Node and in
+ * Chromium on Linux and macOS, while the server's TTLs run on: a lease must be found
+ * lost when the machine wakes, not a TTL later. A suspend shows as the wall clock
+ * (Date.now) getting ahead of performance.now(); a lead of more than SUSPEND_MS is
+ * added to this clock. A wall clock set back is ignored (the lead shrinks, and is
+ * measured from there); one set forward by more than SUSPEND_MS ends leases early, on
+ * the safe side. Never goes back.
+ */
+const SUSPEND_MS = 1000;
+let wallLead = Date.now() - performance.now();
+let suspended = 0;
+const now = () => {
+  const perf = performance.now();
+  const lead = Date.now() - perf;
+  if (lead - wallLead > SUSPEND_MS) suspended += lead - wallLead;
+  if (lead - wallLead > SUSPEND_MS || lead < wallLead) wallLead = lead;
+  return perf + suspended;
+};
 
 /**
  * A signal that aborts when `signal` does (with its reason), or after `ms` (with
@@ -605,7 +625,7 @@ const forgetLease = Symbol('forgetLease');
 /**
  * withLock's renewer of a lease, while it runs: stop() ends it; replan(sentAt) plans the
  * next renewal and the deadline watch anew after a renewal whose request was sent at
- * `sentAt` (performance.now()).
+ * `sentAt` (on the clock `now()`).
  * @typedef {{stop: () => void, replan: (sentAt: number) => void}} Renewer
  */
 
@@ -613,7 +633,8 @@ const forgetLease = Symbol('forgetLease');
  * A granted lock. `token` is the secret that proves ownership: whoever has key and
  * token may renew or release, from any process (the server asks nothing else); through
  * the LockClient that granted it, such a call is this Lease's own renew() or release().
- * `remaining` counts down on this process's monotonic clock from *before* the request
+ * `remaining` counts down on this process's monotonic clock (which counts time
+ * suspended too) from *before* the request
  * that granted or renewed the lease, so it is never more than the server granted.
  * `signal` is aborted (with a LockLost as reason) once the lease is known lost. A lease
  * once lost is never revived.
@@ -631,7 +652,7 @@ export class Lease {
   /**
    * @param {LockClient} client
    * @param {unknown} wire a Lease object of the HTTP API
-   * @param {number} sentAt performance.now() before the request was sent
+   * @param {number} sentAt now() before the request was sent
    * @param {string} key the key asked for
    * @param {string} token the token that acquired or renewed it
    */
@@ -830,10 +851,12 @@ export class Lease {
     let deadlineTimer;
     const watchDeadline = () => {
       clearTimeout(deadlineTimer);
+      // Timers do not count a suspend either: looked at every SUSPEND_MS, a lease
+      // whose deadline passed while the machine slept is found lost when it wakes.
       deadlineTimer = setTimeout(() => {
-        if (this.remaining > 0) watchDeadline(); // a timer may fire a little early
+        if (this.remaining > 0) watchDeadline(); // early, or a timer may fire a little early
         else this.#lose(expired(this.key, 'not renewed by its deadline'));
-      }, this.#deadline - now());
+      }, Math.min(this.#deadline - now(), SUSPEND_MS));
     };
     /** @type {() => void} ends the pause before the next renewal at once */
     let wake = () => {};
