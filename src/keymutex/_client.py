@@ -79,6 +79,12 @@ _TOKEN_BYTES = 18  # 144 bits, 24 URL-safe characters
 # then again for them to end once cancelled): long enough for a callback's few store
 # calls, bounded against one that hangs.
 CALLBACK_GRACE = 5.0
+# The longest a renewer with leases sleeps between looks at the clock. Its sleeps are
+# timed by CLOCK_MONOTONIC (threading and asyncio), which stops while the machine is
+# suspended; the leases' deadlines are on CLOCK_BOOTTIME (_clock), which does not. A
+# lease whose TTL ran out while a laptop slept is so found lost, and its on_lost
+# called, within this of waking, not when its next renewal (a third of its TTL) was due.
+SUSPEND_LOOK = 1.0
 MAX_OWNER_BYTES = 256
 MAX_NAMESPACE_BYTES = 256
 
@@ -626,7 +632,7 @@ class _Renewer:
                 due = self._plan.take_due(now)
                 if due or lost:
                     return due, lost
-                when = _earliest(self._plan.next_due(), self._plan.next_deadline())
+                when = _next_look(self._plan, now)
                 if when is None:
                     when = self._idle_until(now)
                 self._until = math.inf if when is None else when
@@ -731,6 +737,13 @@ async def _release_quietly_async(store: AsyncStore, lease: LeaseState) -> None:
 def _earliest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return min(known) if known else None
+
+
+def _next_look(plan: _RenewalPlan, now: float) -> float | None:
+    """When a renewer looks at ``plan`` next: its first renewal or deadline, and at
+    least every ``SUSPEND_LOOK`` (see there); ``None`` when it has no lease."""
+    when = _earliest(plan.next_due(), plan.next_deadline())
+    return None if when is None else min(when, now + SUSPEND_LOOK)
 
 
 def _outcomes_of(result: Callable[[], list[Outcome]], batch: Sequence[L]) -> list[Outcome | None]:
@@ -1256,7 +1269,7 @@ class _AsyncRenewer:
                 self.call_on_lost(lease)
             batch = self._plan.take_due(now)
             if not batch:
-                when = _earliest(self._plan.next_due(), self._plan.next_deadline())
+                when = _next_look(self._plan, now)
                 if when is None:
                     idle, self._idle = self._idle, None
                     if idle is None:
