@@ -108,7 +108,8 @@ export class LockClient {
   acquire(key: string, options?: AcquireOptions): Promise<Lease>;
   /**
    * Key and token only. A live lease this client granted to the token takes the renewal in
-   * (as by lease.renew(); withLock's renewal of it is re-planned); the result is a new Lease.
+   * (as by lease.renew(); withLock's renewal of it is re-planned) and is the result;
+   * otherwise the result is a new Lease.
    */
   renew(key: string, token: string, options?: { ttl?: number }): Promise<Lease>;
   /**

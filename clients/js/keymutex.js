@@ -732,7 +732,7 @@ export class Lease {
    * succeeds re-plans the renewer, if one runs, whoever asked for it.
    * @param {number | null} ttl
    * @param {AbortSignal | undefined} signal
-   * @returns {Promise<Lease>} the renewed lease, as a new Lease
+   * @returns {Promise<Lease>} the server's reply, as a new Lease (whose deadline this one takes)
    */
   async #renew(ttl, signal) {
     const previous = this.#renewing;

@@ -79,6 +79,10 @@ _TOKEN_BYTES = 18  # 144 bits, 24 URL-safe characters
 # then again for them to end once cancelled): long enough for a callback's few store
 # calls, bounded against one that hangs.
 CALLBACK_GRACE = 5.0
+# At most this many threads run on_lost callbacks of one Locks at once; one idle this
+# many seconds ends (see _CallbackThreads).
+MAX_CALLBACK_THREADS = 8
+CALLBACK_THREAD_IDLE = 30.0
 # The longest a renewer with leases sleeps between looks at the clock. Its sleeps are
 # timed by CLOCK_MONOTONIC (threading and asyncio), which stops while the machine is
 # suspended; the leases' deadlines are on CLOCK_BOOTTIME (_clock), which does not. A
@@ -461,8 +465,9 @@ class _CallThread:
 
     The renewer hands each store call over and keeps watching the leases' deadlines while
     it runs: a call that hangs on a silent store cannot delay ``on_lost`` past them.
-    ``on_lost`` callbacks run on another such thread: one that blocks (it renews a lease
-    whose renewal is under way) or ends the thread it runs on cannot stop the renewals.
+    ``on_lost`` callbacks run on other threads (``_CallbackThreads``): one that blocks (it
+    renews a lease whose renewal is under way) or ends the thread it runs on cannot stop
+    the renewals.
     """
 
     def __init__(self, name: str) -> None:
@@ -496,6 +501,71 @@ class _CallThread:
         at most ``timeout`` seconds."""
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+class _CallbackThreads:
+    """Daemon threads that run ``on_lost`` callbacks, each call on a free one.
+
+    A callback may block (waits for its worker to wind down, renews a lease whose
+    renewal is under way): another lease's loss found meanwhile is reported on another
+    thread, not after it. A thread is started when the calls waiting outnumber the idle
+    threads, up to ``MAX_CALLBACK_THREADS`` (a thousand leases lost at once are not a
+    thousand threads); one idle for ``CALLBACK_THREAD_IDLE`` seconds ends.
+    """
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+        self._waiting = 0  # calls submitted that no thread has taken yet
+        self._idle = 0  # threads waiting for a call
+
+    def submit(self, call: Callable[[], object]) -> None:
+        with self._lock:
+            self._waiting += 1
+            self._calls.put(call)
+            if self._waiting > self._idle and len(self._threads) < MAX_CALLBACK_THREADS:
+                thread = threading.Thread(target=self._run, name="keymutex-on-lost", daemon=True)
+                self._threads.add(thread)
+                self._idle += 1
+                thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                call = self._calls.get(timeout=CALLBACK_THREAD_IDLE)
+            except queue.Empty:
+                with self._lock:
+                    if self._waiting < self._idle:  # the others can take what comes
+                        self._idle -= 1
+                        self._threads.discard(threading.current_thread())
+                        return
+                continue
+            if call is None:  # close()
+                return
+            with self._lock:
+                self._waiting -= 1
+                self._idle -= 1
+            try:
+                call()
+            finally:
+                with self._lock:
+                    self._idle += 1
+
+    def close(self) -> None:
+        """End the threads once the calls submitted before are done."""
+        with self._lock:
+            for _ in self._threads:
+                self._calls.put(None)
+
+    def join(self, timeout: float) -> None:
+        """Wait for the calls submitted before ``close`` (not from one of them), at most
+        ``timeout`` seconds in all."""
+        ends = _clock.monotonic() + timeout
+        with self._lock:
+            threads = [x for x in self._threads if x is not threading.current_thread()]
+        for thread in threads:
+            thread.join(max(0.0, ends - _clock.monotonic()))
 
 
 def _call_on_lost(lease: LeaseState) -> None:
@@ -571,8 +641,8 @@ class _StoreCalls:
 class _Renewer:
     """One thread that renews every renewing lease of a ``Locks``, in batches.
 
-    ``on_lost`` callbacks run on a thread of their own (``_callbacks``), in the order the
-    losses were found: while a batch's renewal is under way this thread holds its leases'
+    ``on_lost`` callbacks run on threads of their own (``_callbacks``), started in the
+    order the losses were found: while a batch's renewal is under way this thread holds its leases'
     ``_renewing`` locks, and a callback run here that renewed one of them would wait for
     this thread forever; one that raised ``SystemExit`` would end it.
     """
@@ -583,7 +653,7 @@ class _Renewer:
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._calls = _CallThread("keymutex-renewer-call")
-        self._callbacks = _CallThread("keymutex-on-lost")
+        self._callbacks = _CallbackThreads()
         self._closed = False
         # When the thread looks at the plan next (-inf: it is at work and will look
         # soon). A lease due later needs no wake-up: a thread switch per lock() saved.
@@ -786,19 +856,45 @@ def _quiet_if(closed: bool) -> contextlib.AbstractContextManager[None]:
     return contextlib.suppress(Exception) if closed else contextlib.nullcontext()
 
 
+class _Entered(list[tuple[object, L]]):
+    """The leases of one ``lock()`` object's ``with`` blocks under way, by who entered.
+
+    One object may serve several threads or tasks at once, as a ``threading.Lock``
+    does (``orders = locks.lock("orders")``, then ``with orders:`` in each): while the
+    first one's lease is lost, a second may be granted the key. Each exit must release
+    the lease its own enter took, never the other's.
+    """
+
+    def push(self, who: object, lease: L) -> None:
+        self.append((who, lease))
+
+    def pop_for(self, who: object) -> L | None:
+        """The last lease ``who`` entered with; else (an exit elsewhere than its enter)
+        the first one left. Safe while others push and pop: ``remove`` finds the very
+        entry (by identity first; entries hold no ``__eq__`` of their own)."""
+        entries = self.copy()
+        mine = [entry for entry in entries if entry[0] is who]
+        for entry in mine[-1:] or entries[:1]:
+            with contextlib.suppress(ValueError):  # taken meanwhile by its own exit
+                self.remove(entry)
+                return entry[1]
+        return None
+
+
 class _LockContext:
     """What ``Locks.lock()`` returns: acquires on enter, releases on exit."""
 
-    __slots__ = ("_lease", "_locks", "_request")
+    __slots__ = ("_entered", "_locks", "_request")
 
     def __init__(self, locks: Locks, request: _Request) -> None:
         self._locks = locks
         self._request = request
-        self._lease: Lease | None = None
+        self._entered: _Entered[Lease] = _Entered()
 
     def __enter__(self) -> Lease:
-        self._lease = self._locks._acquire(self._request)
-        return self._lease
+        lease = self._locks._acquire(self._request)
+        self._entered.push(threading.current_thread(), lease)
+        return lease
 
     def __exit__(
         self,
@@ -806,7 +902,7 @@ class _LockContext:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        lease, self._lease = self._lease, None
+        lease = self._entered.pop_for(threading.current_thread())
         if lease is not None:
             self._locks._finish_lease(lease, block_failed=exc_type is not None)
 
@@ -1177,11 +1273,9 @@ class Locks:
         with self._at_store:
             # Known gone: raised without waiting for a renewal under way (on_lost may call
             # this while the renewer waits for a silent store).
-            if lease._released or lease._lost:
-                raise self._gone(lease)
+            self._raise_if_ended(lease)
             with lease._renewing:
-                if lease._released or lease._lost:
-                    raise self._gone(lease)
+                self._raise_if_ended(lease)  # released or lost while this waited
                 if lease.remaining <= 0:
                     # Past its deadline by our clock, though the store may not have seen it
                     # expire yet: never revive it (a waiter may be granted it any moment).
@@ -1197,20 +1291,28 @@ class Locks:
             self._renewer.discard(lease)
             raise self._lost(lease, outcome.holder)
 
+    def _raise_if_ended(self, lease: Lease) -> None:
+        """``LockLost`` for a lease released or lost already."""
+        if lease._released:
+            holder = self._holder_if_known(lease.key)
+            raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
+        if lease._lost:
+            raise self._gone(lease)
+
     def _release_lease(self, lease: Lease) -> None:
         lease._check_process()
         with self._at_store:
             self._renewer.discard(lease)
-            if lease._released:
-                holder = self._holder_if_known(lease.key)
-                raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
-            if lease._lost:
-                raise self._gone(lease)
-            expired = lease.remaining <= 0  # by our own clock, before the store's says so
-            outcome = self._store.release(lease.key, lease.token)
-            if not outcome.ok or expired:
-                raise self._lost(lease, outcome.holder)
-            lease._released = True
+            self._raise_if_ended(lease)
+            # After a renewal or release of it under way in another thread: the store's
+            # "not yours" to the second of two would call a released lease lost.
+            with lease._renewing:
+                self._raise_if_ended(lease)
+                expired = lease.remaining <= 0  # by our own clock, before the store's says so
+                outcome = self._store.release(lease.key, lease.token)
+                if not outcome.ok or expired:
+                    raise self._lost(lease, outcome.holder)
+                lease._released = True
 
     def _finish_lease(self, lease: Lease, *, block_failed: bool) -> None:
         """Leave a ``with`` block: release, and report a loss unless the block raised."""
@@ -1470,16 +1572,17 @@ class _Waiting:
 class _AsyncLockContext:
     """What ``AsyncLocks.lock()`` returns: acquires on enter, releases on exit."""
 
-    __slots__ = ("_lease", "_locks", "_request")
+    __slots__ = ("_entered", "_locks", "_request")
 
     def __init__(self, locks: AsyncLocks, request: _Request) -> None:
         self._locks = locks
         self._request = request
-        self._lease: AsyncLease | None = None
+        self._entered: _Entered[AsyncLease] = _Entered()
 
     async def __aenter__(self) -> AsyncLease:
-        self._lease = await self._locks._acquire(self._request)
-        return self._lease
+        lease = await self._locks._acquire(self._request)
+        self._entered.push(asyncio.current_task(), lease)
+        return lease
 
     async def __aexit__(
         self,
@@ -1487,7 +1590,7 @@ class _AsyncLockContext:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        lease, self._lease = self._lease, None
+        lease = self._entered.pop_for(asyncio.current_task())
         if lease is not None:
             await self._locks._finish_lease(lease, block_failed=exc_type is not None)
 
@@ -1885,11 +1988,9 @@ class AsyncLocks:
         ttl = lease._ttl if ttl is None else self._config.check_ttl(ttl)
         lease._check_process()
         async with self._at_store:
-            if lease._released or lease._lost:  # as in Locks._renew_lease
-                raise await self._gone(lease)
+            await self._raise_if_ended(lease)  # as in Locks._renew_lease
             async with lease._renewing:
-                if lease._released or lease._lost:
-                    raise await self._gone(lease)
+                await self._raise_if_ended(lease)
                 if lease.remaining <= 0:  # as in Locks._renew_lease
                     outcome = await self._store.release(lease.key, lease.token)
                     outcome = Outcome(False, None if outcome.ok else outcome.holder)
@@ -1903,20 +2004,26 @@ class AsyncLocks:
             self._renewer.discard(lease)
             raise self._lost(lease, outcome.holder)
 
+    async def _raise_if_ended(self, lease: AsyncLease) -> None:
+        """As ``Locks._raise_if_ended``."""
+        if lease._released:
+            holder = await self._holder_if_known(lease.key)
+            raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
+        if lease._lost:
+            raise await self._gone(lease)
+
     async def _release_lease(self, lease: AsyncLease) -> None:
         lease._check_process()
         async with self._at_store:
             self._renewer.discard(lease)
-            if lease._released:
-                holder = await self._holder_if_known(lease.key)
-                raise LockLost(lease.key, holder, f"lease on {lease.key!r} was already released")
-            if lease._lost:
-                raise await self._gone(lease)
-            expired = lease.remaining <= 0  # by our own clock, before the store's says so
-            outcome = await self._store.release(lease.key, lease.token)
-            if not outcome.ok or expired:
-                raise self._lost(lease, outcome.holder)
-            lease._released = True
+            await self._raise_if_ended(lease)
+            async with lease._renewing:  # as in Locks._release_lease
+                await self._raise_if_ended(lease)
+                expired = lease.remaining <= 0  # by our own clock, before the store's says so
+                outcome = await self._store.release(lease.key, lease.token)
+                if not outcome.ok or expired:
+                    raise self._lost(lease, outcome.holder)
+                lease._released = True
 
     async def _released(self, lease: AsyncLease) -> None:
         """``_release_lease``, in a task of its own: a caller cancelled meanwhile (on its

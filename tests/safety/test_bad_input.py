@@ -441,7 +441,7 @@ LIFECYCLE_ROWS = [
         ("stolen", "thief", "lease on 'gone' was lost: held by "),
     ]
     for point, call, message in [
-        ("lease-renew", lambda c, x: x.gone.renew(), lost),
+        ("lease-renew", lambda c, x: x.gone.renew(), "lease on 'gone' was already released" if setup == "released" else lost),
         ("lease-release", lambda c, x: x.gone.release(), "lease on 'gone' was already released" if setup == "released" else lost),
         ("renew", lambda c, x: c.renew(GONE, x.gone.token), lost),
         ("release", lambda c, x: c.release(GONE, x.gone.token), lost),

@@ -73,8 +73,11 @@ async def test_grants_are_per_namespace_prefix_and_permission(
         headers=editor,
     )
     assert forced.status_code == 403
-    # /metrics needs read on some grant.
-    assert (await secured.get("/metrics", headers=reader)).status_code == 200
+    # /metrics names every namespace: it needs read on all of them ("*"), not on one.
+    refused = await secured.get("/metrics", headers=reader)
+    assert refused.status_code == 403
+    assert 'on every namespace ("*")' in refused.json()["message"]
+    assert (await secured.get("/metrics", headers=bearer(ADMIN_TOKEN))).status_code == 200
 
 
 async def test_listings_show_only_the_keys_a_token_may_read(secured: httpx.AsyncClient) -> None:
@@ -133,6 +136,25 @@ async def test_admin_force_release_is_logged_and_displaces_the_holder(
             '{{"tokens": [{{"name": "a", "token": "{}", "grants": []}},'
             ' {{"name": "b", "token": "{}", "grants": []}}]}}'.format("x" * 32, "x" * 32),
             "same",
+        ),
+        # Found by review: these loaded, and then fewer grants or tokens counted than
+        # written, or a token could never be sent as written.
+        (
+            '{"tokens": [{"name": "a", "token": "%s", "grants": [], "grants": []}]}' % ("x" * 32),
+            "field 'grants' appears more than once",
+        ),
+        ('{"tokens": [], "tokens": []}', "field 'tokens' appears more than once"),
+        ('{"tokens": NaN}', "not a JSON number"),
+        *(
+            (
+                json.dumps({"tokens": [{"name": "a", "token": token, "grants": []}]}),
+                "visible ASCII characters, without spaces",
+            )
+            for token in [" " + "x" * 32, "x" * 32 + "\n", " " * 40, "x" * 16 + " " + "x" * 16]
+        ),
+        (
+            json.dumps({"tokens": [{"name": "a\nINFO: forged", "token": "x" * 32, "grants": []}]}),
+            "without control characters",
         ),
     ],
 )

@@ -814,7 +814,7 @@ class _Server:
 
     async def metrics_page(self, request: Request) -> Response:
         who = self.identify(request)
-        self.auth.require_any(who, "read")
+        self.auth.require_everywhere(who, "read")
         held: dict[str, int] = {}
         for namespace in self.namespaces.names():
             try:

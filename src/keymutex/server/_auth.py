@@ -9,14 +9,13 @@ logged or shown; errors name the token only by its ``name``.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from keymutex._client import MAX_OWNER_BYTES
-from keymutex.server._input import ApiError
+from keymutex.server._input import STRICT_JSON, ApiError
 
 __all__ = ["Auth", "Grant", "Identity", "load_token_file"]
 
@@ -73,11 +72,17 @@ def _grant(path: Path, where: str, raw: object) -> Grant:
     return Grant(namespace, prefix, frozenset(allow))
 
 
+def _sendable(secret: str) -> bool:
+    """Whether a client can send ``secret`` as it is, after ``Bearer `` in a header:
+    spaces around it are stripped on the way, and a header holds no control characters."""
+    return all("!" <= char <= "~" for char in secret)
+
+
 def load_token_file(path: str | Path) -> list[tuple[str, Identity]]:
     """The (secret, identity) pairs of a token file; ``ValueError`` naming what is wrong."""
     path = Path(path)
     try:
-        data: Any = json.loads(path.read_text(encoding="utf-8"))
+        data: Any = STRICT_JSON.decode(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise _fail(path, f"cannot be read: {exc.strerror or exc}") from None
     except ValueError as exc:
@@ -103,16 +108,20 @@ def load_token_file(path: str | Path) -> list[tuple[str, Identity]]:
             not isinstance(name, str)
             or not name
             or len(name.encode("utf-8", "replace")) > MAX_OWNER_BYTES
+            or not name.isprintable()
             or name in names
         ):
             raise _fail(
                 path,
-                f"{where}.name must be a string of 1 to {MAX_OWNER_BYTES} bytes (it is the"
-                " default owner of its leases), unique in the file",
+                f"{where}.name must be a string of 1 to {MAX_OWNER_BYTES} bytes without"
+                " control characters (it is the default owner of its leases and what the"
+                " logs show), unique in the file",
             )
-        if not isinstance(secret, str) or len(secret) < MIN_TOKEN_CHARS or not secret.isascii():
+        if not isinstance(secret, str) or len(secret) < MIN_TOKEN_CHARS or not _sendable(secret):
             raise _fail(
-                path, f"{where}.token ({name}) must be at least {MIN_TOKEN_CHARS} ASCII characters"
+                path,
+                f"{where}.token ({name}) must be at least {MIN_TOKEN_CHARS} visible ASCII"
+                " characters, without spaces (as a client sends it after 'Bearer ')",
             )
         if secret in secrets:
             raise _fail(path, f"{where}.token ({name}) is the same as another token's")
@@ -209,8 +218,11 @@ class Auth:
             )
         return found
 
-    def require_any(self, who: Identity | None, permission: str) -> None:
-        """``permission`` on some grant (for server-wide reads such as ``/metrics``)."""
-        if who is None or any(permission in grant.allow for grant in who.grants):
+    def require_everywhere(self, who: Identity | None, permission: str) -> None:
+        """``permission`` on every namespace (``"*"``), for server-wide reads: ``/metrics``
+        names every namespace in its labels, which a token of one may not know of."""
+        if who is None or any(
+            grant.namespace == ANY_NAMESPACE and permission in grant.allow for grant in who.grants
+        ):
             return
-        raise self._forbidden(who, permission, "on any namespace")
+        raise self._forbidden(who, permission, f'on every namespace ("{ANY_NAMESPACE}")')

@@ -133,7 +133,8 @@ def _finite(text: str) -> float:
 
 
 # One decoder for every body: ``json.loads`` with options builds a new one per call.
-_DECODER = json.JSONDecoder(
+# Strict: duplicate fields, NaN, Infinity and numbers beyond a float raise ValueError.
+STRICT_JSON = json.JSONDecoder(
     object_pairs_hook=_object, parse_constant=_no_constant, parse_float=_finite
 )
 
@@ -149,7 +150,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     if text.startswith("\ufeff"):  # JSON text must not begin with one (RFC 8259, 8.1)
         raise invalid("the body begins with a byte order mark (EF BB BF): send JSON without it")
     try:
-        data = _DECODER.decode(text)
+        data = STRICT_JSON.decode(text)
     except RecursionError:
         raise invalid("the body is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, duplicates, NaN, too many digits
