@@ -642,9 +642,9 @@ class _Renewer:
     """One thread that renews every renewing lease of a ``Locks``, in batches.
 
     ``on_lost`` callbacks run on threads of their own (``_callbacks``), started in the
-    order the losses were found: while a batch's renewal is under way this thread holds its leases'
-    ``_renewing`` locks, and a callback run here that renewed one of them would wait for
-    this thread forever; one that raised ``SystemExit`` would end it.
+    order the losses were found: while a batch's renewal is under way this thread holds
+    its leases' ``_renewing`` locks, and a callback run here that renewed one of them
+    would wait for this thread forever; one that raised ``SystemExit`` would end it.
     """
 
     def __init__(self, store: Store) -> None:
@@ -1633,9 +1633,12 @@ class AsyncLocks:
         self._closed = False
         _CLIENTS.add(self)
         self._background: set[asyncio.Task[Any]] = set()
+        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None  # see _check_loop
+        self._loop_switch = threading.Lock()
 
     def _forked(self) -> None:
         """As ``Locks._forked``."""
+        self._loop, self._loop_switch = None, threading.Lock()
         self._gate = AsyncKeyedLock()
         self._renewer = _AsyncRenewer(self._store)
         self._at_store = _StoreCalls("AsyncLocks", self._store.aclose)
@@ -1682,6 +1685,28 @@ class AsyncLocks:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this AsyncLocks is closed")
+
+    def _check_loop(self) -> None:
+        """Refuse a second event loop while the one this client waits and renews in runs.
+
+        The gate of its waiters (``AsyncKeyedLock``) and its renewer (a task) belong to
+        one loop. Loops that run one after another may share the client (a module-level
+        one, a loop per test); a loop of another thread, while the last one still runs,
+        may not: a waiter of one loop woken from the other's thread slept until its
+        timeout, and two renewer tasks shared one plan.
+        """
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop() is loop:
+            return
+        with self._loop_switch:
+            previous = None if self._loop is None else self._loop()
+            if previous is not None and previous is not loop and previous.is_running():
+                raise RuntimeError(
+                    "this AsyncLocks is in use by an event loop that still runs in another"
+                    " thread: make one AsyncLocks per event loop (loops that run one after"
+                    " another may share one)"
+                )
+            self._loop = weakref.ref(loop)
 
     def lock(
         self,
@@ -1804,6 +1829,7 @@ class AsyncLocks:
 
     async def _acquire(self, request: _Request) -> AsyncLease:
         self._check_open()
+        self._check_loop()
         token = _new_token() if request.token is None else request.token
         if request.steal or request.timeout == 0:
             return await self._attempt_once(request, token)

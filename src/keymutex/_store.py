@@ -347,9 +347,8 @@ class StoreOfTheLoop:
 
     The connections of ``redis.asyncio`` and ``httpx`` belong to the loop that made
     them: an ``AsyncLocks`` used by one ``asyncio.run`` after another (a module-level
-    client; pytest-asyncio's loop per test), or by loops of its own in threads, failed
-    in the second with ``RuntimeError: Event loop is closed`` or "attached to a
-    different loop". Each step takes the store of the running loop, opened at its
+    client; pytest-asyncio's loop per test) failed in the second with ``RuntimeError:
+    Event loop is closed`` or "attached to a different loop". Each step takes the store of the running loop, opened at its
     first step there; the stores of loops that have closed are closed as far as they
     can be without their loop, in the background. Tokens work from any store
     instance, so leases granted in one loop are renewed and released in the next.

@@ -1341,6 +1341,9 @@ def test_bad_urls_are_refused() -> None:
         keymutex.Locks("postgresql://127.0.0.1/db?no_such_parameter=1")
     with pytest.raises(ValueError, match="both in the URL and as arguments"):
         keymutex.Locks("postgresql://127.0.0.1/db?table=a", table="b")
+    # Found by review: the last one won, silently.
+    with pytest.raises(ValueError, match="option 'table' is given twice"):
+        keymutex.Locks("postgresql://127.0.0.1/db?table=a&table=b")
     with pytest.raises(ValueError, match="min_size must be an int, not 'many'"):
         keymutex.Locks("postgres://127.0.0.1/db?min_size=many")
     for port in ("abc", "99999", "0"):

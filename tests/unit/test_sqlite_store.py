@@ -345,6 +345,71 @@ async def test_an_async_waiter_cancelled_as_its_wake_up_arrives_logs_nothing(
     assert errors == []
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_reopens_a_relative_path_after_a_change_of_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a daemon that changes directory and then forks workers. The
+    child's new connection checked the directory of the relative path from the new
+    working directory, and refused ("its directory ... does not exist")."""
+    (tmp_path / "run" / "sub").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    with keymutex.Locks("sqlite:sub/locks.db") as locks:
+        locks.acquire("parent", timeout=0).release()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if its acquire went through
+            code = 1
+            try:
+                locks.acquire("child", timeout=0, ttl=60)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the forked child could not acquire"
+        held = locks.holder("child")
+        assert held is not None  # in the file the parent uses, not another one
+    assert not (tmp_path / "elsewhere" / "sub").exists()
+
+
+def test_a_new_database_beside_the_wal_of_a_deleted_one_says_what_to_delete(
+    tmp_path: Path,
+) -> None:
+    """Found by review: ``rm locks.db`` alone, while a process keeps the old -wal and
+    -shm open: every new process got a bare "disk I/O error" until that one's next step."""
+    db = tmp_path / "locks.db"
+    with keymutex.Locks(f"sqlite:///{db}") as first:
+        first.acquire("k", timeout=0).release()
+        db.unlink()  # the -wal and -shm stay, open in this process
+        probe = (
+            "import keymutex, sys\n"
+            "try:\n"
+            f"    keymutex.Locks('sqlite:///{db}').acquire('k', timeout=0)\n"
+            "except keymutex.StoreError as exc:\n"
+            "    print(exc)\n"
+        )
+        for _ in range(2):  # the first failed open leaves an empty file: the same advice
+            said = subprocess.run(
+                [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60
+            )
+            assert "delete the three files together" in said.stdout, said.stdout + said.stderr
+
+
+@pytest.mark.parametrize("url", ["sqlite::memory:", "sqlite:///:memory:"])
+def test_an_in_memory_sqlite_url_is_refused_with_the_alternative(url: str) -> None:
+    """Found by review: these made files named ':memory:' (one at the root)."""
+    with pytest.raises(ValueError, match="use memory:// for locks within one process"):
+        keymutex.Locks(url)
+
+
+def test_the_synchronous_option_ignores_case(tmp_path: Path) -> None:
+    """As SQLite's own PRAGMA does: FULL was refused."""
+    with keymutex.Locks(f"sqlite:///{tmp_path}/locks.db?synchronous=FULL") as locks:
+        assert locks._store.synchronous == "full"
+        locks.acquire("k", timeout=0).release()
+
+
 def test_a_missing_directory_is_a_store_error(tmp_path: Path) -> None:
     with pytest.raises(keymutex.StoreError, match="cannot open"):
         keymutex.Locks(f"sqlite:///{tmp_path}/no/such/dir/locks.db")

@@ -27,7 +27,11 @@
 - One table holds every lease of every namespace (``table`` option, default
   ``keymutex_leases``), with a schema version in ``<table>_meta``. Both are created on
   first use; concurrent first users are serialised, so the table is created once. A
-  table of schema version 1 (no queue) is upgraded in place.
+  table of schema version 1 (no queue) is upgraded in place. Spell ``table`` the same
+  way in every client: the notification channel is named after it as written, so a
+  client given ``public.keymutex_leases`` shares the rows of one given
+  ``keymutex_leases`` but not its wake-ups (its waiters then find a release at their
+  one-second recheck).
 - TTLs are measured by the database server's clock (``clock_timestamp()``): clients'
   clocks never decide who holds a key.
 - Fences come from one sequence (``<table>_fence``) drawn under a transaction-scoped
@@ -2005,7 +2009,12 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
         )
     parts = split_url(url, "PostgreSQL", "postgresql://[user[:password]@]host[:port]/dbname")
     query = parse_qsl(parts.query, keep_blank_values=True)
-    ours = {name: value for name, value in query if name in OPTIONS}
+    ours: dict[str, str] = {}
+    for name, value in query:
+        if name in ours:
+            raise ValueError(f"{redacted(url)!r}: option {name!r} is given twice")
+        if name in OPTIONS:
+            ours[name] = value
     twice = set(ours) & set(options)
     if twice:
         raise ValueError(

@@ -7,7 +7,9 @@
   earlier boot are dropped. The file must not live on a network file system.
 - Deleting or replacing the file ends every lease in it: a process notices at its
   next step and reopens the file now at the path (its renewals and releases then say
-  ``LockLost``), rather than go on alone in a file nobody else sees.
+  ``LockLost``), rather than go on alone in a file nobody else sees. Delete its
+  ``-wal`` and ``-shm`` files with it: SQLite cannot open a new file beside the old
+  ones while a process that has not noticed yet keeps them open ("disk I/O error").
 - Fences come from one counter row that survives restarts of every process: a
   fence never goes backwards while the file lives. With ``synchronous=normal`` (the
   default) an OS crash or power loss may lose the last transactions, and with them
@@ -516,12 +518,25 @@ class SqliteStore:
     # -- connection and transactions -----------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        directory = os.path.dirname(os.path.abspath(self._path))
+        # Of the file resolved at start: a forked child of a process that has changed
+        # directory since reconnects to the same file, and checks that file's directory.
+        directory = os.path.dirname(self._file)
         if not os.path.isdir(directory):  # SQLite would only say "unable to open database file"
             raise StoreError(
                 f"cannot open SQLite database {self._path!r}: its directory {directory!r} does"
                 " not exist (keymutex creates the file, not its directory)"
             )
+        try:
+            return self._open_file()
+        except StoreError as exc:
+            if "disk I/O error" not in str(exc) or not os.path.exists(self._file + "-wal"):
+                raise
+            raise StoreError(
+                f"{exc} (if the database was deleted while processes had it open, its -wal"
+                " and -shm files are still theirs: delete the three files together)"
+            ) from exc.__cause__
+
+    def _open_file(self) -> sqlite3.Connection:
         with translate_errors(sqlite3.Error, what=f"cannot open SQLite database {self._path!r}"):
             conn = sqlite3.connect(
                 self._file, isolation_level=None, check_same_thread=False, timeout=0
@@ -962,6 +977,12 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
         raise ValueError(
             f"SQLite URL {redacted(url)!r} names no file: use sqlite:///path/to/locks.db"
         )
+    if os.path.basename(path) == ":memory:":
+        raise ValueError(
+            f"SQLite URL {redacted(url)!r} names ':memory:', which this store would take for"
+            " a file of that name: no other process or connection could share an in-memory"
+            " database; use memory:// for locks within one process, or a file path"
+        )
     merged: dict[str, object] = {}
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name in merged:
@@ -977,8 +998,9 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str, float]:
         )
     merged.update(options)
     synchronous = merged.pop("synchronous", "normal")
-    if synchronous not in ("normal", "full"):
+    if not isinstance(synchronous, str) or synchronous.lower() not in ("normal", "full"):
         raise ValueError(f"synchronous must be 'normal' or 'full', not {synchronous!r}")
+    synchronous = synchronous.lower()  # as SQLite's PRAGMA takes it
     busy = seconds("SQLite", "busy_timeout", merged.pop("busy_timeout", 10.0))
     if merged:
         raise TypeError(
