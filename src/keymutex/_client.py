@@ -1023,6 +1023,9 @@ class Locks:
     def renew(self, key: str, token: str, ttl: float | None = None) -> Lease:
         """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none.
 
+        To ``ttl`` seconds from now; ``None``: this client's default TTL, not the lease's
+        own (which a request by key and token cannot know): a heartbeat for a lease
+        granted with another TTL passes it.
         Returns the ``Lease`` this client granted to ``token``, renewed, if it has it;
         else a new ``Lease`` for the token (not renewed in the background).
         """
@@ -1740,7 +1743,10 @@ class AsyncLocks:
         return await self._acquire(request)
 
     async def renew(self, key: str, token: str, ttl: float | None = None) -> AsyncLease:
-        """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none."""
+        """Extend the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none.
+
+        As ``Locks.renew``: ``ttl=None`` is this client's default TTL.
+        """
         request = self._config.renew_args(key, token, ttl)
         async with self._at_store:
             granted = _granted_here(self._leases, request.key, request.token)

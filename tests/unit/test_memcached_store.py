@@ -786,6 +786,12 @@ def test_round_trips_of_each_step(
             [b"ms", b"mg"],
             {"cmd_set": 2, "cmd_get": 1},
         )
+        # Refused again while that lease lasts: the add and the read in one write, and
+        # no index entry.
+        assert step(lambda: acquire(other, "doc", TOKEN_B)) == (
+            [b"ms"],
+            {"cmd_set": 1, "cmd_get": 1},
+        )
         # Renew and release by the CAS of our own last write: one command each.
         assert step(lambda: store.renew("doc", TOKEN_A, 30)) == ([b"ms"], {"cmd_set": 1})
         assert step(lambda: store.release("doc", TOKEN_A)) == ([b"md"], {"delete_hits": 1})
@@ -936,6 +942,80 @@ def test_an_evicted_index_only_hides_leases_from_holders(
         assert acquire(store, "doc", TOKEN_B).ok is False
     finally:
         store.close()
+
+
+def _fill(raw: Client, bucket: str, entry: bytes) -> None:
+    """Append ``entry`` to ``bucket`` until memcached takes no more: its item size limit."""
+    for chunk in (entry * 4096, entry):
+        while raw.append(bucket, chunk, noreply=False):
+            pass
+
+
+def test_a_full_index_bucket_is_compacted_and_lists_new_leases(
+    memcached_url: str, namespace: str, raw: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: every first try appends an entry, refused or not, and memcached
+    1.6 answers ``NS`` (not ``SERVER_ERROR``) to an append past its 1 MB item limit. The
+    store took that for a missing bucket, failed to create it, and never compacted it:
+    after ~40,000 refused tries at a held key, every lease listed in its bucket was
+    missing from ``holders()``. The bucket is filled here as those tries filled it."""
+    monkeypatch.setattr(memcached, "COMPACT_EVERY", 10**30)  # only a full bucket compacts
+    with (
+        keymutex.Locks(memcached_url, namespace=namespace) as a,
+        keymutex.Locks(memcached_url, namespace=namespace) as b,
+        keymutex.Locks(memcached_url, namespace=namespace) as c,
+    ):
+        layout = a._store._layout  # type: ignore[attr-defined]
+        job = layout.lease("job")
+        shard = layout.shard_of(job)
+        bucket = Layout.bucket_of(shard, job)
+        a.acquire("job", ttl=600)
+        _fill(raw, bucket, Layout.index_entry(job))
+        assert len(raw.get(bucket)) > 1_000_000
+        with pytest.raises(keymutex.Locked):
+            b.acquire("job", timeout=0)
+        users = [f"user:{i}" for i in range(60)]
+        users += list(
+            itertools.islice(
+                (
+                    key
+                    for key in (f"user:{i}" for i in itertools.count(60))
+                    if Layout.bucket_of(shard, layout.lease(key)) == bucket
+                ),
+                4,
+            )
+        )  # some in the full bucket, whatever the namespace hashes to
+        leases = [c.acquire(key, ttl=600) for key in users]
+        assert [holder.key for holder in c.holders("user:")] == sorted(users)
+        assert [holder.key for holder in b.holders()] == sorted([*users, "job"])
+        assert len(raw.get(bucket)) < 10_000  # the duplicates of the held key are gone
+        for lease in leases:
+            lease.release()
+
+
+def test_polling_a_held_key_does_not_grow_its_index_bucket(
+    memcached_url: str, namespace: str, raw: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client refused a key lately tries it again without an index entry; its grant,
+    when it comes, lists itself (one round trip more)."""
+    monkeypatch.setattr(memcached, "COMPACT_EVERY", 10**30)
+    with (
+        keymutex.Locks(memcached_url, namespace=namespace) as a,
+        keymutex.Locks(memcached_url, namespace=namespace) as b,
+    ):
+        layout = a._store._layout  # type: ignore[attr-defined]
+        job = layout.lease("job")
+        bucket = Layout.bucket_of(layout.shard_of(job), job)
+        lease = a.acquire("job", ttl=600)
+        for _ in range(500):
+            with pytest.raises(keymutex.Locked):
+                b.acquire("job", timeout=0)
+        assert len(raw.get(bucket).split()) <= 2  # a's grant, b's first refusal
+        lease.release()
+        raw.delete(bucket)  # no entry left for "job": b's grant must write its own
+        mine = b.acquire("job", timeout=0, ttl=600)
+        assert [holder.key for holder in a.holders()] == ["job"]
+        mine.release()
 
 
 def test_a_foreign_item_is_a_store_error(memcached_url: str, namespace: str, raw: Client) -> None:

@@ -52,9 +52,11 @@ the guarantee the earlier tombstone-by-``cas`` gave, in one command.
   of someone else, or a tombstone that keeps the key for another waiter, refuses; a
   tombstone or an expired lease is replaced by ``ms … C<cas> c`` [+1] (the grantee's
   place taken out of the queue in that same write), as is a live lease when stealing;
-  an item gone meanwhile is ``add``-ed again. A waiter's later tries send the ``add``
-  and the ``mg`` in one write [1]. A lost race starts again from a fresh ``mg``, at
-  most ``RACE_ATTEMPTS`` times; after that the caller is refused as if the key were held.
+  an item gone meanwhile is ``add``-ed again. A waiter's later tries, and a try at a
+  key that refused this store while the lease (or hand-over) that refused it lasts,
+  send the ``add`` and the ``mg`` in one write [1], and no ``append`` (a grant then
+  appends [+1]). A lost race starts again from a fresh ``mg``, at most
+  ``RACE_ATTEMPTS`` times; after that the caller is refused as if the key were held.
 - Release [1 when nothing wrote the item since our grant or renewal]: ``md <item>
   C<cas>`` with the CAS of our own last write, which the store keeps for each lease it
   granted or renewed (with the server's epoch: a CAS is only compared on the server
@@ -102,12 +104,18 @@ also if ``km2:epoch`` is evicted while clients still use the old one.
 
 **Listing (``holders``).** memcached cannot list keys. Each acquire appends its lease's
 digest to one of ``INDEX_BUCKETS`` index items per server and namespace, in the same
-write as its ``add`` (``append`` is atomic; a refused ``add`` leaves an entry too,
-harmless); ``holders(prefix)`` reads the buckets and then the leases they name, and
-keeps the live ones. Released, expired and refused entries are dropped by a compaction
-(``mg`` + ``ms … C<cas>``) of a bucket at every ``COMPACT_EVERY``-th grant of a store
-(counted from a random place, so that short-lived clients compact too). The listing is best effort, like memcached itself: an evicted index bucket leaves a live
-lease out of it. ``holder(key)`` is always exact.
+write as its ``add`` (``append`` is atomic, and memcached runs it after the ``add``, so
+a compaction never drops it), or after the write that granted; ``holders(prefix)``
+reads the buckets and then the leases they name, and keeps the live ones. A refused
+``add`` leaves an entry too, but only once per store while the key stays held (later
+tries send none, see *Steps*): polling a held key does not grow its bucket. Released,
+expired, refused and repeated entries are dropped by a compaction (``mg`` + ``ms …
+C<cas>``) of a bucket at every ``COMPACT_EVERY``-th grant of a store (counted from a
+random place, so that short-lived clients compact too), and whenever a grant's entry
+does not fit: memcached refuses an ``append`` that would take an item past its size
+limit (1 MB by default), with ``NS``. The listing is best effort, like memcached
+itself: an evicted index bucket leaves a live lease out of it, and so would a bucket
+full of live leases (some 24,000 per bucket). ``holder(key)`` is always exact.
 
 **Several servers.** A key's items live on one server, chosen by rendezvous hashing
 (pymemcache's ``RendezvousHash``), and its index bucket lives on that same server, so
@@ -182,6 +190,7 @@ from typing import Any
 
 from pymemcache.client.rendezvous import RendezvousHash  # type: ignore[import-untyped]
 
+from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import (
@@ -979,6 +988,10 @@ class MemcachedStore:
         # Servers whose last batch renewal failed: the next batch asks them last, so
         # that the others' leases are not kept waiting for their timeouts.
         self._failing: set[str] = set()
+        # Keys this store was refused, by item name: until when (_clock.monotonic) the
+        # lease or hand-over that refused it lasts. A try before then is most likely refused
+        # again, and sends no index entry (see ``try_acquire``).
+        self._held: dict[str, float] = {}
         _STORES.add(self)
 
     def _after_fork_in_child(self) -> None:
@@ -1020,6 +1033,28 @@ class MemcachedStore:
 
     # -- the index -------------------------------------------------------------------
 
+    def _held_lately(self, name: str) -> bool:
+        """Whether a try at ``name`` now is most likely refused: the lease (or
+        hand-over) that refused this store last time still lasts."""
+        until = self._held.get(name)
+        if until is None:
+            return False
+        if _clock.monotonic() < until:
+            return True
+        self._held.pop(name, None)
+        return False
+
+    def _answered(self, name: str, answer: Outcome) -> Outcome:
+        """``answer`` to a try at ``name``; a refusal is remembered for as long as the
+        lease or hand-over that refused it lasts."""
+        if answer.ok or not answer.remaining:
+            self._held.pop(name, None)
+        else:
+            if len(self._held) >= _NAMES_KEPT:
+                self._held.clear()
+            self._held[name] = _clock.monotonic() + answer.remaining
+        return answer
+
     def _index(self, session: Session, shard: _Shard, name: str, appended: Reply | None) -> None:
         """List a granted lease for ``holders``; best effort, never fails the grant.
 
@@ -1036,23 +1071,34 @@ class MemcachedStore:
                     (appended,) = session.write(ms(bucket, entry, "MA"), 1)
                 if appended.code == b"HD":
                     return
-                if appended.code == b"NS":  # no bucket yet (or evicted)
+                if appended.code == b"NS":  # no bucket yet (or evicted), or no room in it
                     (created,) = session.write(ms(bucket, entry, "T0", "ME"), 1)
                     if created.expect(b"HD", b"NS").code == b"HD":
                         return
-                else:  # SERVER_ERROR: the bucket outgrew the item size limit
-                    self._compact(session, bucket)
+                # The bucket is there and took no more: memcached 1.6 answers NS, not
+                # SERVER_ERROR, to an append that would take an item past its size limit
+                # (-I, 1 MB by default). Or it was created since our append: compacting
+                # it then costs little.
+                if not self._compact(session, bucket):
+                    _LOG.warning(
+                        "memcached: could not list %s for holders(): %s is full of live leases",
+                        name,
+                        bucket,
+                    )
+                    return
                 appended = None
             _LOG.warning("memcached: could not list %s in %s for holders()", name, bucket)
         except (*_DRIVER_ERRORS, StoreError) as exc:
             session.discard()  # it may be out of step: the next command makes a new one
             _LOG.warning("memcached: listing %s for holders() failed: %s", name, exc)
 
-    def _compact(self, session: Session, bucket: str) -> None:
-        """Rewrite ``bucket`` with only its live leases (if nobody appended meanwhile)."""
+    def _compact(self, session: Session, bucket: str) -> bool:
+        """Rewrite ``bucket`` with only its live leases, each once (if nobody appended
+        meanwhile); ``False`` when there was nothing to drop, so no room to make."""
         (found,) = session.read(mg(bucket), 1)
         if found.expect(b"VA", b"EN").code == b"EN":
-            return
+            return True
+        assert found.value is not None
         names = Layout.index_leases(found.value)
         now = time.time()
         keep = [
@@ -1061,9 +1107,12 @@ class MemcachedStore:
             if live(self._decode(session, name, reply), now) is not None
         ]
         rewritten = b"".join(Layout.index_entry(name) for name in keep)
+        if len(rewritten) >= len(found.value):
+            return False
         session.write(ms(bucket, rewritten, "T0", f"C{found.cas}"), 1)[0].expect(
             b"HD", b"EX", b"NF"
         )
+        return True
 
     # -- the steps --------------------------------------------------------------------
 
@@ -1091,7 +1140,7 @@ class MemcachedStore:
             reply: Reply | None = None  # the item, once read
             if not steal:
                 add = ms(name, record.encode(), f"T{exptime(ttl)}", "c", "ME")
-                if queued is None:
+                if queued is None and not self._held_lately(name):
                     # First try: the index entry goes in the same write.
                     entry = Layout.index_entry(name)
                     append = ms(Layout.bucket_of(shard, name), entry, "MA")
@@ -1099,10 +1148,16 @@ class MemcachedStore:
                     if added.expect(b"HD", b"NS").code == b"HD":
                         return self._granted(session, shard, name, record, added, appended)
                 else:
-                    # A waiter's poll: the add and a read in one write.
+                    # A waiter's poll, or a try at a key that refused us and is still
+                    # held: the add and a read in one write, and no index entry. Refused,
+                    # it would only grow the bucket, by one entry a try until the next
+                    # compaction (a client polling with timeout=0 fills 1 MB in about
+                    # 24,000 tries); granted, ``_index`` appends it after the add, as
+                    # for every grant made by a later write.
                     added, reply = session.write(add + mg(name), 2)
                     if added.expect(b"HD", b"NS").code == b"HD":
-                        queued.queued = False
+                        if queued is not None:
+                            queued.queued = False
                         return self._granted(session, shard, name, record, added, None)
                     reply.expect(b"VA", b"EN")
             for _ in range(RACE_ATTEMPTS):
@@ -1112,7 +1167,7 @@ class MemcachedStore:
                     session, name, reply, record, steal=steal, queued=queued, me=me
                 )
                 if isinstance(decided, Outcome):
-                    return decided
+                    return self._answered(name, decided)
                 if decided is not None:
                     if queued is not None:
                         queued.queued = False
@@ -1121,7 +1176,7 @@ class MemcachedStore:
             # Every try lost a race: others keep writing this key, so it is not ours.
             now = time.time()
             current = self._decode(session, name, self._read(session, name))
-            return outcome(False, live(current, now), now)
+            return self._answered(name, outcome(False, live(current, now), now))
 
     def _decide(
         self,
@@ -1202,6 +1257,7 @@ class MemcachedStore:
             record.queue,
         )
         self._remember(name, lease, stored.cas, session)
+        self._held.pop(name, None)
         self._index(session, shard, name, appended)
         return granted(lease, record.acquired_at)
 
