@@ -396,6 +396,20 @@ def test_a_new_database_beside_the_wal_of_a_deleted_one_says_what_to_delete(
             assert "delete the three files together" in said.stdout, said.stdout + said.stderr
 
 
+def test_the_database_of_another_application_is_left_alone(tmp_path: Path) -> None:
+    """Found by review: keymutex added its tables to it and switched it to WAL."""
+    app = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(app)) as conn:
+        conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY)")
+        conn.commit()
+    with pytest.raises(keymutex.StoreError, match=r"database of something else.*'users'"):
+        keymutex.Locks(f"sqlite:///{app}")
+    with contextlib.closing(sqlite3.connect(app)) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+        tables = conn.execute("SELECT name FROM sqlite_master").fetchall()
+        assert tables == [("users",)]
+
+
 @pytest.mark.parametrize("url", ["sqlite::memory:", "sqlite:///:memory:"])
 def test_an_in_memory_sqlite_url_is_refused_with_the_alternative(url: str) -> None:
     """Found by review: these made files named ':memory:' (one at the root)."""

@@ -545,6 +545,7 @@ class SqliteStore:
                 # Small pages: each step touches a few rows in a few b-trees, and every
                 # page it changes is written whole to the WAL at commit.
                 conn.execute("PRAGMA page_size=1024")  # only takes effect on a new file
+                self._refuse_foreign(conn)
                 self._retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))
                 conn.execute(f"PRAGMA synchronous={self.synchronous}")
                 self._transaction(conn, self._prepare)
@@ -553,6 +554,30 @@ class SqliteStore:
                 conn.close()
                 raise
         return conn
+
+    def _refuse_foreign(self, conn: sqlite3.Connection) -> None:
+        """Refuse a database of another application, before changing anything in it.
+
+        Found by review: a URL naming an application's own database was taken as is,
+        and keymutex added its tables and triggers and switched the file to WAL for
+        good. A lock file is keymutex's alone.
+        """
+        others = [
+            name
+            for (name,) in self._retry_busy(
+                lambda: conn.execute(
+                    "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
+                    " AND name NOT LIKE 'keymutex\\_%' ESCAPE '\\'"
+                    " AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name LIMIT 4"
+                ).fetchall()
+            )
+        ]
+        if others:
+            raise StoreError(
+                f"{self._path!r} is the database of something else (it has {others[:3]}"
+                f"{' and more' if len(others) > 3 else ''}): keymutex needs a SQLite file"
+                " of its own, such as locks.db beside it"
+            )
 
     def _prepare(self, conn: sqlite3.Connection, now: float) -> None:
         conn.execute(_SCHEMA[0])  # meta first: the schema version decides the rest
