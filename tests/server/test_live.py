@@ -357,6 +357,16 @@ def test_http_store_refuses_bad_urls_and_options(
         keymutex.Locks(url, **options)
 
 
+@pytest.mark.parametrize("token", [" " * 40, "x" * 32 + " y"])
+def test_a_bad_api_token_in_the_environment_is_named_before_any_request(
+    monkeypatch: pytest.MonkeyPatch, token: str
+) -> None:
+    """Found by review: it failed at the first request, as a StoreError."""
+    monkeypatch.setenv("KEYMUTEX_API_TOKEN", token)
+    with pytest.raises(ValueError, match=r"\$KEYMUTEX_API_TOKEN must be the API token"):
+        keymutex.Locks("http://127.0.0.1:1")
+
+
 def test_metrics_through_real_http(live: Live, http: httpx.Client) -> None:
     _acquire(http, "m", namespace="met")
     text = http.get("/metrics").text

@@ -716,10 +716,20 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, 
         raise ValueError(f"{redacted(url)!r} is not a usable lock server URL: {reason}") from None
     merged = dict(options)
     api_token = merged.pop("api_token", None)
+    source = "api_token"
     if api_token is None:
-        api_token = os.environ.get(TOKEN_ENVVAR) or None
-    if api_token is not None and (not isinstance(api_token, str) or not api_token.isascii()):
-        raise TypeError("api_token must be a str of ASCII characters")
+        api_token, source = os.environ.get(TOKEN_ENVVAR) or None, f"${TOKEN_ENVVAR}"
+    if api_token is not None:
+        if not isinstance(api_token, str):
+            raise TypeError(f"api_token must be a str, not {type(api_token).__name__}")
+        # Sent as it is after "Bearer ": a header holds no control characters, and
+        # spaces around it would be stripped on the way (found by review: these
+        # failed only at the first request, as a StoreError).
+        if not api_token or not all("!" <= char <= "~" for char in api_token):
+            raise ValueError(
+                f"{source} must be the API token as the token file has it: visible ASCII"
+                " characters, without spaces or line breaks"
+            )
     timeout = seconds("http store", "timeout", merged.pop("timeout", DEFAULT_TIMEOUT), text=False)
     if merged:
         raise TypeError(
