@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Debian packages the tests need (real servers are added here as stores land).
-APT_PACKAGES := redis-server redis-sentinel postgresql memcached zookeeperd etcd-server nodejs chromium faketime
+APT_PACKAGES := redis-server redis-sentinel postgresql memcached zookeeperd etcd-server nodejs chromium faketime iproute2
 
 .PHONY: test serve demo lint bench chaos sysdeps venv clean
 

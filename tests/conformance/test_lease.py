@@ -143,13 +143,35 @@ async def test_async_locks_is_a_context_manager(store_url: str, namespace: str) 
         await (await again.acquire("doc", timeout=0)).release()
 
 
+def _leases_end_with_the_client(url: str) -> bool:
+    """ZooKeeper's leases are ephemeral nodes of the client's session, which closing
+    ends (README, footnote 11); every other store keeps them to their TTL."""
+    return url.startswith(("zookeeper://", "zookeepers://"))
+
+
 def test_close(store_url: str, namespace: str) -> None:
     client = keymutex.Locks(store_url, namespace=namespace, ttl=5.0)
     with client.lock("doc"):
         pass
+    held = client.acquire("held", ttl=60)
     client.close()
+    # Closed: every method refuses, before the store; a lease held is not released.
+    for call in (
+        lambda: client.acquire("doc", timeout=0),
+        lambda: client.holder("doc"),
+        lambda: client.release("held", held.token),
+    ):
+        with pytest.raises(RuntimeError, match="this Locks is closed"):
+            call()
     with keymutex.Locks(store_url, namespace=namespace) as again:
         again.acquire("doc", timeout=0).release()
+        still = again.holder("held")
+        if _leases_end_with_the_client(store_url):
+            assert still is None
+        else:
+            assert still is not None
+            assert still.fence == held.fence
+            again.release("held", held.token)
 
 
 @pytest.mark.asyncio
@@ -157,9 +179,24 @@ async def test_aclose(store_url: str, namespace: str) -> None:
     client = keymutex.AsyncLocks(store_url, namespace=namespace, ttl=5.0)
     async with client.lock("doc"):
         pass
+    held = await client.acquire("held", ttl=60)
     await client.aclose()
+    for call in (
+        lambda: client.acquire("doc", timeout=0),
+        lambda: client.holder("doc"),
+        lambda: client.release("held", held.token),
+    ):
+        with pytest.raises(RuntimeError, match="this AsyncLocks is closed"):
+            await call()
     async with keymutex.AsyncLocks(store_url, namespace=namespace) as again:
         await (await again.acquire("doc", timeout=0)).release()
+        still = await again.holder("held")
+        if _leases_end_with_the_client(store_url):
+            assert still is None
+        else:
+            assert still is not None
+            assert still.fence == held.fence
+            await again.release("held", held.token)
 
 
 def test_close_stops_renewing(store_url: str, namespace: str) -> None:

@@ -652,7 +652,11 @@ def test_silent_store_acquire_returns_in_bounded_time(
 
 # -- 5b. the holder's wall clock jumps (libfaketime) ------------------------------------
 
-FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+# Debian's multiarch directory: x86_64-linux-gnu, aarch64-linux-gnu, …
+FAKETIME_LIB = next(
+    Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"),
+    Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"),
+)
 JUMP_TTL = 3.0  # renewed every second: a busy host's delays stay far from the deadline
 
 
