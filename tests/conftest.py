@@ -17,6 +17,17 @@ pytest_plugins = [
 ]
 
 
+@pytest.fixture
+def no_rechecks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiters are woken by their store's notification only: their once-a-second
+    safety recheck is put off to a minute. A test of "woken at once" then asserts a
+    bound far from any machine's load (a few seconds) and still fails if the
+    notification is missed, rather than racing the recheck with a sub-second bound."""
+    from keymutex import _wait
+
+    monkeypatch.setattr(_wait, "RECHECK_INTERVAL", 60.0)
+
+
 # -- in CI, a skip is a failure ----------------------------------------------------------
 
 # The one skip CI may show: no MongoDB server can be installed here (README, MongoDB).

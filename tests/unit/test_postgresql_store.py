@@ -35,6 +35,10 @@ from keymutex._store import RenewRequest
 from keymutex.cli import _descendants
 from keymutex.stores.postgresql import SCHEMA_VERSION
 
+# With rechecks put off to a minute (no_rechecks), a waiter granted within this of the
+# release was woken by its notification: far above any hand-over, far below the minute.
+NOTIFIED = 10.0
+
 
 @pytest.fixture
 def admin(postgresql_url: str) -> Iterator[psycopg.Connection[Any]]:
@@ -514,6 +518,7 @@ def test_waiters_of_one_locks_share_one_listener_connection(
         assert sorted(results) == keys
 
 
+@pytest.mark.usefixtures("no_rechecks")
 @pytest.mark.asyncio
 async def test_async_waiters_share_one_listener_and_wake_promptly(
     admin: psycopg.Connection[Any], postgresql_url: str, namespace: str
@@ -538,12 +543,13 @@ async def test_async_waiters_share_one_listener_and_wake_promptly(
         for lease in leases:
             await lease.release()
         granted = await asyncio.gather(*waiting)
-        assert time.monotonic() - released_at < 0.5
+        assert time.monotonic() - released_at < NOTIFIED
         assert [lease.key for lease in granted] == keys
         for lease in granted:
             await lease.release()
 
 
+@pytest.mark.usefixtures("no_rechecks")
 def test_a_waiter_is_woken_after_its_listener_connection_was_killed(
     admin: psycopg.Connection[Any], postgresql_url: str, namespace: str
 ) -> None:
@@ -567,7 +573,7 @@ def test_a_waiter_is_woken_after_its_listener_connection_was_killed(
         lease.release()
         waiting.join(20)
         assert got
-        assert time.monotonic() - released_at < 0.5
+        assert time.monotonic() - released_at < NOTIFIED
         got[0].release()
 
 
@@ -752,6 +758,7 @@ def test_a_vanished_waiter_holds_the_others_up_for_a_hand_over_and_a_recheck(
             vanished.close()
 
 
+@pytest.mark.usefixtures("no_rechecks")
 def test_waiters_get_the_key_in_arrival_order(
     admin: psycopg.Connection[Any], postgresql_url: str, namespace: str, table: str
 ) -> None:
@@ -792,12 +799,13 @@ def test_waiters_get_the_key_in_arrival_order(
             thread.join(20)
         assert order == ["w1", "w2", "w3"]
         # Each hand-over wakes its waiter at once (three holds of 20 ms each).
-        assert time.monotonic() - released_at < 1.0
+        assert time.monotonic() - released_at < NOTIFIED
     finally:
         for locks in clients:
             locks.close()
 
 
+@pytest.mark.usefixtures("no_rechecks")
 @pytest.mark.asyncio
 async def test_async_waiters_get_the_key_in_arrival_order(
     postgresql_url: str, namespace: str
@@ -823,7 +831,7 @@ async def test_async_waiters_get_the_key_in_arrival_order(
         await lease.release()
         await asyncio.gather(*tasks)
         assert order == ["w1", "w2", "w3"]
-        assert time.monotonic() - released_at < 1.0
+        assert time.monotonic() - released_at < NOTIFIED
     finally:
         for locks in clients:
             await locks.aclose()

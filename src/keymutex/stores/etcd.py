@@ -20,8 +20,9 @@ A key's waiters queue under ``<key name>\\0``: each refused waiter puts one empt
 Entries are served by create revision (etcd's order of arrival): first come, first
 served (``fair=True``). An entry lives as long as its lease: a waiter that gives up
 revokes it, a holder that came through the queue keeps it until its release (the same
-revoke deletes both), a crashed waiter's goes when its lease expires — or sooner, see
-``HANDOVER_GRACE`` below. Keys never contain NUL, so entries never look like holders.
+revoke deletes both), a crashed waiter's goes when its lease expires — or, once the key
+is free, within seconds: see **Dead waiters** below. Keys never contain NUL, so entries
+never look like holders.
 
 **TTLs.** etcd leases live whole seconds, at least etcd's minimum (1.5 election
 timeouts, rounded up: 2 s with the default flags), and are revoked by a sweep that runs
@@ -50,6 +51,8 @@ or a delete, revoke — is a raft entry, fsynced before etcd replies):
   claiming transaction, release — and the handoff's path is two of them: the release
   and the claim. A waiter that looks again without being woken (its once-a-second
   recheck) reads the key and the queue first [+1, a read] and claims only on its turn.
+  Every look that is not a claim keeps its lease alive [+1, not a write] if its last
+  grant or keep-alive was ``HEARTBEAT`` (0.5 s) ago or more: about once a second.
 - steal: revoke the holder's lease (etcd deletes its key with it), then create the key
   as an acquire does [+1, +2 more per lost race]. The old token's lease is gone before
   the key is anyone else's, so its renewals and its release fail from then on.
@@ -93,12 +96,29 @@ stream is closed ``LINGER`` seconds after its last waiter left. Everything delet
 the namespace reaches every store that waits in it: keep busy, unrelated keys in
 different namespaces.
 
-A crashed waiter's entry would hold up everyone behind it until its lease expired (up
-to its whole TTL). So a key without a holder whose first entry stays unclaimed for
-``HANDOVER_GRACE`` seconds, as seen by the next contender's clock, has that entry
-deleted (a transaction that checks the key still has no holder and the entry is
-unchanged): a live waiter claims within milliseconds of its ring, or within a second
-of its recheck; one that was only slow finds its entry gone and queues again.
+**Dead waiters.** A crashed waiter's entry would hold up everyone behind it (and every
+try that does not wait) until its lease expired: up to its whole TTL. A live waiter
+keeps its lease alive at each look (above), so the lease's age since its last
+keep-alive, which etcd tells every client (``grantedTTL - TTL`` of
+``/v3/lease/timetolive``, by the etcd leader's clock), says whether the waiter lives.
+A refused try that finds the key without a holder reads the lease of the first entry
+[+1] (and of the next ones, while they are dead, ``DEAD_TURNS_CHECKED`` at most): an
+entry whose lease went more than ``HANDOVER_GRACE`` (3 s) without a keep-alive is
+deleted, in one transaction that checks the key still has no holder and each entry is
+unchanged [+1]. Any client does so, fresh or not, on its first look: nothing is
+counted in a client's memory. A try that does not wait and has so passed every queued
+turn tries once more [+1 to revoke its lease, +2] and gets the key (unless another
+try got it first); a waiter behind is rung. So the key is free for everyone
+``HANDOVER_GRACE`` after the dead waiter's last keep-alive (which came before its
+death), or at once if that was longer ago (etcd's TTL left, rounded down to whole
+seconds, bounds the lease's age from below: ``grantedTTL - TTL - 1``). Entries of
+keymutex versions that kept no heartbeat may see their turn passed the same way if
+the waiter does not claim at once. A live waiter is rung and claims within
+milliseconds of the release; one stalled for more than about 2 s (a GC pause, a
+suspended process: ``HANDOVER_GRACE`` minus its once-a-second look) just when the key
+is free may have its turn passed: its claim then finds its entry gone and it queues
+again, at the back. It never holds the key with another: the key is created only by a
+transaction that checks it does not exist.
 
 **Security.** ``etcds://`` speaks TLS to every endpoint (``ca_file``: a private CA,
 else the system's; ``cert_file``/``key_file``: a client certificate for etcd's
@@ -454,6 +474,7 @@ class _Place:
     lease: int = 0  # the etcd lease this waiter's tries use (0: none yet)
     granted: int = 0  # its TTL as etcd granted it, in seconds
     kept_until: float = 0.0  # a monotonic time before which etcd will not expire it
+    kept_at: float = 0.0  # when its last grant or keep-alive was sent (monotonic)
     created: int = 0  # the create revision of its queue entry (0: not queued)
     rung: bool = True  # whether the next try follows a wake-up (else it looks first)
 
@@ -472,38 +493,7 @@ class _Refusal:
 class _Acquired:
     outcome: Outcome
     refusal: _Refusal | None = None  # a refused waiter's view (None for other callers)
-
-
-class _Handovers:
-    """Turns left unclaimed, as this store saw them: by key, the queue entry that was
-    first while the key had no holder, and since when.
-
-    An entry is told apart by its mod revision too: a waiter whose claim was refused
-    puts its entry again (a new revision), so it is never taken for one that did not try.
-    """
-
-    LIMIT = 1000
-
-    def __init__(self) -> None:
-        self._seen: dict[bytes, tuple[bytes, int, float]] = {}
-        self._mutex = threading.Lock()
-
-    def stale(self, holder: bytes, entry: _Kv) -> bool:
-        """Whether ``entry`` has been first, unclaimed, for ``HANDOVER_GRACE`` seconds."""
-        now = _clock.monotonic()
-        with self._mutex:
-            seen = self._seen.get(holder)
-            if seen is None or seen[:2] != (entry.key, entry.mod_revision):
-                if len(self._seen) >= self.LIMIT:  # forget the oldest half
-                    kept = sorted(self._seen.items(), key=lambda item: item[1][2])
-                    self._seen = dict(kept[self.LIMIT // 2 :])
-                seen = self._seen[holder] = (entry.key, entry.mod_revision, now)
-        return now - seen[2] >= HANDOVER_GRACE
-
-    def claimed(self, holder: bytes) -> None:
-        """The key has a holder: no turn of it is waiting."""
-        with self._mutex:
-            self._seen.pop(holder, None)
+    again: bool = False  # a try that does not wait passed dead turns: the key is free
 
 
 STEAL_ATTEMPTS = 5
@@ -522,12 +512,19 @@ SHORT_GRANT = 0.98
 # looks again, at the latest, when a third is left (its refusal's ``remaining``), so its
 # lease (and its place in the queue) never runs out while it waits.
 REFRESH_BELOW = 2 / 3
-# A key without a holder whose first waiter has not claimed it after this long (by the
-# clock of the client that sees it) is no longer its turn: the waiter's process is
-# gone or stuck, and its queue entry is deleted (it would otherwise block the key
-# until its lease expires, up to its whole TTL). A live waiter claims within
-# milliseconds (its watch rings), or within a second (its recheck).
+# A waiter keeps its etcd lease alive at every look (its once-a-second recheck, a
+# refused claim) once this long has passed since the last grant or keep-alive: the
+# lease's age since then, which etcd tells anyone (``grantedTTL - TTL``), says the
+# waiter is alive.
+HEARTBEAT = 0.5
+# A queued waiter whose etcd lease has gone more than this long without a keep-alive,
+# by etcd's clock, is dead or stuck: while the key has no holder, any client that sees
+# its entry first in the queue deletes it (it would otherwise block the key until the
+# lease expires, up to the waiter's whole TTL). A live waiter keeps it alive every
+# second, and claims within milliseconds of its ring.
 HANDOVER_GRACE = 3.0
+# Dead turns looked at by one try (a lease TTL read each).
+DEAD_TURNS_CHECKED = 8
 
 
 def _created_is(name: bytes, revision: int) -> dict[str, Any]:
@@ -560,11 +557,12 @@ def _hold_lease(place: _Place, lease: int, seconds: int) -> Flow[None]:
     if place.lease:
         left = (yield from _keep_alive([lease]))[lease]
         if left > 0:
-            place.kept_until = sent + left
+            place.kept_until, place.kept_at = sent + left, sent
             return
         place.created = 0  # expired, and its queue entry with it
     granted = yield from _fresh_lease(lease, seconds)
     place.lease, place.granted, place.kept_until = lease, granted, sent + granted
+    place.kept_at = sent
 
 
 def _claim_call(
@@ -605,7 +603,24 @@ def _acquire(
     info: dict[str, Any] | None,
     steal: bool,
     place: _Place | None,
-    handovers: _Handovers,
+) -> Flow[_Acquired]:
+    """Try to grant ``key`` (``_attempt``); once more if the try, which does not wait,
+    found the key free and passed the turns of dead waiters: nobody else is queued."""
+    done = yield from _attempt(layout, key, token, ttl, owner, info, steal, place)
+    if done.again:
+        done = yield from _attempt(layout, key, token, ttl, owner, info, steal, place)
+    return _Acquired(done.outcome, done.refusal)
+
+
+def _attempt(
+    layout: _Layout,
+    key: str,
+    token: str,
+    ttl: float,
+    owner: str,
+    info: dict[str, Any] | None,
+    steal: bool,
+    place: _Place | None,
 ) -> Flow[_Acquired]:
     """Try to grant ``key``; a waiter (``place``) keeps its etcd lease and its queue entry.
 
@@ -638,11 +653,7 @@ def _acquire(
             place.created = 0  # the entry is gone: queue again, at the back
         elif holder_kv is not None or any(kv.create_revision < place.created for kv in queue):
             revision = _int(reply["header"].get("revision"))
-            return (
-                yield from _refused(
-                    layout, key, place, lease, holder_kv, queue, revision, handovers
-                )
-            )
+            return (yield from _refused(layout, key, place, lease, holder_kv, queue, revision))
     acquired_ms = math.floor(time.time() * 1000)
     value = _encode_record(owner, info, acquired_ms)
     for _ in range(STEAL_ATTEMPTS if steal else 1):
@@ -689,7 +700,7 @@ def _acquire(
     queue = _all_kvs(responses[1]["response_range"]) if not steal else []
     return (
         yield from _refused(
-            layout, key, place if waiting else None, lease, holder_kv, queue, revision, handovers
+            layout, key, place if waiting else None, lease, holder_kv, queue, revision
         )
     )
 
@@ -714,6 +725,61 @@ def _held_already(
     return _Acquired(Outcome(True, _holder_of(key, holder_kv, left), float(left)))
 
 
+def _idle(lease: int) -> Flow[float | None]:
+    """How long ``lease`` has gone without a grant or keep-alive, by etcd's clock: a lower
+    bound (etcd rounds the TTL left down to whole seconds); ``None`` once it is gone."""
+    if not lease:
+        return None  # not a waiter's entry: nothing keeps it alive
+    reply = yield _time_to_live(lease)
+    left = _int(reply.get("TTL"))
+    if left < 0:
+        return None
+    return float(_int(reply.get("grantedTTL")) - left - 1)
+
+
+def _pass_dead_turns(layout: _Layout, key: str, own: bytes, queue: list[_Kv]) -> Flow[list[_Kv]]:
+    """``key``'s queue without the dead waiters at its head (the key has no holder).
+
+    The first entries whose etcd lease went more than ``HANDOVER_GRACE`` s without a
+    keep-alive (etcd says so, to every client alike) are deleted, in one transaction
+    that checks the key still has no holder and each entry is unchanged (a waiter whose
+    claim was refused puts its entry again). A waiter that was only stalled finds its
+    entry gone and queues again, at the back; the key is only ever created by one.
+    """
+    dead: list[_Kv] = []
+    for kv in sorted(queue, key=lambda kv: kv.create_revision)[:DEAD_TURNS_CHECKED]:
+        if kv.key == own:
+            break
+        idle = yield from _idle(kv.lease)
+        if idle is not None and idle < HANDOVER_GRACE:
+            break  # alive: its turn
+        dead.append(kv)
+    if not dead:
+        return queue
+    unchanged = [
+        {
+            "target": "MOD",
+            "key": _b64(kv.key),
+            "result": "EQUAL",
+            "mod_revision": str(kv.mod_revision),
+        }
+        for kv in dead
+    ]
+    reply = yield _txn(
+        [_created_is(layout.name(key), 0), *unchanged], [_op_delete(kv.key) for kv in dead]
+    )
+    if not reply.get("succeeded"):
+        return queue  # claimed, or changed meanwhile: the next try looks again
+    _LOG.warning(
+        "etcd: %d waiter(s) for %r kept no lease alive for %g s; their turn passes",
+        len(dead),
+        key,
+        HANDOVER_GRACE,
+    )
+    gone = {kv.key for kv in dead}
+    return [kv for kv in queue if kv.key not in gone]
+
+
 def _refused(
     layout: _Layout,
     key: str,
@@ -722,39 +788,23 @@ def _refused(
     holder_kv: _Kv | None,
     queue: list[_Kv],
     revision: int,
-    handovers: _Handovers,
 ) -> Flow[_Acquired]:
     """The answer to a refused try, given the holder and the queue it saw at ``revision``.
 
-    Reads the holder's lease (for its expiry), frees a turn left unclaimed past
-    ``HANDOVER_GRACE``; a waiter keeps its lease (refreshed if it runs low), another
-    caller revokes it.
+    Reads the holder's lease (for its expiry), passes the turns of dead waiters
+    (``_pass_dead_turns``); a waiter keeps its lease alive (``HEARTBEAT``), another
+    caller revokes it, and tries again if it passed every queued turn.
     """
     holder = yield from _current_holder(key, holder_kv)
-    own = layout.entry(key, lease)
-    if holder_kv is not None:
-        handovers.claimed(holder_kv.key)
-    elif queue:
-        first = min(queue, key=lambda kv: kv.create_revision)
-        if first.key != own and handovers.stale(layout.name(key), first):
-            unchanged = {
-                "target": "MOD",
-                "key": _b64(first.key),
-                "result": "EQUAL",
-                "mod_revision": str(first.mod_revision),
-            }
-            reply = yield _txn(
-                [_created_is(layout.name(key), 0), unchanged], [_op_delete(first.key)]
-            )
-            if reply.get("succeeded"):
-                _LOG.warning(
-                    "etcd: a waiter did not claim %r in %g s; its turn passes", key, HANDOVER_GRACE
-                )
-                queue = [kv for kv in queue if kv.key != first.key]
+    passed = False
+    if holder_kv is None and queue:
+        left = yield from _pass_dead_turns(layout, key, layout.entry(key, lease), queue)
+        passed, queue = len(left) < len(queue), left
     if place is None:
         yield from _quietly_revoke(lease)
-        return _Acquired(Outcome(False, holder))
-    if place.kept_until - _clock.monotonic() < REFRESH_BELOW * place.granted:
+        return _Acquired(Outcome(False, holder), again=passed and not queue)
+    now = _clock.monotonic()
+    if now - place.kept_at >= HEARTBEAT or place.kept_until - now < REFRESH_BELOW * place.granted:
         yield from _hold_lease(place, lease, place.granted)
     # ``remaining`` tells the waiter when to look again at the latest: while a third of
     # its lease is left, so that the look refreshes it (a lease as short as etcd's
@@ -1659,7 +1709,6 @@ class EtcdStore:
         self._layout = _Layout(namespace)
         self._transport = _Transport(target)
         self._hub = _WatchHub(self._transport, self._layout)
-        self._handovers = _Handovers()
         self._granted = _Granted()
 
     def try_acquire(
@@ -1675,7 +1724,7 @@ class EtcdStore:
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _EtcdWaiter)
         place = None if waiter is None else waiter.place
-        flow = _acquire(self._layout, key, token, ttl, owner, info, steal, place, self._handovers)
+        flow = _acquire(self._layout, key, token, ttl, owner, info, steal, place)
         what = f"etcd acquire of {key!r}"
         if waiter is None:
             return self._granted.note(key, token, self._transport.run(flow, what).outcome)
@@ -1742,7 +1791,6 @@ class AsyncEtcdStore:
         self._layout = _Layout(namespace)
         self._transport = _AsyncTransport(target)
         self._hub = _AsyncWatchHub(self._transport, self._layout)
-        self._handovers = _Handovers()
         self._granted = _Granted()
 
     async def try_acquire(
@@ -1758,7 +1806,7 @@ class AsyncEtcdStore:
     ) -> Outcome:
         assert waiter is None or isinstance(waiter, _AsyncEtcdWaiter)
         place = None if waiter is None else waiter.place
-        flow = _acquire(self._layout, key, token, ttl, owner, info, steal, place, self._handovers)
+        flow = _acquire(self._layout, key, token, ttl, owner, info, steal, place)
         what = f"etcd acquire of {key!r}"
         if waiter is None:
             return self._granted.note(key, token, (await self._transport.run(flow, what)).outcome)
