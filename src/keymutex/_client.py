@@ -856,29 +856,26 @@ def _quiet_if(closed: bool) -> contextlib.AbstractContextManager[None]:
     return contextlib.suppress(Exception) if closed else contextlib.nullcontext()
 
 
-class _Entered(list[tuple[object, L]]):
-    """The leases of one ``lock()`` object's ``with`` blocks under way, by who entered.
+def _leave_entered(entered: list[tuple[object, L]], who: object) -> L | None:
+    """The lease ``who`` entered one ``lock()`` object with, taken out of ``entered``.
 
     One object may serve several threads or tasks at once, as a ``threading.Lock``
     does (``orders = locks.lock("orders")``, then ``with orders:`` in each): while the
     first one's lease is lost, a second may be granted the key. Each exit must release
-    the lease its own enter took, never the other's.
+    the lease its own enter took, never the other's: the last one ``who`` (a thread's
+    id, a task) entered with; else (an exit elsewhere than its enter) the first one
+    left. Safe while others append and leave: ``remove`` finds the very entry.
     """
-
-    def push(self, who: object, lease: L) -> None:
-        self.append((who, lease))
-
-    def pop_for(self, who: object) -> L | None:
-        """The last lease ``who`` entered with; else (an exit elsewhere than its enter)
-        the first one left. Safe while others push and pop: ``remove`` finds the very
-        entry (by identity first; entries hold no ``__eq__`` of their own)."""
-        entries = self.copy()
-        mine = [entry for entry in entries if entry[0] is who]
-        for entry in mine[-1:] or entries[:1]:
-            with contextlib.suppress(ValueError):  # taken meanwhile by its own exit
-                self.remove(entry)
-                return entry[1]
-        return None
+    if len(entered) == 1 and entered[0][0] == who:  # the usual case: one block under way
+        with contextlib.suppress(IndexError):  # (an enter meanwhile appends after it)
+            return entered.pop(0)[1]
+    entries = entered.copy()
+    mine = [entry for entry in entries if entry[0] == who]
+    for entry in mine[-1:] or entries[:1]:
+        with contextlib.suppress(ValueError):  # taken meanwhile by its own exit
+            entered.remove(entry)
+            return entry[1]
+    return None
 
 
 class _LockContext:
@@ -889,11 +886,11 @@ class _LockContext:
     def __init__(self, locks: Locks, request: _Request) -> None:
         self._locks = locks
         self._request = request
-        self._entered: _Entered[Lease] = _Entered()
+        self._entered: list[tuple[object, Lease]] = []  # see _leave_entered
 
     def __enter__(self) -> Lease:
         lease = self._locks._acquire(self._request)
-        self._entered.push(threading.current_thread(), lease)
+        self._entered.append((threading.get_ident(), lease))
         return lease
 
     def __exit__(
@@ -902,7 +899,7 @@ class _LockContext:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        lease = self._entered.pop_for(threading.current_thread())
+        lease = _leave_entered(self._entered, threading.get_ident())
         if lease is not None:
             self._locks._finish_lease(lease, block_failed=exc_type is not None)
 
@@ -1580,11 +1577,11 @@ class _AsyncLockContext:
     def __init__(self, locks: AsyncLocks, request: _Request) -> None:
         self._locks = locks
         self._request = request
-        self._entered: _Entered[AsyncLease] = _Entered()
+        self._entered: list[tuple[object, AsyncLease]] = []  # see _leave_entered
 
     async def __aenter__(self) -> AsyncLease:
         lease = await self._locks._acquire(self._request)
-        self._entered.push(asyncio.current_task(), lease)
+        self._entered.append((asyncio.current_task(), lease))
         return lease
 
     async def __aexit__(
@@ -1593,7 +1590,7 @@ class _AsyncLockContext:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        lease = self._entered.pop_for(asyncio.current_task())
+        lease = _leave_entered(self._entered, asyncio.current_task())
         if lease is not None:
             await self._locks._finish_lease(lease, block_failed=exc_type is not None)
 
