@@ -334,6 +334,9 @@ async def test_async_a_channel_nobody_waits_on_is_unsubscribed_after_lingering(
         ("redis+sentinel://127.0.0.1:26379", "SERVICE"),
         ("redis+sentinel://127.0.0.1:26379/svc/x", "SERVICE"),
         ("redis+cluster://127.0.0.1:7000?password=x", "keyword arguments"),
+        # redis-py would take db= over the path and write to database 2.
+        ("redis://127.0.0.1:6379/1?db=2", r"database twice, in its path \(/1\) and as db="),
+        ("rediss://127.0.0.1:6379/0?db=0", "database twice"),
     ],
 )
 def test_malformed_urls_are_refused_before_connecting(url: str, message: str) -> None:
@@ -375,6 +378,13 @@ def test_an_unreachable_cluster_is_a_store_error_for_async_clients_too() -> None
 def test_url_query_options_that_redis_py_parses_are_accepted() -> None:
     url = "redis://127.0.0.1:1/2?socket_timeout=0.5&health_check_interval=10&client_name=me"
     keymutex.Locks(url).close()  # no connection is made until the first step
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:1?db=2", "redis://127.0.0.1:1/?db=2", "rediss://127.0.0.1:1/3"]
+)
+def test_a_database_given_once_as_db_is_accepted(url: str) -> None:
+    keymutex.Locks(url).close()
 
 
 def test_releases_hand_the_key_to_waiters_in_arrival_order(

@@ -35,6 +35,11 @@
   and look again at least every second. A key freed by expiry goes to whoever tries
   first, so the order is first come, first served through releases, not strictly
   (``fair`` is false).
+- Sentinel: redis-py asks the sentinels for the master only when it opens a
+  connection, and the store keeps its connections open; so the store asks again at
+  most once a second, before a step, and moves its connections (pub/sub included) to
+  a new master (see ``_MasterWatch``): an old master stays writable for seconds after
+  a planned failover, and renewals sent there would never reach the new one.
 """
 
 from __future__ import annotations
@@ -98,6 +103,11 @@ TEND_BATCH = 1000
 CLUSTER_BUCKETS = 1024
 SCAN_COUNT = 1000
 DEFAULT_SOCKET_TIMEOUT = 5.0
+# A Sentinel store asks the sentinels where the master is at most this often (at the
+# start of a step), and moves its connections when it changed (see _MasterWatch).
+MASTER_CHECK_EVERY = 1.0
+# How long a step waits for that answer; a slower one applies to the later steps.
+MASTER_CHECK_PATIENCE = 0.25
 
 # -- the scripts ---------------------------------------------------------------------
 # Every script validates its arguments before its first write (a script does not roll
@@ -758,6 +768,9 @@ class _Subscriptions:
         self._tending: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
+        # Set when the connection is to a node that is no master any more (follow):
+        # the next reader drops it, and redis-py reconnects and subscribes again.
+        self._moved = False
         _FORK_AWARE.add(self)
 
     def _forked(self) -> None:
@@ -766,6 +779,7 @@ class _Subscriptions:
         connection and readers are not ours. Start afresh (``join`` connects anew)."""
         self._mutex = threading.Lock()
         self._pubsub, self._tending, self._stop = None, None, threading.Event()
+        self._moved = False
         self._channels, self._confirmed = _Channels(), {}
         self._reader, self._followers = None, {}
 
@@ -870,6 +884,7 @@ class _Subscriptions:
                 pubsub = self._pubsub
                 if done() or self._closed or pubsub is None:
                     return
+                self._reconnect_if_moved(pubsub)
                 self._unsubscribe_unused(pubsub)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -893,6 +908,32 @@ class _Subscriptions:
                 continue
             if message is not None:
                 self._dispatch(message)
+
+    def follow(self, master: tuple[str, int]) -> None:
+        """After a Sentinel failover: if the connection is to another node than
+        ``master``, have the next reader reconnect (to the master the sentinels name;
+        redis-py subscribes its channels again), and wake every waiter to try again at
+        once: a hand-over published on the new master before that went unheard, and a
+        queue entry written to the old one after the promotion is lost."""
+        with self._mutex:
+            pubsub = self._pubsub
+            conn = None if pubsub is None else pubsub.connection
+            if self._closed or conn is None or (conn.host, conn.port) == master:
+                return
+            self._moved = True
+            for waiters in self._channels.waiters.values():
+                for waiter in waiters:
+                    waiter.ring(None)
+
+    def _reconnect_if_moved(self, pubsub: Any) -> None:
+        """Under the mutex, by the reader: drop a connection ``follow`` found stale (the
+        next read connects anew). Done by the reader, not under it: redis-py's
+        connection is not safe to close while another thread reads it."""
+        if self._moved:
+            self._moved = False
+            _LOG.info("Redis Sentinel named a new master: moving the pub/sub connection")
+            with contextlib.suppress(Exception):
+                pubsub.connection.disconnect()
 
     def _unsubscribe_unused(self, pubsub: Any) -> None:
         """Under the mutex: unsubscribe the channels unused for ``LINGER`` seconds.
@@ -923,6 +964,7 @@ class _Subscriptions:
                 if self._reader is not None:
                     continue
                 self._reader = turn
+                self._reconnect_if_moved(pubsub)
                 self._unsubscribe_unused(pubsub)
             try:
                 for _ in range(TEND_BATCH):
@@ -991,6 +1033,12 @@ class _Hubs:
                 hub = self._hubs[name] = _Subscriptions(make_pubsub, sharded=self._sharded)
             return hub
 
+    def follow(self, master: tuple[str, int]) -> None:
+        with self._mutex:
+            hubs = list(self._hubs.values())
+        for hub in hubs:
+            hub.follow(master)
+
     def close(self) -> None:
         with self._mutex:
             hubs, self._hubs = list(self._hubs.values()), {}
@@ -1043,6 +1091,7 @@ class _AsyncSubscriptions:
         self._pubsub: Any = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._moved = False  # as in _Subscriptions
 
     def try_join(self, waiter: _AsyncRedisWaiter) -> bool:
         confirmed = self._confirmed.get(waiter.channel)
@@ -1083,10 +1132,27 @@ class _AsyncSubscriptions:
         if not self._closed:
             self._channels.remove(waiter.channel, waiter)
 
+    def follow(self, master: tuple[str, int]) -> None:
+        """As ``_Subscriptions.follow``: the reader task reconnects."""
+        conn = None if self._pubsub is None else self._pubsub.connection
+        if self._closed or conn is None or (conn.host, conn.port) == master:
+            return
+        self._moved = True
+        for waiters in self._channels.waiters.values():
+            for waiter in waiters:
+                waiter.ring(None)
+
     async def _read(self) -> None:
         failures = 0
         while not self._closed:
             try:
+                if self._moved:  # not while join subscribes: under the mutex
+                    async with self._mutex:
+                        self._moved = False
+                        _LOG.info(
+                            "Redis Sentinel named a new master: moving the pub/sub connection"
+                        )
+                        await self._pubsub.connection.disconnect()
                 unused = self._channels.expired()
                 for channel in unused:
                     self._confirmed.pop(channel, None)
@@ -1143,6 +1209,10 @@ class _AsyncHubs:
         if hub is None:
             hub = self._hubs[name] = _AsyncSubscriptions(make_pubsub, sharded=self._sharded)
         return hub
+
+    def follow(self, master: tuple[str, int]) -> None:
+        for hub in list(self._hubs.values()):
+            hub.follow(master)
 
     async def aclose(self) -> None:
         hubs, self._hubs = list(self._hubs.values()), {}
@@ -1276,6 +1346,20 @@ class _Connections:
         self._free.append(conn)
         return reply
 
+    def follow(self, master: tuple[str, int]) -> None:
+        """Drop the free connections to another node than ``master`` (a Sentinel
+        failover): the next steps connect to the master. (One in use now is dropped by
+        a later check.) Safe while other threads take and give back connections."""
+        if self._pid != os.getpid():
+            return
+        for conn in [c for c in self._free if (c.host, c.port) != master]:
+            try:
+                self._free.remove(conn)
+            except ValueError:  # taken meanwhile
+                continue
+            conn.disconnect()
+            self._pool.release(conn)
+
     def close(self) -> None:
         free, self._free = self._free, []
         if self._pid == os.getpid():
@@ -1336,6 +1420,14 @@ class _AsyncConnections:
             raise
         self._free.append(conn)
         return reply
+
+    async def follow(self, master: tuple[str, int]) -> None:
+        """As ``_Connections.follow``."""
+        stale = [c for c in self._free if (c.host, c.port) != master]
+        self._free = [c for c in self._free if (c.host, c.port) == master]
+        for conn in stale:
+            await conn.disconnect()
+            await self._pool.release(conn)
 
     async def aclose(self) -> None:
         free, self._free = self._free, []
@@ -1855,6 +1947,192 @@ class AsyncRedisStore:
             await self._client.aclose()
 
 
+# -- Sentinel: following the master --------------------------------------------------
+
+
+def _unasked(exc: BaseException, failing: bool) -> None:
+    """Log a check of the master that failed: a warning the first time in a row."""
+    _LOG.log(
+        logging.DEBUG if failing else logging.WARNING,
+        "could not ask the Redis sentinels where the master is (%s); going on with the"
+        " current connections",
+        exc,
+    )
+
+
+class _MasterWatch:
+    """Where a sync Sentinel store's master is, asked again at most once a second.
+
+    redis-py's Sentinel client asks the sentinels only when it opens a connection. The
+    store's connections stay open (``_Connections``, the pub/sub hub): after a planned
+    failover (``SENTINEL FAILOVER``) the old master stays up, and a writable master,
+    until the sentinels demote it some 10 s later; the steps kept going there, the
+    holder's renewals never reached the new master, its lease expired there, and
+    another client was granted the key. So at the start of a step, once
+    ``MASTER_CHECK_EVERY`` has passed, the pool asks the sentinels (redis-py's pool
+    then disconnects its idle connections if the master changed) and the store drops
+    its free connections to any other node, and moves its pub/sub connection.
+
+    Polled, not told by the sentinels' ``+switch-master``: that needs a connection to a
+    sentinel kept open and read by a thread of its own, a way to pick another sentinel
+    when it fails, and a poll anyway to catch up on what was missed meanwhile. A poll
+    costs one round trip to a sentinel a second, and only while the store is used.
+
+    The sentinels are asked on a thread of the check's own, which the step waits for
+    ``MASTER_CHECK_PATIENCE`` at most: sentinels that are slow to answer or cannot be
+    reached (redis-py tries each again, with backoff) do not hold up the renewals. A
+    check that fails is logged; the step goes on with the connections it has.
+    """
+
+    def __init__(self, pool: Any, conns: _Connections, hubs: _Hubs) -> None:
+        self._pool = pool
+        self._conns = conns
+        self._hubs = hubs
+        self._asking = threading.Lock()  # held while a check runs
+        # The first connection asks the sentinels itself.
+        self._due = time.monotonic() + MASTER_CHECK_EVERY
+        self._failing = False
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's check is not running here."""
+        self._asking = threading.Lock()
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self._due or not self._asking.acquire(blocking=False):
+            return
+        self._due = now + MASTER_CHECK_EVERY
+        answered = threading.Event()
+        try:
+            threading.Thread(
+                target=self._ask, args=(answered,), name="keymutex-redis-sentinel", daemon=True
+            ).start()
+        except RuntimeError as exc:  # no thread to be had (the interpreter is exiting)
+            self._asking.release()
+            _unasked(exc, self._failing)
+            return
+        answered.wait(MASTER_CHECK_PATIENCE)
+
+    def _ask(self, answered: threading.Event) -> None:
+        try:
+            master = tuple(self._pool.get_master_address())
+            self._conns.follow(master)
+            self._hubs.follow(master)
+            self._failing = False
+        except Exception as exc:  # sentinels down or unreachable: advice, not a step
+            _unasked(exc, self._failing)
+            self._failing = True
+        finally:
+            self._asking.release()
+            answered.set()
+
+
+class _SentinelStore(RedisStore):
+    """A ``RedisStore`` on Sentinel: its steps follow the master (``_MasterWatch``).
+
+    A store of its own, so that the other stores' steps pay nothing for it.
+    """
+
+    def __init__(
+        self, client: Any, locate: Locate, layout: _Layout, also_close: Sequence[Any]
+    ) -> None:
+        super().__init__(client, locate, layout, also_close=also_close)
+        assert self._conns is not None
+        self._master = _MasterWatch(client.connection_pool, self._conns, self._hubs)
+
+    def _forked(self) -> None:
+        super()._forked()
+        self._master._forked()
+
+    def _run(self, call: _Call) -> Outcome:
+        self._master.check()
+        return super()._run(call)
+
+    def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+        self._master.check()
+        return super()._pipeline(calls)
+
+    def holder(self, key: str) -> Holder | None:
+        self._master.check()
+        return super().holder(key)
+
+    def holders(self, prefix: str) -> list[Holder]:
+        self._master.check()
+        return super().holders(prefix)
+
+
+class _AsyncMasterWatch:
+    """``_MasterWatch`` for an async store: the check is a task of the store's loop."""
+
+    def __init__(self, pool: Any, conns: _AsyncConnections, hubs: _AsyncHubs) -> None:
+        self._pool = pool
+        self._conns = conns
+        self._hubs = hubs
+        self._task: asyncio.Task[None] | None = None
+        self._due = time.monotonic() + MASTER_CHECK_EVERY
+        self._failing = False
+
+    async def check(self) -> None:
+        now = time.monotonic()
+        if now < self._due or (self._task is not None and not self._task.done()):
+            return
+        self._due = now + MASTER_CHECK_EVERY
+        task = self._task = asyncio.create_task(self._ask(), name="keymutex-redis-sentinel")
+        await asyncio.wait({task}, timeout=MASTER_CHECK_PATIENCE)
+
+    async def _ask(self) -> None:
+        try:
+            master = tuple(await self._pool.get_master_address())
+            await self._conns.follow(master)
+            self._hubs.follow(master)
+            self._failing = False
+        except Exception as exc:  # as in _MasterWatch
+            _unasked(exc, self._failing)
+            self._failing = True
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class _AsyncSentinelStore(AsyncRedisStore):
+    """An ``AsyncRedisStore`` on Sentinel (see ``_SentinelStore``)."""
+
+    def __init__(
+        self,
+        client: Any,
+        locate: Callable[[str], Awaitable[tuple[str, Callable[[], Any]]]],
+        layout: _Layout,
+        also_close: Sequence[Any],
+    ) -> None:
+        super().__init__(client, locate, layout, also_close=also_close)
+        assert self._conns is not None
+        self._master = _AsyncMasterWatch(client.connection_pool, self._conns, self._hubs)
+
+    async def _run(self, call: _Call) -> Outcome:
+        await self._master.check()
+        return await super()._run(call)
+
+    async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+        await self._master.check()
+        return await super()._pipeline(calls)
+
+    async def holder(self, key: str) -> Holder | None:
+        await self._master.check()
+        return await super().holder(key)
+
+    async def holders(self, prefix: str) -> list[Holder]:
+        await self._master.check()
+        return await super().holders(prefix)
+
+    async def aclose(self) -> None:
+        await self._master.aclose()
+        await super().aclose()
+
+
 # -- URLs ----------------------------------------------------------------------------
 
 # Options a user may pass as ``Locks(url, **options)``, handed to redis-py as they are.
@@ -1949,6 +2227,12 @@ def _check_single(url: str, parts: SplitResult) -> None:
         raise ValueError(
             f"{redacted(url)!r} is not a Redis URL: the database must be a number (/0, /1, …),"
             f" not {database!r}"
+        )
+    if parts.scheme.lower() != "unix" and database and "db" in names:
+        # redis-py would take db= and ignore the path: a write to another database.
+        raise ValueError(
+            f"{redacted(url)!r} is not a Redis URL: it names the database twice, in its path"
+            f" (/{database}) and as db= in its query; give one"
         )
 
 
@@ -2112,7 +2396,7 @@ class RedisDriver:
                 **_once(target.options),
             )
             client = sentinel.master_for(target.service, db=target.db)  # type: ignore[no-untyped-call]
-            return RedisStore(
+            return _SentinelStore(
                 client, lambda channel: ("", client.pubsub), layout, also_close=sentinel.sentinels
             )
         return RedisStore(client, lambda channel: ("", client.pubsub), layout)
@@ -2157,8 +2441,9 @@ class RedisDriver:
         async def anywhere(channel: str) -> tuple[str, Callable[[], Any]]:
             return "", client.pubsub
 
-        sentinels = sentinel.sentinels if target.kind == "sentinel" else ()
-        return AsyncRedisStore(client, anywhere, layout, also_close=sentinels)
+        if target.kind == "sentinel":
+            return _AsyncSentinelStore(client, anywhere, layout, also_close=sentinel.sentinels)
+        return AsyncRedisStore(client, anywhere, layout)
 
 
 def _sentinel_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,246 @@
+"""A planned Sentinel failover (``SENTINEL FAILOVER``), against real servers.
+
+Found in review: the old master stays a writable master for about 10 s after the
+sentinels name the new one (until they demote it at their next check). The store's
+connections, held out of redis-py's pool, kept going there: the holder's renewals
+reached the old master only, its lease expired on the new one, and a fresh client was
+granted the held key (fence 2) 1.8 s after the switch while the holder believed it
+held it for 10 s more. The store now asks the sentinels for the master at most once a
+second (``MASTER_CHECK_EVERY``) and moves its connections, and its pub/sub connection,
+to the new master.
+
+Each test starts a topology of its own (a master, one replica, three sentinels): they
+fail the master over, which the session's shared ``redis_sentinel`` must never see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import _redis_servers as servers
+import keymutex
+from _redis_fixtures import require_redis
+from keymutex.stores import redis as redis_store
+
+pytestmark = pytest.mark.usefixtures("_needs_redis")
+
+# A short lease, renewed every TTL/3: its copy on the promoted replica outlives the
+# switch by at most TTL, which is how long the holder has to find the new master (a
+# master check, at most a second apart, then its next renewal, at most TTL/3 later:
+# 3.3 s here, with room for a loaded machine). Shorter than the ~10 s the sentinels take
+# to demote the old master, so a holder that kept renewing there loses its key.
+TTL = 6.0
+# How long after the switch a fresh client keeps trying to take the held key.
+WATCH = 3 * TTL
+PATIENCE = 30.0
+
+
+@pytest.fixture
+def _needs_redis() -> None:
+    require_redis()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"sentinel-review-{uuid.uuid4().hex[:12]}"
+
+
+def _until(condition: Callable[[], bool], what: str, patience: float = PATIENCE) -> float:
+    """Poll ``condition``; the seconds it took."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > patience:
+            raise AssertionError(f"timed out after {patience} s waiting until {what}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _subscribers(node: servers.RedisServer, channel: str) -> int:
+    reply = node.command("PUBSUB", "NUMSUB", channel)
+    assert isinstance(reply, list), reply
+    return int(reply[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_renewing_holder_follows_a_planned_failover_and_keeps_the_key(
+    tmp_path: Path, namespace: str
+) -> None:
+    with (
+        servers.sentinel(tmp_path, replicas=1, sentinels=3) as group,
+        keymutex.Locks(group.url, namespace=namespace, ttl=TTL, owner="A") as a_locks,
+    ):
+        held = a_locks.acquire("k", renew=True)
+        old = group.master
+        servers.wait_caught_up(old, group.replicas)
+        new = group.failover("command")
+        assert new is not old
+        with keymutex.Locks(group.url, namespace=namespace, ttl=TTL, owner="B") as b_locks:
+            granted: list[keymutex.Lease] = []
+            refusals: list[keymutex.Holder | None] = []
+            deadline = time.monotonic() + WATCH
+            while time.monotonic() < deadline:
+                try:
+                    granted.append(b_locks.acquire("k", timeout=0))
+                    break
+                except keymutex.Locked as refused:
+                    refusals.append(refused.holder)
+                except keymutex.StoreError:  # a step that met the old master's demotion
+                    pass
+                assert not held.lost
+                time.sleep(0.1)
+            assert granted == [], (
+                f"B was granted the key A holds (fence {granted[0].fence}, A's {held.fence})"
+                f" {WATCH - (deadline - time.monotonic()):.1f} s after the switch"
+            )
+            assert len(refusals) > WATCH / 0.2
+            assert {(h.owner, h.fence) if h else None for h in refusals} == {("A", held.fence)}
+            assert not held.lost
+            # Written on the new master: still there once the old one is demoted.
+            holder = new.client().hgetall(a_locks._store._layout.lease("k"))  # type: ignore[attr-defined]
+            assert holder.get("o") == "A"
+        held.release()
+        assert new.client().exists(a_locks._store._layout.lease("k")) == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_async_renewing_holder_follows_a_planned_failover_and_keeps_the_key(
+    tmp_path: Path, namespace: str
+) -> None:
+    async def main(group: servers.RedisSentinel) -> None:
+        async with keymutex.AsyncLocks(
+            group.url, namespace=namespace, ttl=TTL, owner="A"
+        ) as a_locks:
+            held = await a_locks.acquire("k", renew=True)
+            old = group.master
+            await asyncio.to_thread(servers.wait_caught_up, old, group.replicas)
+            new = await asyncio.to_thread(group.failover, "command")
+            assert new is not old
+            async with keymutex.AsyncLocks(
+                group.url, namespace=namespace, ttl=TTL, owner="B"
+            ) as b_locks:
+                refusals: list[keymutex.Holder | None] = []
+                deadline = time.monotonic() + WATCH
+                while time.monotonic() < deadline:
+                    try:
+                        lease = await b_locks.acquire("k", timeout=0)
+                    except keymutex.Locked as refused:
+                        refusals.append(refused.holder)
+                    except keymutex.StoreError:
+                        pass
+                    else:
+                        raise AssertionError(
+                            f"B was granted the key A holds (fence {lease.fence}, A's"
+                            f" {held.fence})"
+                        )
+                    assert not held.lost
+                    await asyncio.sleep(0.1)
+            assert len(refusals) > WATCH / 0.2
+            assert {(h.owner, h.fence) if h else None for h in refusals} == {("A", held.fence)}
+            assert not held.lost
+            await held.release()
+
+    with servers.sentinel(tmp_path, replicas=1, sentinels=3) as group:
+        asyncio.run(main(group))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_waiter_listens_on_the_new_master_after_a_planned_failover(
+    tmp_path: Path, namespace: str
+) -> None:
+    """The hand-over of a release on the new master reaches a waiter that was already
+    waiting at the switch: its pub/sub connection moved there too."""
+    with (
+        servers.sentinel(tmp_path, replicas=1, sentinels=3) as group,
+        keymutex.Locks(group.url, namespace=namespace, ttl=10.0, owner="A") as a_locks,
+        keymutex.Locks(group.url, namespace=namespace, ttl=10.0, owner="B") as b_locks,
+    ):
+        held = a_locks.acquire("k", renew=True)
+        channel = b_locks._store._layout.channel("k")  # type: ignore[attr-defined]
+        results: list[keymutex.Lease | BaseException] = []
+
+        def wait() -> None:
+            try:
+                results.append(b_locks.acquire("k", timeout=PATIENCE))
+            except BaseException as exc:
+                results.append(exc)
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        old = group.master
+        _until(lambda: _subscribers(old, channel) == 1, "B listens on the old master")
+        servers.wait_caught_up(old, group.replicas)
+        new = group.failover("command")
+        # B's tries (at least every second) look at the master again, and its hub
+        # moves to the new master.
+        took = _until(lambda: _subscribers(new, channel) == 1, "B listens on the new master", 5.0)
+        print(f"\nB listens on the new master {took:.2f} s after the sentinels named it")
+        assert not results, results
+        held.release()
+        thread.join(PATIENCE)
+        assert len(results) == 1
+        (lease,) = results
+        assert isinstance(lease, keymutex.Lease), lease
+        assert lease.fence > held.fence
+        lease.release()
+
+
+def test_a_sentinel_that_cannot_be_asked_does_not_fail_the_step(
+    redis_sentinel_url: str,
+    namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The check of the master is advice: when no sentinel answers, the step goes on
+    on the connections in hand (logged), and the next check is a second later."""
+    with keymutex.Locks(redis_sentinel_url, namespace=namespace) as locks:
+        locks.acquire("k", timeout=0).release()  # a connection in hand
+        store = locks._store
+        manager = store._client.connection_pool.sentinel_manager  # type: ignore[attr-defined]
+        asked: list[str] = []
+
+        def unreachable(service: str) -> tuple[str, int]:
+            asked.append(service)
+            raise redis_store.redis.sentinel.MasterNotFoundError(
+                f"No master found for {service!r}"
+            )
+
+        monkeypatch.setattr(manager, "discover_master", unreachable)
+        store._master._due = 0.0  # type: ignore[attr-defined]
+        with caplog.at_level(logging.DEBUG, logger="keymutex"):
+            lease = locks.acquire("k", timeout=0)
+            lease.release()
+            locks.acquire("k", timeout=0).release()
+        assert len(asked) == 1, "checked more than once a second"
+        assert "No master found" in caplog.text
+
+
+def test_the_master_is_checked_at_most_once_a_second(
+    redis_sentinel_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with keymutex.Locks(redis_sentinel_url, namespace=namespace) as locks:
+        store = locks._store
+        manager = store._client.connection_pool.sentinel_manager  # type: ignore[attr-defined]
+        asked: list[str] = []
+        discover = manager.discover_master
+
+        def counted(service: str) -> tuple[str, int]:
+            asked.append(service)
+            return discover(service)  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(manager, "discover_master", counted)
+        started = time.monotonic()
+        for _ in range(200):
+            locks.acquire("k", timeout=0).release()
+        elapsed = time.monotonic() - started
+        assert 1 <= len(asked) <= 2 + elapsed / redis_store.MASTER_CHECK_EVERY, asked
