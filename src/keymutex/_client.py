@@ -39,7 +39,7 @@ from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from keymutex import _clock
 from keymutex._errors import Locked, LockError, LockLost, StoreError
@@ -440,6 +440,45 @@ def _outcome_or_lost(key: str, outcome: Outcome) -> Outcome:
     if not outcome.ok:
         raise LockLost(key, outcome.holder)
     return outcome
+
+
+class _Discards(Protocol):
+    def discard(self, lease: LeaseState) -> None: ...
+
+
+class _GivesBack(Protocol):
+    def add(self, key: str, token: str, ttl: float) -> None: ...
+
+
+@contextlib.contextmanager
+def _finished_later(
+    give_backs: _GivesBack,
+    renewer: _Discards,
+    key: str,
+    token: str,
+    ttl: float,
+    lease: LeaseState | None,
+) -> Iterator[None]:
+    """A release that fails with ``StoreError`` goes on in the background.
+
+    Its outcome is unknown (a reply lost, a store that came back a moment later), and
+    nothing else would end the lease before its TTL, however short the glitch: the
+    renewer has let it go. It is given back as a grant whose answer was lost is
+    (``_giveback``): release by its token, until one finds it or the TTL has passed, and
+    once more at close. A release checks the token in the store, so it can only end
+    this lease. The caller still gets the error; ``lease`` counts as released (its
+    owner asked for it), so nobody renews it meanwhile. Found by review: the key stayed
+    held to its TTL after a release that met a half-second outage.
+    """
+    try:
+        yield
+    except StoreError as exc:
+        if lease is not None:
+            renewer.discard(lease)
+            lease._released = True
+        give_backs.add(key, token, ttl)
+        exc.add_note("keymutex tries the release again in the background until it lands")
+        raise
 
 
 def _granted_here(leases: Mapping[str, L], key: str, token: str) -> L | None:
@@ -1056,7 +1095,11 @@ class Locks:
             # A lease this client granted, maybe renewing: once released, it must not be
             # renewed (a refused renewal would call it lost) and its owner sees it released.
             granted = _granted_here(self._leases, key, token)
-            with granted._renewing if granted is not None else contextlib.nullcontext():
+            ttl = self._config.ttl if granted is None else granted._ttl
+            with (
+                granted._renewing if granted is not None else contextlib.nullcontext(),
+                _finished_later(self._give_backs, self._renewer, key, token, ttl, granted),
+            ):
                 _outcome_or_lost(key, self._store.release(key, token))
                 if granted is not None:
                     self._renewer.discard(granted)
@@ -1309,7 +1352,10 @@ class Locks:
             with lease._renewing:
                 self._raise_if_ended(lease)
                 expired = lease.remaining <= 0  # by our own clock, before the store's says so
-                outcome = self._store.release(lease.key, lease.token)
+                with _finished_later(
+                    self._give_backs, self._renewer, lease.key, lease.token, lease._ttl, lease
+                ):
+                    outcome = self._store.release(lease.key, lease.token)
                 if not outcome.ok or expired:
                     raise self._lost(lease, outcome.holder)
                 lease._released = True
@@ -1776,8 +1822,10 @@ class AsyncLocks:
     async def _release_by_token(self, key: str, token: str) -> None:
         async with self._at_store:
             granted = _granted_here(self._leases, key, token)  # as in Locks.release
+            ttl = self._config.ttl if granted is None else granted._ttl
             async with granted._renewing if granted is not None else contextlib.nullcontext():
-                _outcome_or_lost(key, await self._store.release(key, token))
+                with _finished_later(self._give_backs, self._renewer, key, token, ttl, granted):
+                    _outcome_or_lost(key, await self._store.release(key, token))
                 if granted is not None:
                     self._renewer.discard(granted)
                     granted._released = True
@@ -2049,7 +2097,10 @@ class AsyncLocks:
             async with lease._renewing:  # as in Locks._release_lease
                 await self._raise_if_ended(lease)
                 expired = lease.remaining <= 0  # by our own clock, before the store's says so
-                outcome = await self._store.release(lease.key, lease.token)
+                with _finished_later(
+                    self._give_backs, self._renewer, lease.key, lease.token, lease._ttl, lease
+                ):
+                    outcome = await self._store.release(lease.key, lease.token)
                 if not outcome.ok or expired:
                     raise self._lost(lease, outcome.holder)
                 lease._released = True

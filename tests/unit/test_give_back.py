@@ -392,3 +392,62 @@ async def test_async_closing_waits_a_bounded_time_for_the_last_round(
     await asyncio.wait_for(failing.aclose(), WAIT)  # returns after JOIN_GRACE
     store.lose = False
     hang.set()  # the store answers: the give-back ends, and closes the store
+
+
+# -- releases whose outcome is unknown (found by review) -------------------------------
+# A release that met a half-second outage raised StoreError, and nothing released the
+# lease afterwards: the key stayed held to its TTL.
+
+
+@pytest.mark.parametrize("how", ["lease.release", "with-block", "locks.release"])
+def test_a_release_that_failed_goes_on_in_the_background(namespace: str, how: str) -> None:
+    with keymutex.Locks(f"memory://{namespace}", ttl=GHOST_TTL) as locks:
+        store = losing(locks)
+        lease = locks.acquire("k")
+
+        def with_block() -> None:
+            with locks.lock("j"):
+                pass
+
+        release = {
+            "lease.release": lease.release,
+            "with-block": with_block,
+            "locks.release": lambda: locks.release("k", lease.token),
+        }[how]
+        if how == "with-block":
+            lease.release()
+        store.down = 1  # the release meets the outage; the store is back at once
+        with pytest.raises(keymutex.StoreError) as failed:
+            release()
+        assert any("in the background" in note for note in failed.value.__notes__)
+        _wait_until(lambda: locks.holder("k") is None and locks.holder("j") is None)
+        assert len(store.releases) >= 2  # the caller's, then the background's
+
+
+def test_a_lease_whose_release_failed_is_neither_renewed_nor_lost(namespace: str) -> None:
+    with keymutex.Locks(f"memory://{namespace}", ttl=0.3) as locks:
+        lost: list[keymutex.Lease] = []
+        lease = locks.acquire("k", renew=True, on_lost=lost.append)
+        store = losing(locks)
+        store.down = 10**6  # down for good: only the TTL frees the key
+        with pytest.raises(keymutex.StoreError):
+            lease.release()
+        with pytest.raises(keymutex.LockLost, match="already released"):
+            lease.renew()
+        _wait_until(lambda: locks.holder("k") is None)  # by its TTL (0.3 s)
+        time.sleep(0.5)
+        assert lost == []
+        assert not lease.lost
+
+
+@pytest.mark.asyncio
+async def test_an_async_release_that_failed_goes_on_in_the_background(namespace: str) -> None:
+    async with keymutex.AsyncLocks(f"memory://{namespace}", ttl=GHOST_TTL) as locks:
+        store = losing_async(locks)
+        store.down = 1
+        with pytest.raises(keymutex.StoreError):
+            async with locks.lock("k"):
+                pass
+        async with asyncio.timeout(WAIT):
+            while await locks.holder("k") is not None:  # noqa: ASYNC110 - the store's state
+                await asyncio.sleep(0.01)
