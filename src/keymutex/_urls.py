@@ -14,7 +14,7 @@ from urllib.parse import SplitResult, urlsplit
 
 from keymutex._store import StoreDriver
 
-__all__ = ["driver_for", "known_schemes", "redacted", "scheme_of", "split_url"]
+__all__ = ["driver_for", "known_schemes", "redacted", "scheme_of", "scrubbed", "split_url"]
 
 ENTRY_POINT_GROUP = "keymutex.stores"
 # The extra that installs a scheme's client library, where it is not named as the scheme.
@@ -32,22 +32,61 @@ _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.\-]*):")
 _QUERY_PASSWORD = re.compile(r"(?i)([?&](?:password|passwd|pass)=)[^&#]*")
 
 
-def redacted(url: str) -> str:
-    """``url`` without its password (after ``user:`` or as ``?password=``), for messages.
+def _password_span(url: str) -> tuple[int, int] | None:
+    """Where ``url``'s password is (after ``user:``, before the ``@`` of the host).
 
-    Errs on the side of hiding: a password with an unescaped ``/`` or ``@`` is hidden
-    whole, whatever ``urlsplit`` would make of it.
+    Errs on the side of hiding. A password with an unescaped ``/``, ``?``, ``#`` or
+    ``@`` is found whole, whatever ``urlsplit`` would make of it: when the authority
+    (up to the first ``/``, ``?`` or ``#``) holds no ``@``, the last ``@`` of the URL
+    ends the password. A scheme written without ``//`` (``redis:/u:pw@…``,
+    ``postgresql:u:pw@…``) hides the same. Found by review: a ``?`` or ``#`` in the
+    password, or a mistyped ``//``, printed it in full.
     """
+    scheme = _SCHEME.match(url)
+    if scheme is None or scheme.group(1).lower() in ("sqlite", "memory"):  # paths, names
+        return None
+    start = scheme.end()
+    while url.startswith("/", start):
+        start += 1
+    rest = url[start:]
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    at = rest.rfind("@", 0, cut)
+    if at < 0:
+        at = rest.rfind("@")
+    if at < 0:
+        return None
+    colon = rest.find(":", 0, at)
+    if colon < 0:
+        return None
+    return start + colon + 1, start + at
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (after ``user:`` or as ``?password=``), for messages."""
     url = _QUERY_PASSWORD.sub(r"\1***", url)
-    scheme, sep, rest = url.partition("://")
-    if not sep:
+    span = _password_span(url)
+    if span is None:
         return url
-    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
-    userinfo, at, after = rest[:cut].rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.partition(":")[0]
-    return f"{scheme}://{user}:***@{after}{rest[cut:]}"
+    return f"{url[: span[0]]}***{url[span[1] :]}"
+
+
+def scrubbed(text: str, url: str) -> str:
+    """``text`` (a client library's message about ``url``) without ``url``'s password.
+
+    The whole password, and each piece of it a parser may have split it into at ``/``,
+    ``?``, ``#``, ``@`` or ``:`` when quoted (redis-py: "Port could not be cast to
+    integer value as 'pa'").
+    """
+    secrets = [match.group(0).partition("=")[2] for match in _QUERY_PASSWORD.finditer(url)]
+    span = _password_span(_QUERY_PASSWORD.sub(r"\1***", url))
+    if span is not None:
+        secrets.append(url[span[0] : span[1]])
+    for secret in filter(None, secrets):
+        text = text.replace(secret, "***")
+        for piece in filter(None, re.split(r"[/?#@:]", secret)):
+            for quote in "'\"":
+                text = text.replace(f"{quote}{piece}{quote}", f"{quote}***{quote}")
+    return text
 
 
 def split_url(url: str, store: str, form: str) -> SplitResult:
@@ -55,7 +94,9 @@ def split_url(url: str, store: str, form: str) -> SplitResult:
     try:
         return urlsplit(url)
     except ValueError as exc:  # "Invalid IPv6 URL", …
-        raise ValueError(f"{redacted(url)!r} is not a {store} URL ({form}): {exc}") from None
+        raise ValueError(
+            f"{redacted(url)!r} is not a {store} URL ({form}): {scrubbed(str(exc), url)}"
+        ) from None
 
 
 @functools.cache

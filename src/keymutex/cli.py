@@ -55,7 +55,7 @@ from click.core import ParameterSource
 from keymutex import AsyncLease, AsyncLocks, Holder, Locked, LockLost, Locks, StoreError
 from keymutex._client import MAX_NAMESPACE_BYTES
 from keymutex._store import max_ttl_of
-from keymutex._urls import driver_for, redacted, scheme_of
+from keymutex._urls import driver_for, redacted, scheme_of, scrubbed
 from keymutex._validate import (
     check_info,
     check_key,
@@ -133,7 +133,7 @@ def _store_errors(url: str) -> Iterator[None]:
     try:
         yield
     except StoreError as exc:
-        raise _Unavailable(f"store {redacted(url)} failed: {exc}") from exc
+        raise _Unavailable(f"store {redacted(url)} failed: {scrubbed(str(exc), url)}") from exc
 
 
 # -- argument types ------------------------------------------------------------------

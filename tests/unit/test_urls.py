@@ -83,3 +83,65 @@ def test_a_mongodb_url_in_capitals_is_taken_too() -> None:
     pytest.importorskip("pymongo")
     with keymutex.Locks("MongoDB://127.0.0.1:1/db", namespace="capitals") as locks:
         assert locks.url == "mongodb://127.0.0.1:1/db"
+
+
+# -- passwords never shown (found by review: a ? or # in one, or a mistyped //, printed
+# it in full in usage errors, "store … failed" messages and serve's start-up line) -----
+
+SECRET = "s3cret"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u:pa?ss-s3cret@127.0.0.1:1/db",
+        "mongodb://u:pa#ss-s3cret@127.0.0.1:1/db",
+        "redis://:pa#ss-s3cret@127.0.0.1:1/0",
+        "etcd://root:pa#ss-s3cret@127.0.0.1:1",
+        "zookeeper://root:pa/ss-s3cret@127.0.0.1:1",
+        "redis:/u:s3cret@127.0.0.1:1/0",
+        "postgresql:u:s3cret@127.0.0.1:1/db",
+        "redis://u:s3c@ret@127.0.0.1:1/0",
+        "redis://127.0.0.1:1/0?password=s3cret",
+    ],
+)
+def test_a_password_is_hidden_however_the_url_is_written(url: str) -> None:
+    shown = _urls.redacted(url)
+    assert SECRET not in shown
+    assert "***" in shown
+    assert shown.endswith(url.rsplit("@", 1)[-1]) or "?password=***" in shown
+
+
+def test_urls_without_a_password_are_shown_as_they_are() -> None:
+    for url in [
+        "redis://127.0.0.1:6379/0",
+        "sqlite:///tmp/a:b@c.db",
+        "memory://x",
+        "etcd://h:2379",
+    ]:
+        assert _urls.redacted(url) == url
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u:pa?ss-s3cret@127.0.0.1:1/db",
+        "redis://:pa#ss-s3cret@127.0.0.1:1/0",
+        "redis://u:s3cr/et@127.0.0.1:1/0",
+        "etcd://root:pa#ss-s3cret@127.0.0.1:1",
+        "postgresql:u:s3cret@127.0.0.1:1/db",
+    ],
+)
+def test_no_piece_of_a_password_reaches_an_error(url: str) -> None:
+    """Through ``keymutex ls``: usage errors (exit 2) and store failures (exit 69)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "keymutex", "ls", "--store", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode in (2, 69), said
+    for piece in ("s3cret", "s3cr", "'pa'", "ss-"):
+        assert piece not in said, said

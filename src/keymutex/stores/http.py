@@ -61,7 +61,7 @@ from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
-from keymutex._urls import redacted, split_url
+from keymutex._urls import redacted, scrubbed, split_url
 from keymutex._validate import LOCK_SERVER_MAX_TTL
 from keymutex._version import __version__
 from keymutex.stores._settings import seconds
@@ -699,7 +699,9 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, 
     try:
         parts.port  # noqa: B018 - raises ValueError for a port that does not parse
     except ValueError as exc:
-        raise ValueError(f"{exc} (lock server URL {redacted(url)!r})") from None
+        raise ValueError(
+            f"{scrubbed(str(exc), url)} (lock server URL {redacted(url)!r})"
+        ) from None
     if parts.username is not None or parts.password is not None:
         raise ValueError(
             f"lock server URL {parts.hostname!r} must not carry credentials: pass"

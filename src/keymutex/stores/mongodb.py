@@ -83,7 +83,7 @@ from pymongo.uri_parser import split_options
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
-from keymutex._urls import redacted, split_url
+from keymutex._urls import redacted, scrubbed, split_url
 from keymutex.stores._doorbell import Doorbell, LoopDoorbell
 
 __all__ = ["AsyncMongoStore", "MongoStore", "driver"]
@@ -368,7 +368,9 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
             # pymongo only warns about an unknown option, and then ignores it.
             split_options(parts.query, validate=True, warn=False)
         except (ConfigurationError, ValueError, OSError) as exc:  # OSError: tlsCAFile=…
-            raise ValueError(f"{redacted(url)!r} is not a usable MongoDB URL: {exc}") from None
+            raise ValueError(
+                f"{redacted(url)!r} is not a usable MongoDB URL: {scrubbed(str(exc), url)}"
+            ) from None
     client_options: dict[str, Any] = {
         name: value for name, value in DEFAULT_TIMEOUTS_MS.items() if name.lower() not in given
     }
@@ -841,7 +843,9 @@ class MongoDriver:
         try:
             client: MongoClient[Any] = MongoClient(target.url, **target.client_options)
         except (ConfigurationError, ValueError) as exc:  # InvalidURI, bad ports among them
-            raise ValueError(f"{redacted(url)!r} is not a usable MongoDB URL: {exc}") from None
+            raise ValueError(
+                f"{redacted(url)!r} is not a usable MongoDB URL: {scrubbed(str(exc), url)}"
+            ) from None
         try:
             return MongoStore(client, target, namespace)
         except BaseException:
@@ -855,7 +859,9 @@ class MongoDriver:
         try:
             client: AsyncMongoClient[Any] = AsyncMongoClient(target.url, **target.client_options)
         except (ConfigurationError, ValueError) as exc:
-            raise ValueError(f"{redacted(url)!r} is not a usable MongoDB URL: {exc}") from None
+            raise ValueError(
+                f"{redacted(url)!r} is not a usable MongoDB URL: {scrubbed(str(exc), url)}"
+            ) from None
         return AsyncMongoStore(client, target, namespace)
 
 

@@ -107,7 +107,7 @@ from psycopg import pq
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
-from keymutex._urls import redacted, split_url
+from keymutex._urls import redacted, scrubbed, split_url
 from keymutex.stores._doorbell import Doorbell, LoopDoorbell, wake
 from keymutex.stores._settings import count, digits, seconds
 
@@ -2036,7 +2036,9 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
     try:
         params = psycopg.conninfo.conninfo_to_dict(conninfo)
     except psycopg.Error as exc:
-        raise ValueError(f"{redacted(url)!r} is not a PostgreSQL URL: {exc}") from None
+        raise ValueError(
+            f"{redacted(url)!r} is not a PostgreSQL URL: {scrubbed(str(exc), url)}"
+        ) from None
     # libpq would only find out when connecting; one port per host, empty: the default.
     for port in str(params.get("port", "")).split(","):
         if port and not (digits(port) and 1 <= int(port) <= 65535):

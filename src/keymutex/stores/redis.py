@@ -80,7 +80,7 @@ from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, PartialRenewal, RenewRequest, translate_errors
-from keymutex._urls import redacted, split_url
+from keymutex._urls import redacted, scrubbed, split_url
 from keymutex.stores._doorbell import LoopDoorbell
 from keymutex.stores._settings import count, digits, seconds
 
@@ -2202,7 +2202,9 @@ def _check_single(url: str, parts: SplitResult) -> None:
         # redis-py reads the numbers but lets any value through (socket_timeout=-1).
         _checked_options({k: v for k, v in parsed.items() if k in CLIENT_OPTIONS})
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{redacted(url)!r} is not a Redis URL: {exc}") from None
+        raise ValueError(
+            f"{redacted(url)!r} is not a Redis URL: {scrubbed(str(exc), url)}"
+        ) from None
     names = [name for name, _ in parse_qsl(parts.query, keep_blank_values=True)]
     unknown = sorted(set(names) - URL_OPTIONS)
     if unknown:
