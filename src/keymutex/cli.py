@@ -265,6 +265,8 @@ def _store_url(store: str | None) -> str:
 
 
 def _bad_store(ctx: click.Context, exc: Exception) -> NoReturn:
+    if str(exc).startswith("$KEYMUTEX_API_TOKEN "):  # the lock server's token, not --store
+        raise click.UsageError(str(exc), ctx)
     source = ctx.get_parameter_source("store")
     where = f" (from ${STORE_ENVVAR})" if source is ParameterSource.ENVIRONMENT else ""
     raise click.BadParameter(str(exc), ctx, param_hint=f"'--store'{where}")

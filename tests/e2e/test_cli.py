@@ -932,6 +932,16 @@ def test_bad_store_from_the_environment_says_where_it_came_from(env: dict[str, s
     assert "'--store' (from $KEYMUTEX_STORE)" in result.stderr
 
 
+def test_a_bad_api_token_in_the_environment_is_not_blamed_on_the_store(
+    env: dict[str, str],
+) -> None:
+    """Found by review: it was "Invalid value for '--store'"."""
+    env["KEYMUTEX_API_TOKEN"] = "a token with spaces, pasted from a chat"
+    result = keymutex("ls", "--store", "http://127.0.0.1:1", env=env, check=2)
+    assert "$KEYMUTEX_API_TOKEN must be the API token" in result.stderr
+    assert "--store" not in result.stderr
+
+
 def test_unreachable_store_exits_69(tmp_path: Path, env: dict[str, str]) -> None:
     missing = f"sqlite://{tmp_path}/no/such/dir/locks.db"
     result = keymutex("ls", "--store", missing, env=env, check=69)

@@ -820,7 +820,9 @@ class _Server:
             try:
                 async with self.namespaces.using(namespace) as locks:
                     held[namespace] = len(await locks.holders(""))
-            except Exception:  # one namespace's store failing leaves the others' figures
+            except StoreError as exc:  # one namespace's store failing leaves the others'
+                LOG.warning("metrics: cannot count the leases of namespace %r: %s", namespace, exc)
+            except Exception:  # a bug: its traceback
                 LOG.exception("metrics: cannot count the leases of namespace %r", namespace)
         self.metrics.set_held(held)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
