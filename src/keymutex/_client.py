@@ -250,6 +250,14 @@ def _format_key(
     return template.format(**bound.arguments)
 
 
+def _renewal_due(lease: LeaseState, since: float) -> float:
+    """When ``lease``, granted or renewed by a request sent at ``since``, is renewed next:
+    a third of its TTL later, or of what the store granted if that was less. ZooKeeper
+    grants no more than its session timeout: a lease with a TTL over three times that
+    was renewed too late, and lost on a healthy cluster (found by review)."""
+    return since + min(lease._ttl, max(0.0, lease._deadline - since)) / 3
+
+
 class _RenewalPlan:
     """When each renewing lease is due, and what a renewal's reply means (no I/O).
 
@@ -282,7 +290,7 @@ class _RenewalPlan:
         That is when its first renewal is due, or its deadline if that comes sooner (a
         TTL of a few ms, cut short by the store's clock grain).
         """
-        due = now + lease._ttl / 3
+        due = _renewal_due(lease, now)
         self._active.add(id(lease))
         self._fresh[id(lease)] = (due, lease)
         return min(due, lease._deadline)
@@ -296,7 +304,7 @@ class _RenewalPlan:
         """
         if not self.active(lease):
             return None
-        due = sent_at + lease._ttl / 3
+        due = _renewal_due(lease, sent_at)
         if id(lease) in self._fresh:
             self._fresh[id(lease)] = (due, lease)
         else:
@@ -406,7 +414,7 @@ class _RenewalPlan:
             return False  # released meanwhile
         if outcome.ok:
             lease._granted(outcome, sent_at, lease._ttl)
-            self._schedule(lease, sent_at + lease._ttl / 3)
+            self._schedule(lease, _renewal_due(lease, sent_at))
             self._watch(lease)  # the store may have granted less than before
             return False
         self.discard(lease)

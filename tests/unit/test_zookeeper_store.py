@@ -347,6 +347,22 @@ def test_the_negotiated_session_timeout_bounds_remaining(own_server: Any, namesp
         lease.release()
 
 
+def test_a_renewing_lease_with_a_ttl_past_the_session_timeout_is_kept(
+    zookeeper_url: str, namespace: str
+) -> None:
+    """Found by review: grants give no more than the session timeout, and the renewer
+    planned renewals a third of the TTL apart: ttl=9 with a 2 s session was lost at 2 s
+    on a healthy server. Renewals now come a third of what was granted apart."""
+    with keymutex.Locks(zookeeper_url, namespace=namespace, session_timeout=2.0) as locks:
+        lost: list[keymutex.Lease] = []
+        with locks.lock("job", ttl=9.0, on_lost=lost.append) as lease:
+            assert lease.remaining <= 2.0
+            time.sleep(5.0)  # past the session timeout, twice over
+            assert not lease.lost
+            assert lost == []
+            assert abs(lease.expires_at - time.time() - 9.0) < 2.0  # the node keeps the TTL
+
+
 def test_chroot(zookeeper_url: str, raw: Any, namespace: str) -> None:
     chroot = f"/apps/{namespace}"
     with keymutex.Locks(f"{zookeeper_url}{chroot}", namespace=namespace) as locks:
