@@ -223,9 +223,16 @@ def test_holder_paused_past_ttl(
     a = spawn_worker(config("A", hold=2.0))
     wait_until(lambda: has_op(tmp_path, "A", "cs"), 30, what="A in its critical section")
     b = spawn_worker(config("B", hold=0.0))
-    with paused(a) as paused_at:
-        wait_until(lambda: has_op(tmp_path, "B", "write", completed=True), 30, what="B wrote")
-        b_wrote = time.monotonic()
+    # Connected beforehand: A's lease (TTL 1 s) is read at once after the pause.
+    with keymutex.Locks(store_url, namespace=namespace) as probe:
+        probe.holder("k")
+        with paused(a) as paused_at:
+            # The lease as the store has it at the pause (its last renewal's), on this
+            # host's monotonic clock, which the workers' histories use.
+            held = probe.holder("k")
+            a_lease_ends = time.monotonic() + (held.expires_at - time.time()) if held else 0.0
+            wait_until(lambda: has_op(tmp_path, "B", "write", completed=True), 30, what="B wrote")
+            b_wrote = time.monotonic()
     wait_exit(a, 30, tmp_path, "A")
     wait_exit(b, 30, tmp_path, "B")
 
@@ -233,8 +240,11 @@ def test_holder_paused_past_ttl(
     a_write, b_write = first(ops, "A", "write"), first(ops, "B", "write")
     b_grant = first(ops, "B", "acquire")
     assert b_grant.fence > first(ops, "A", "acquire").fence  # type: ignore[operator]
-    # A's lease ran PAUSE_TTL from its grant (renewals only extend it): B not before.
+    # A's lease ran PAUSE_TTL from its grant (renewals only extend it): B not before,
+    # nor before the end of the lease the store had at the pause.
     assert b_grant.complete >= first(ops, "A", "acquire").invoke + PAUSE_TTL - CLOCK_SLACK
+    assert held is not None, "A's key was free at the pause"
+    assert b_grant.complete >= a_lease_ends - 2 * CLOCK_SLACK, (b_grant.complete, a_lease_ends)
     assert a_write.invoke > b_wrote, "A wrote only after it was resumed"
     assert a_write.extra["lost"] is True, "after the pause, A's lease knows it is lost"
     assert first(ops, "A", "release").result == "fail", "A's release: LockLost"
@@ -306,6 +316,11 @@ def test_holder_killed(
     grant = first(ops_of(tmp_path, "A"), "A", "acquire")
 
     with keymutex.Locks(store_url, namespace=namespace, ttl=5.0) as locks:
+        # The lease as the store has it after the holder's last renewal: the key must
+        # not be free before it ends.
+        held = locks.holder("k")
+        assert held is not None, "the key was free right after the kill"
+        assert held.fence == grant.fence
         attempts = []
         while True:
             invoked = time.monotonic()
@@ -317,6 +332,7 @@ def test_holder_killed(
                 time.sleep(0.02)
                 continue
             freed = (invoked, time.monotonic())
+            freed_wall = time.time()
             lease.release()
             break
     record_property("kill_to_free_s", round(freed[1] - killed_at, 3))
@@ -325,6 +341,9 @@ def test_holder_killed(
     # Not before: the last grant or renewal was sent before the kill; it lasts ``ttl``.
     earliest = grant.invoke + ttl if not renew else killed_at
     assert freed[1] >= earliest - CLOCK_SLACK, (freed, earliest)
+    # Nor before the end of the lease the store had (its last renewal's, for a renewing
+    # holder), by the wall clock the store reports it in.
+    assert freed_wall >= held.expires_at - CLOCK_SLACK, (freed_wall, held.expires_at)
     # Not never: free within ``ttl`` of the kill (plus the store's expiry lateness, one
     # poll and a slow machine).
     late = EXPIRY_LATENESS.get(store, 0.0)
