@@ -288,7 +288,8 @@ def test_a_dead_cluster_master_fails_its_own_renewals_alone_and_at_once(
         }
         assert failed == on_victim
         assert all(o is not None and o.ok for o in partial.value.outcomes if o is not None)
-        assert took < 2.0, f"{took:.1f} s to fail the dead master's renewals"
+        # Refused at once, tried once: well under the 4 s of ten retries with backoff.
+        assert took < 3.0, f"{took:.1f} s to fail the dead master's renewals"
 
 
 @pytest.mark.slow
