@@ -2394,7 +2394,7 @@ class RedisDriver:
         else:
             sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
                 list(target.nodes),
-                sentinel_kwargs=_sentinel_kwargs(target.options),
+                sentinel_kwargs=_sentinel_kwargs(target.options, asynchronous=False),
                 **_once(target.options),
             )
             client = sentinel.master_for(target.service, db=target.db)  # type: ignore[no-untyped-call]
@@ -2435,7 +2435,7 @@ class RedisDriver:
         else:
             sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
                 list(target.nodes),
-                sentinel_kwargs=_sentinel_kwargs(target.options),
+                sentinel_kwargs=_sentinel_kwargs(target.options, asynchronous=True),
                 **_once_async(target.options),
             )
             client = sentinel.master_for(target.service, db=target.db)
@@ -2448,9 +2448,26 @@ class RedisDriver:
         return AsyncRedisStore(client, anywhere, layout)
 
 
-def _sentinel_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
-    # Sentinels are asked with the same timeouts; credentials are the data nodes'.
-    return {k: v for k, v in options.items() if k in {"socket_timeout", "socket_connect_timeout"}}
+# The longest a sentinel may take to answer (connect, then reply): a question of a few
+# bytes, answered from memory.
+SENTINEL_TIMEOUT = 1.0
+
+
+def _sentinel_kwargs(options: Mapping[str, Any], *, asynchronous: bool) -> dict[str, Any]:
+    """How the sentinels are asked: each once, for at most ``SENTINEL_TIMEOUT``.
+
+    Credentials are the data nodes'. Found by review: with the data nodes' timeouts
+    (5 s) and redis-py's retries, one frozen sentinel held a master check for about a
+    minute, and with it the move to a new master: after a planned failover the holder
+    renewed on the old master while another client was granted the key. redis-py asks
+    the sentinels in turn and puts one that answered first: a dead one costs one
+    timeout, once.
+    """
+    timeouts = {
+        name: min(float(options.get(name) or SENTINEL_TIMEOUT), SENTINEL_TIMEOUT)
+        for name in ("socket_timeout", "socket_connect_timeout")
+    }
+    return _once_async(timeouts) if asynchronous else _once(timeouts)
 
 
 driver = RedisDriver()
