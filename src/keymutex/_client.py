@@ -458,35 +458,29 @@ class _GivesBack(Protocol):
     def add(self, key: str, token: str, ttl: float) -> None: ...
 
 
-@contextlib.contextmanager
-def _finished_later(
-    give_backs: _GivesBack,
-    renewer: _Discards,
-    key: str,
-    token: str,
-    ttl: float,
-    lease: LeaseState | None,
-) -> Iterator[None]:
-    """A release that fails with ``StoreError`` goes on in the background.
+def _finish_later(
+    give_backs: _GivesBack, renewer: _Discards, lease: LeaseState | None, exc: StoreError
+) -> None:
+    """A release of ``lease`` failed with ``exc``: it goes on in the background.
 
     Its outcome is unknown (a reply lost, a store that came back a moment later), and
     nothing else would end the lease before its TTL, however short the glitch: the
     renewer has let it go. It is given back as a grant whose answer was lost is
     (``_giveback``): release by its token, until one finds it or the TTL has passed, and
     once more at close. A release checks the token in the store, so it can only end
-    this lease. The caller still gets the error; ``lease`` counts as released (its
-    owner asked for it), so nobody renews it meanwhile. Found by review: the key stayed
-    held to its TTL after a release that met a half-second outage.
+    this lease: given back only for a lease this client granted to a token it drew
+    (a token the caller named may be named again, for another lease; and the TTL of
+    a lease granted elsewhere is not known here). The caller still gets the error;
+    the lease counts as released (its owner asked for it), so nobody renews it
+    meanwhile. Found by review: the key stayed held to its TTL after a release that
+    met a half-second outage.
     """
-    try:
-        yield
-    except StoreError as exc:
-        if lease is not None:
-            renewer.discard(lease)
-            lease._released = True
-        give_backs.add(key, token, ttl)
-        exc.add_note("keymutex tries the release again in the background until it lands")
-        raise
+    if lease is None or not lease._drawn:
+        return
+    renewer.discard(lease)
+    lease._released = True
+    give_backs.add(lease.key, lease.token, lease._ttl)
+    exc.add_note("keymutex tries the release again in the background until it lands")
 
 
 def _granted_here(leases: Mapping[str, L], key: str, token: str) -> L | None:
@@ -1103,12 +1097,13 @@ class Locks:
             # A lease this client granted, maybe renewing: once released, it must not be
             # renewed (a refused renewal would call it lost) and its owner sees it released.
             granted = _granted_here(self._leases, key, token)
-            ttl = self._config.ttl if granted is None else granted._ttl
-            with (
-                granted._renewing if granted is not None else contextlib.nullcontext(),
-                _finished_later(self._give_backs, self._renewer, key, token, ttl, granted),
-            ):
-                _outcome_or_lost(key, self._store.release(key, token))
+            with granted._renewing if granted is not None else contextlib.nullcontext():
+                try:
+                    outcome = self._store.release(key, token)
+                except StoreError as exc:
+                    _finish_later(self._give_backs, self._renewer, granted, exc)
+                    raise
+                _outcome_or_lost(key, outcome)
                 if granted is not None:
                     self._renewer.discard(granted)
                     granted._released = True
@@ -1284,6 +1279,7 @@ class Locks:
             sent_at=sent_at,
             on_lost=request.on_lost,
         )
+        lease._drawn = request.token is None
         self._leases[token] = lease
         if request.renew:
             try:
@@ -1360,10 +1356,11 @@ class Locks:
             with lease._renewing:
                 self._raise_if_ended(lease)
                 expired = lease.remaining <= 0  # by our own clock, before the store's says so
-                with _finished_later(
-                    self._give_backs, self._renewer, lease.key, lease.token, lease._ttl, lease
-                ):
+                try:
                     outcome = self._store.release(lease.key, lease.token)
+                except StoreError as exc:
+                    _finish_later(self._give_backs, self._renewer, lease, exc)
+                    raise
                 if not outcome.ok or expired:
                     raise self._lost(lease, outcome.holder)
                 lease._released = True
@@ -1830,10 +1827,13 @@ class AsyncLocks:
     async def _release_by_token(self, key: str, token: str) -> None:
         async with self._at_store:
             granted = _granted_here(self._leases, key, token)  # as in Locks.release
-            ttl = self._config.ttl if granted is None else granted._ttl
             async with granted._renewing if granted is not None else contextlib.nullcontext():
-                with _finished_later(self._give_backs, self._renewer, key, token, ttl, granted):
-                    _outcome_or_lost(key, await self._store.release(key, token))
+                try:
+                    outcome = await self._store.release(key, token)
+                except StoreError as exc:
+                    _finish_later(self._give_backs, self._renewer, granted, exc)
+                    raise
+                _outcome_or_lost(key, outcome)
                 if granted is not None:
                     self._renewer.discard(granted)
                     granted._released = True
@@ -2042,6 +2042,7 @@ class AsyncLocks:
             sent_at=sent_at,
             on_lost=request.on_lost,
         )
+        lease._drawn = request.token is None
         self._leases[token] = lease
         if request.renew:
             try:
@@ -2105,10 +2106,11 @@ class AsyncLocks:
             async with lease._renewing:  # as in Locks._release_lease
                 await self._raise_if_ended(lease)
                 expired = lease.remaining <= 0  # by our own clock, before the store's says so
-                with _finished_later(
-                    self._give_backs, self._renewer, lease.key, lease.token, lease._ttl, lease
-                ):
+                try:
                     outcome = await self._store.release(lease.key, lease.token)
+                except StoreError as exc:
+                    _finish_later(self._give_backs, self._renewer, lease, exc)
+                    raise
                 if not outcome.ok or expired:
                     raise self._lost(lease, outcome.holder)
                 lease._released = True

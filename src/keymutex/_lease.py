@@ -77,6 +77,7 @@ class LeaseState:
     __slots__ = (
         "__weakref__",
         "_deadline",
+        "_drawn",
         "_lost",
         "_mutex",
         "_new_holder",
@@ -117,6 +118,9 @@ class LeaseState:
         self._on_lost = on_lost
         self._lost = False
         self._released = False
+        # The token was drawn by this client, not named by its caller (the lock server
+        # passes its clients'): a release by it may go on in the background.
+        self._drawn = False
         self._new_holder: Holder | None = None
         self._mutex = threading.Lock()
         self._pid = os.getpid()  # a forked child holds a copy, not the lease
