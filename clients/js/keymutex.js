@@ -525,11 +525,21 @@ function sleep(ms, signal) {
  * the safe side. Never goes back.
  */
 const SUSPEND_MS = 1000;
-let wallLead = Date.now() - performance.now();
+// Taken once: a test that mocks Date (fake timers, MockDate) must not make this client
+// think the machine slept, and lose every lease it holds. A test of the suspend itself
+// sets globalThis[Symbol.for('keymutex.wallClock')] to a clock of its own.
+const WALL_CLOCK = Symbol.for('keymutex.wallClock');
+const dateNow = Date.now.bind(Date);
+/** @returns {number} */
+const wallNow = () => {
+  const clock = /** @type {Record<symbol, (() => number) | undefined>} */ (globalThis)[WALL_CLOCK];
+  return clock === undefined ? dateNow() : clock();
+};
+let wallLead = wallNow() - performance.now();
 let suspended = 0;
 const now = () => {
   const perf = performance.now();
-  const lead = Date.now() - perf;
+  const lead = wallNow() - perf;
   if (lead - wallLead > SUSPEND_MS) suspended += lead - wallLead;
   if (lead - wallLead > SUSPEND_MS || lead < wallLead) wallLead = lead;
   return perf + suspended;
@@ -846,16 +856,23 @@ export class Lease {
   [startRenewing]() {
     const stopped = new AbortController();
     const {signal} = stopped;
-    let renewAt = now() + (this.ttl / 3) * 1000;
+    // A third of the TTL, or of what the server granted if that was less (a lock
+    // server on ZooKeeper grants no more than its session timeout).
+    const renewalDue = (/** @type {number} */ sentAt) =>
+      sentAt + Math.min(this.ttl * 1000, this.#deadline - sentAt) / 3;
+    let renewAt = renewalDue(now());
     /** @type {ReturnType<typeof setTimeout> | undefined} */
     let deadlineTimer;
     const watchDeadline = () => {
       clearTimeout(deadlineTimer);
       // Timers do not count a suspend either: looked at every SUSPEND_MS, a lease
       // whose deadline passed while the machine slept is found lost when it wakes.
+      // The renewal's own timer slept as long: one due by now is sent now.
       deadlineTimer = setTimeout(() => {
-        if (this.remaining > 0) watchDeadline(); // early, or a timer may fire a little early
-        else this.#lose(expired(this.key, 'not renewed by its deadline'));
+        if (this.remaining > 0) {
+          if (now() >= renewAt) wake();
+          watchDeadline(); // early, or a timer may fire a little early
+        } else this.#lose(expired(this.key, 'not renewed by its deadline'));
       }, Math.min(this.#deadline - now(), SUSPEND_MS));
     };
     /** @type {() => void} ends the pause before the next renewal at once */
@@ -867,7 +884,7 @@ export class Lease {
         wake();
       },
       replan: (sentAt) => {
-        renewAt = sentAt + (this.ttl / 3) * 1000;
+        renewAt = renewalDue(sentAt);
         watchDeadline();
         wake();
       },

@@ -1,8 +1,9 @@
 // A machine suspended while a lease is held: performance.now() and timers stop (Node on
 // Linux and macOS), the server's TTL runs on. What a suspend looks like from inside is
-// the wall clock jumping ahead of performance.now(), so these tests move Date.now
-// forward. A file of its own: the client's clock keeps the suspend it saw, and this
-// process's other leases would be found lost with it.
+// the wall clock jumping ahead of performance.now(), so these tests move the client's
+// wall clock forward, through the hook it reads instead of a mocked Date (which it
+// ignores: see the last tests). A file of its own: the client's clock keeps the
+// suspend it saw, and this process's other leases would be found lost with it.
 import assert from 'node:assert/strict';
 import {randomUUID} from 'node:crypto';
 import {afterEach, test} from 'node:test';
@@ -17,14 +18,16 @@ let serial = 0;
 const newKey = (name) => `js:${run}:${name}:${++serial}`;
 const client = () => new LockClient({url, namespace: 'js-test'});
 
-const realDateNow = Date.now;
-/** Moves this process's wall clock by `ms`, as a suspend of that length would. */
+const WALL_CLOCK = Symbol.for('keymutex.wallClock');
+let offset = 0;
+/** Moves the client's wall clock by `ms`, as a suspend of that length would. */
 const wallClockJumps = (ms) => {
-  const before = Date.now;
-  Date.now = () => before() + ms;
+  offset += ms;
+  globalThis[WALL_CLOCK] = () => Date.now() + offset;
 };
 afterEach(() => {
-  Date.now = realDateNow;
+  offset = 0;
+  delete globalThis[WALL_CLOCK];
 });
 
 test('a lease whose TTL passed while the machine slept is lost when it wakes', {skip}, async () => {
@@ -69,4 +72,34 @@ test('withLock learns of the sleep within a second of waking, not at its next re
   assert.equal(first, 'ended', 'the lease was not found lost within 5 s of waking');
   await assert.rejects(outcome, LockLost);
   assert.equal(lostCalls, 1);
+});
+
+test('withLock renews at once a lease that outlived a suspend, not its timer later', {skip}, async () => {
+  let lostCalls = 0;
+  const outcome = client().withLock(
+    newKey('withlock-short-sleep'),
+    async (lease) => {
+      wallClockJumps(22_000); // 22 s of a 30 s TTL: 8 s left, the renewal timer 10 s away
+      const deadline = performance.now() + 5_000;
+      while (lease.remaining < 20 && performance.now() < deadline) await sleep(100);
+      assert.ok(lease.remaining >= 20, `not renewed after waking: remaining ${lease.remaining} s`);
+      return 'kept';
+    },
+    {ttl: 30, timeout: 0, onLost: () => lostCalls++},
+  );
+  assert.equal(await outcome, 'kept');
+  assert.equal(lostCalls, 0);
+});
+
+test('a test that mocks Date loses no lease (the client keeps its own wall clock)', {skip}, async (t) => {
+  const lease = await client().acquire(newKey('mocked-date'), {ttl: 30, timeout: 0});
+  t.mock.timers.enable({apis: ['Date'], now: 0}); // Date.now() is 1970
+  assert.equal(lease.lost, false);
+  t.mock.timers.reset(); // and back: a jump of 56 years
+  assert.equal(lease.lost, false);
+  t.mock.timers.enable({apis: ['Date'], now: Date.now() + 3_600_000}); // an hour ahead
+  assert.equal(lease.lost, false);
+  assert.ok(lease.remaining > 25, `remaining ${lease.remaining} s`);
+  t.mock.timers.reset();
+  await lease.release();
 });
