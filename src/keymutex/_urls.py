@@ -29,7 +29,12 @@ _EXTRAS = {
     "zookeepers": "zookeeper",
 }
 _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.\-]*):")
-_QUERY_PASSWORD = re.compile(r"(?i)([?&](?:password|passwd|pass)=)[^&#]*")
+# Query options that carry a secret: a password, passwd or pass; any option whose name
+# ends in password, secret or token (PostgreSQL's sslpassword, MongoDB's
+# tlsCertificateKeyFilePassword, an api_token); MongoDB's authMechanismProperties.
+_QUERY_PASSWORD = re.compile(
+    r"(?i)([?&](?:[^&=#]*(?:password|passwd|secret|token)|pass|authmechanismproperties)=)[^&#]*"
+)
 
 
 def _password_span(url: str) -> tuple[int, int] | None:
@@ -42,7 +47,8 @@ def _password_span(url: str) -> tuple[int, int] | None:
     ``postgresql:u:pw@…``) hides the same. Found by review: a ``?`` or ``#`` in the
     password, or a mistyped ``//``, printed it in full.
     """
-    scheme = _SCHEME.match(url)
+    # Spaces before the scheme are urlsplit's to strip: a URL with them still works.
+    scheme = _SCHEME.match(url, len(url) - len(url.lstrip()))
     if scheme is None or scheme.group(1).lower() in ("sqlite", "memory"):  # paths, names
         return None
     start = scheme.end()
@@ -55,7 +61,9 @@ def _password_span(url: str) -> tuple[int, int] | None:
         at = rest.rfind("@")
     if at < 0:
         return None
-    colon = rest.find(":", 0, at)
+    # The user's colon is in the authority: one in the path or query is not (redis://h/0?
+    # client_name=a:b@c has no password).
+    colon = rest.find(":", 0, min(at, cut))
     if colon < 0:
         return None
     return start + colon + 1, start + at
