@@ -156,6 +156,10 @@ async def test_admin_force_release_is_logged_and_displaces_the_holder(
             json.dumps({"tokens": [{"name": "a\nINFO: forged", "token": "x" * 32, "grants": []}]}),
             "without control characters",
         ),
+        (
+            json.dumps({"tokens": [{"name": " ", "token": "x" * 32, "grants": []}]}),
+            "not blank",
+        ),
     ],
 )
 async def test_bad_token_files_are_refused_at_start(

@@ -106,16 +106,16 @@ def load_token_file(path: str | Path) -> list[tuple[str, Identity]]:
         name, secret, grants = entry.get("name"), entry.get("token"), entry.get("grants")
         if (
             not isinstance(name, str)
-            or not name
+            or not name.strip()
             or len(name.encode("utf-8", "replace")) > MAX_OWNER_BYTES
             or not name.isprintable()
             or name in names
         ):
             raise _fail(
                 path,
-                f"{where}.name must be a string of 1 to {MAX_OWNER_BYTES} bytes without"
-                " control characters (it is the default owner of its leases and what the"
-                " logs show), unique in the file",
+                f"{where}.name must be a string of 1 to {MAX_OWNER_BYTES} bytes, not blank,"
+                " without control characters (it is the default owner of its leases and what"
+                " the logs show), unique in the file",
             )
         if not isinstance(secret, str) or len(secret) < MIN_TOKEN_CHARS or not _sendable(secret):
             raise _fail(
