@@ -567,8 +567,8 @@ class SqliteStore:
             for (name,) in self._retry_busy(
                 lambda: conn.execute(
                     "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
-                    " AND name NOT LIKE 'keymutex\\_%' ESCAPE '\\'"
-                    " AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name LIMIT 4"
+                    " AND name NOT GLOB 'keymutex_*' AND name NOT GLOB 'sqlite_*'"
+                    " ORDER BY name LIMIT 4"  # GLOB: case-sensitive, _ is itself
                 ).fetchall()
             )
         ]
