@@ -140,6 +140,37 @@ def test_an_editing_tab_warns_and_pauses_when_its_heartbeat_does_not_get_through
     expect(page.locator("#text")).to_be_editable()
 
 
+def test_an_editing_tab_renews_at_once_when_the_machine_wakes(
+    server: Server, windows: Windows
+) -> None:
+    """Found by review: after a suspend shorter than the TTL, the page's heartbeat timer
+    (stopped with the machine) came seconds after waking, too late for the lease the
+    server kept counting down, and the page lost a lock it could have kept. A suspend
+    as the page sees it: the wall clock jumps, timers and performance.now() do not."""
+    page = windows.open("editor")
+    renewals: list[float] = []
+    page.clock.install()  # before the page loads: its client takes Date.now then
+    page.on("request", lambda request: "/v1/renew" in request.url and renewals.append(1))
+    start_editing(page, f"{server.url}/demo/edit/doc%3Asleepy", "Alice")
+    expect(page.locator("#state")).to_have_text("Editing as Alice")
+
+    def until(condition: Callable[[], bool], seconds: float, message: str) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition():  # the page's events come in while Playwright waits
+            if time.monotonic() > deadline:
+                pytest.fail(message)
+            page.wait_for_timeout(100)
+
+    until(lambda: len(renewals) >= 1, HEARTBEAT + 10, "no heartbeat")
+    page.wait_for_timeout(1000)  # a second into the heartbeat's 5 s
+    before = len(renewals)
+    page.clock.set_system_time(page.evaluate("Date.now()") / 1000 + 9)  # 9 s asleep
+    # The next tick (every second) sends the overdue heartbeat: within about 2 s of
+    # waking, not at the old timer's 4 s.
+    until(lambda: len(renewals) > before, 2.5, "no renewal soon after waking")
+    expect(page.locator("#state")).to_have_text("Editing as Alice")
+
+
 def test_edit_page_shows_a_name_or_namespace_too_long_and_keeps_its_form(
     server: Server, store: str, windows: Windows
 ) -> None:

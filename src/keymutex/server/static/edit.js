@@ -63,6 +63,7 @@ let paused = null; // set while a watch is stopped because the page is hidden
 let following = false; // the watch is follow()'s: after a loss, it never takes the lock
 /** @type {string} */
 let heartbeatTrouble = ''; // why the last heartbeat failed, until one gets through
+let heartbeating = false; // a heartbeat's request is under way
 
 /** "Cannot reach the lock server (why)", without saying it twice when the client did. */
 function unreachable(/** @type {string} */ why) {
@@ -171,6 +172,13 @@ function showEditing() {
     lost(null); // past its deadline by this page's clock, however the renewal ends
     return;
   }
+  // A heartbeat overdue by this page's clock, which counts a suspend: its timer slept
+  // as long as the machine did (found by review: a suspend of 10 s lost the lock its
+  // next heartbeat, 4 s after waking, came too late to keep).
+  if (!heartbeating && left < TTL - HEARTBEAT_MS / 1000 - 1) {
+    clearTimeout(heartbeatTimer);
+    heartbeat();
+  }
   if (left >= AT_RISK) {
     const detail = heartbeatTrouble
       ? `${unreachable(heartbeatTrouble)}; retrying…`
@@ -231,13 +239,16 @@ function stopGuarding() {
 async function heartbeat() {
   const current = lease;
   if (!current) return;
+  heartbeating = true;
   try {
     await current.renew({ttl: TTL});
+    heartbeating = false;
     if (lease !== current) return;
     heartbeatTrouble = '';
     showEditing();
     heartbeatTimer = setTimeout(heartbeat, HEARTBEAT_MS);
   } catch (error) {
+    heartbeating = false;
     if (lease !== current) return;
     if (error instanceof LockLost) {
       lost(error.holder);
