@@ -717,10 +717,22 @@ class _Channels:
             del self.idle[channel]
         return gone
 
+    def ring_all(self) -> None:
+        """Wake every waiter to try again at once (its hub moved to a new master)."""
+        for waiters in self.waiters.values():
+            for waiter in waiters:
+                waiter.ring(None)
+
     def addressees(self, channel: str, data: Any) -> tuple[list[Any], tuple[int, int] | None]:
         """The waiters a grant's message is for, and the grant (see ``_told``)."""
         token, grant = _told(data)
         return [w for w in self.waiters.get(channel, ()) if w.id == token], grant
+
+
+def _elsewhere(pubsub: Any, master: tuple[str, int]) -> bool:
+    """Whether ``pubsub`` is connected to another node than ``master``."""
+    conn = None if pubsub is None else pubsub.connection
+    return conn is not None and (conn.host, conn.port) != master
 
 
 # What a forked child must reset: the locks a parent's thread may have held at the fork
@@ -916,14 +928,10 @@ class _Subscriptions:
         once: a hand-over published on the new master before that went unheard, and a
         queue entry written to the old one after the promotion is lost."""
         with self._mutex:
-            pubsub = self._pubsub
-            conn = None if pubsub is None else pubsub.connection
-            if self._closed or conn is None or (conn.host, conn.port) == master:
+            if self._closed or not _elsewhere(self._pubsub, master):
                 return
             self._moved = True
-            for waiters in self._channels.waiters.values():
-                for waiter in waiters:
-                    waiter.ring(None)
+            self._channels.ring_all()
 
     def _reconnect_if_moved(self, pubsub: Any) -> None:
         """Under the mutex, by the reader: drop a connection ``follow`` found stale (the
@@ -1134,13 +1142,10 @@ class _AsyncSubscriptions:
 
     def follow(self, master: tuple[str, int]) -> None:
         """As ``_Subscriptions.follow``: the reader task reconnects."""
-        conn = None if self._pubsub is None else self._pubsub.connection
-        if self._closed or conn is None or (conn.host, conn.port) == master:
+        if self._closed or not _elsewhere(self._pubsub, master):
             return
         self._moved = True
-        for waiters in self._channels.waiters.values():
-            for waiter in waiters:
-                waiter.ring(None)
+        self._channels.ring_all()
 
     async def _read(self) -> None:
         failures = 0
