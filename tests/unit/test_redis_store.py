@@ -652,7 +652,7 @@ while true do
   end
 end
 """
-BUSY_FOR = 0.5  # seconds Redis serves nobody else
+BUSY_FOR = 1.5  # seconds Redis serves nobody else: far more than the head start below
 SLOW_TIMEOUT = 0.3  # a client that gives up before then
 SLOW_CLIENT = f"socket_timeout={SLOW_TIMEOUT}"
 
@@ -680,7 +680,9 @@ def _busy(server: redis.Redis) -> Iterator[None]:
     thread.start()
     try:
         assert sent.wait(10)
-        time.sleep(0.05)
+        # For Redis to have read it. Found in CI: after 0.05 s (Redis busy for 0.5 s) a
+        # loaded machine's Redis had not, and served the block's release at once.
+        time.sleep(0.3)
         yield
     finally:
         thread.join(30)
