@@ -146,8 +146,9 @@ def driver_for(url: object) -> StoreDriver:
         except ModuleNotFoundError as exc:  # the store's client library is an extra
             extra = _EXTRAS.get(scheme, scheme)
             raise ImportError(
-                f"the {scheme}:// store needs its client library (module {exc.name!r} is"
-                f" missing): pip install 'keymutex[{extra}]'"
+                f"the {scheme}:// store needs its client library (module"
+                f" {(exc.name or '?').partition('.')[0]!r} is missing): pip install"
+                f" 'keymutex[{extra}]'"
             ) from exc
     hint = ""
     if scheme in {"redis", "rediss", "postgresql", "postgres", "mongodb", "memcached", "etcd"}:

@@ -20,9 +20,10 @@ import re
 import time
 from typing import Any
 
+import bson
 import pytest
 from bson.int64 import Int64
-from pymongo.errors import OperationFailure
+from pymongo.errors import NotPrimaryError, OperationFailure
 
 import keymutex
 from keymutex.stores import mongodb
@@ -60,7 +61,7 @@ def reply(**fields: Any) -> dict[str, Any]:
         "k": "order:1",
         "t": TOKEN,
         "o": "host:1",
-        "i": {"name": "Alice"},
+        "i": '{"name":"Alice"}',
         "f": Int64(1_777_000_000_000_001),
         "a": NOW,
         "e": NOW + datetime.timedelta(seconds=30),
@@ -123,7 +124,7 @@ def test_acquire_pipeline_grants_only_a_free_key_and_keeps_a_held_one_untouched(
     assert fields["k"]["$cond"][1] == {"$literal": "k"}
     assert fields["t"]["$cond"][1] == {"$literal": TOKEN}
     assert fields["o"]["$cond"][1] == {"$literal": "$where"}
-    assert fields["i"]["$cond"][1] == {"$literal": {"$gt": "$e"}}
+    assert fields["i"]["$cond"][1] == {"$literal": '{"$gt":"$e"}'}  # JSON text
     # Times from the server's clock; the TTL in milliseconds.
     assert fields["a"]["$cond"][1] == "$$NOW"
     assert fields["n"]["$cond"][1] == "$$NOW"
@@ -163,11 +164,10 @@ def test_renew_release_and_reads_match_only_a_live_lease() -> None:
         "t": {"$exists": True},
         **live,
     }
-    # Release keeps the document (its fence is the key's next one), ends the lease now.
-    assert mongodb.RELEASE_PIPELINE == [
-        {"$set": {"e": "$$NOW", "n": "$$NOW"}},
-        {"$unset": "t"},
-    ]
+    # Release keeps the document (its fence is the key's next one), ends the lease now
+    # by the server's clock, with update operators: a pipeline update may reach change
+    # streams as a "replace" (SERVER-85923), and waiters listen for a removed "t".
+    assert mongodb.RELEASE_UPDATE == {"$unset": {"t": ""}, "$currentDate": {"e": True, "n": True}}
 
 
 # -- what the replies mean -------------------------------------------------------------
@@ -219,7 +219,10 @@ def test_dates_naive_or_aware_are_the_same_instant() -> None:
     assert unix_seconds(NOW) == unix_seconds(aware) == aware.timestamp()
 
 
-@pytest.mark.parametrize("broken", [{"f": None}, {"k": None}, {"a": "yesterday"}, {"i": [1]}])
+@pytest.mark.parametrize(
+    "broken",
+    [{"f": None}, {"k": None}, {"a": "yesterday"}, {"i": [1]}, {"i": "[1]"}, {"i": "{"}],
+)
 def test_a_document_that_is_not_a_lease_is_a_store_error(broken: dict[str, Any]) -> None:
     with pytest.raises(keymutex.StoreError, match="is not a keymutex lease"):
         decode_holder(reply(**broken))
@@ -246,11 +249,18 @@ def test_change_events_that_free_a_key() -> None:
     assert released_id({"operationType": "insert", "documentKey": {"_id": doc_id}}) is None
     assert released_id({"operationType": "delete", "documentKey": {"_id": 7}}) is None
     assert released_id({"operationType": "invalidate"}) is None
+    # A release the server logged as a replacement (as it may a pipeline update): the
+    # new document has no token. A grant or a renewal logged so has one.
+    replaced = {"operationType": "replace", "documentKey": {"_id": doc_id}}
+    assert released_id({**replaced, "fullDocument": {"_id": doc_id, "f": 3}}) == doc_id
+    assert released_id({**replaced, "fullDocument": {"_id": doc_id, "t": TOKEN}}) is None
+    assert released_id(replaced) is None
     (stage,) = released_pipeline("shop")
     assert stage["$match"]["documentKey._id"] == {"$regex": id_pattern("shop", "")}
     assert stage["$match"]["$or"] == [
         {"operationType": "delete"},
         {"operationType": "update", "updateDescription.removedFields": "t"},
+        {"operationType": "replace", "fullDocument.t": {"$exists": False}},
     ]
 
 
@@ -305,6 +315,154 @@ def test_an_async_change_stream_that_cannot_open_does_not_hold_waiters_up() -> N
     assert asyncio.run(main()) < 10, "a waiter waited out its patience"
 
 
+class _SteppedDown:
+    """A collection whose first change stream fails after 0.3 s (a primary stepping
+    down); opening the next one takes ``reopen`` seconds (the election)."""
+
+    def __init__(self, reopen: float) -> None:
+        self.reopen = reopen
+        self.watches = 0
+
+    def watch(self, *args: object, **kwargs: object) -> Any:
+        self.watches += 1
+        if self.watches > 1:
+            time.sleep(self.reopen)
+        return _Stream(fails_after=0.3 if self.watches == 1 else None)
+
+
+class _Stream:
+    def __init__(self, fails_after: float | None) -> None:
+        self.alive = True
+        self._fails_at = None if fails_after is None else time.monotonic() + fails_after
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def try_next(self) -> None:
+        time.sleep(0.02)
+        if self._fails_at is not None and time.monotonic() > self._fails_at:
+            raise NotPrimaryError("primary stepped down")
+
+
+def test_waiters_do_not_wait_for_a_change_stream_that_is_reopening() -> None:
+    """Found by review: after a stream that had opened failed (a primary step-down),
+    every new waiter waited up to its patience (5 s) for the reopen, whatever its
+    acquire's timeout. Now a waiter that joins while the stream is down is not held
+    up, and is rung when the stream is back (a release meanwhile was missed)."""
+    collection = _SteppedDown(reopen=3)
+    watcher = mongodb._Watcher(collection, "")  # type: ignore[arg-type]
+    try:
+        watcher.join(mongodb._MongoWaiter(watcher, "0:/a"), patience=30)  # opens it
+        deadline = time.monotonic() + 10
+        while collection.watches < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)  # until it failed and is reopening
+        assert collection.watches == 2
+        late = mongodb._MongoWaiter(watcher, "0:/b")
+        watcher.join(late, patience=30)
+        assert not watcher._open.is_set(), "joined only once the stream reopened"
+        late.forget()
+        assert late.wait(15), "not rung when the stream reopened"
+        assert watcher._open.is_set()
+    finally:
+        watcher.close()
+
+
+def test_an_async_waiter_does_not_wait_for_a_change_stream_that_is_reopening() -> None:
+    class Async(_SteppedDown):
+        reopening: asyncio.Event
+
+        async def watch(self, *args: object, **kwargs: object) -> Any:  # type: ignore[override]
+            self.watches += 1
+            if self.watches > 1:
+                self.reopening.set()
+                await asyncio.sleep(self.reopen)
+            return _AsyncStream(_Stream(fails_after=0.3 if self.watches == 1 else None))
+
+    async def main() -> None:
+        collection = Async(reopen=3)
+        collection.reopening = asyncio.Event()
+        watcher = mongodb._AsyncWatcher(collection, "")  # type: ignore[arg-type]
+        try:
+            await watcher.join(mongodb._AsyncMongoWaiter(watcher, "0:/a"), patience=30)
+            async with asyncio.timeout(10):
+                await collection.reopening.wait()  # it failed and is reopening
+            late = mongodb._AsyncMongoWaiter(watcher, "0:/b")
+            await watcher.join(late, patience=30)
+            assert not watcher._open.is_set(), "joined only once the stream reopened"
+            late.forget()
+            assert await late.wait(15), "not rung when the stream reopened"
+            assert watcher._open.is_set()
+        finally:
+            await watcher.aclose()
+
+    asyncio.run(main())
+
+
+class _AsyncStream:
+    def __init__(self, stream: _Stream) -> None:
+        self._stream = stream
+        self.alive = True
+
+    async def __aenter__(self) -> _AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+    async def try_next(self) -> None:
+        await asyncio.sleep(0.02)
+        if self._stream._fails_at is not None and time.monotonic() > self._stream._fails_at:
+            raise NotPrimaryError("primary stepped down")
+
+
+def test_a_server_without_hello_is_asked_with_is_master() -> None:
+    """MongoDB 4.4.0 and 4.4.1 have no ``hello`` (pymongo serves them): every step
+    failed with StoreError on them."""
+
+    class Admin:
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        def command(self, name: str) -> dict[str, Any]:
+            self.asked.append(name)
+            if name == "hello":
+                raise OperationFailure("no such command: 'hello'", code=59)
+            return {"ismaster": True, "setName": "rs0"}
+
+    class Collection:
+        def create_index(self, *args: object, **kwargs: object) -> str:
+            return "keymutex_gc"
+
+        def watch(self, *args: object, **kwargs: object) -> Any:
+            raise OperationFailure("not in this test")
+
+    def prepared(command: Any) -> MongoStore:
+        store = mongodb.driver.open("mongodb://127.0.0.1:9/", namespace="n", options={})
+        client = store._client
+        try:
+            store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
+            store._client.admin.command = command  # type: ignore[attr-defined]
+            store._collection = Collection()
+            store._prepare()
+            return store
+        finally:
+            store._client = client
+            store.close()
+
+    admin = Admin()
+    assert prepared(admin.command).capabilities.notifies is True  # isMaster says: rs0
+    assert admin.asked == ["hello", "isMaster"]
+    with pytest.raises(keymutex.StoreError, match="not authorized"):
+        prepared(_unauthorized)  # another failure of hello is not retried as isMaster
+
+
+def _unauthorized(name: str) -> dict[str, Any]:
+    raise OperationFailure(f"not authorized to run {name}", code=13)
+
+
 # -- URLs, options, the two shells -------------------------------------------------------
 
 
@@ -315,10 +473,11 @@ def test_default_timeouts_unless_the_url_sets_them() -> None:
         "connectTimeoutMS": 5000,
         "socketTimeoutMS": 10000,
         "appname": "keymutex",
+        "w": "majority",  # whatever the server's default: see the next test
     }
     assert target.collection == "keymutex_locks"
     assert target.database is None
-    mine = parse("mongodb://h/app?serverselectiontimeoutms=1&socketTimeoutMS=2&appName=x", {})
+    mine = parse("mongodb://h/app?serverselectiontimeoutms=1&socketTimeoutMS=2&appName=x&W=1", {})
     assert mine.client_options == {"connectTimeoutMS": 5000}  # option names ignore case
     named = parse("mongodb+srv://cluster.example/app", {"database": "d", "collection": "c"})
     assert (named.database, named.collection) == ("d", "c")
@@ -340,6 +499,8 @@ def test_default_timeouts_unless_the_url_sets_them() -> None:
         ("mongodb://h", {"collection": "a..b"}, ValueError),
         ("mongodb://h", {"collection": ".x"}, ValueError),
         ("mongodb://h/a.b", {}, ValueError),  # a collection in the URL: not used: database a
+        ("mongodb://h/" + "d" * 64, {}, ValueError),  # as database="d" * 64
+        ("mongodb://h/a%20b", {}, ValueError),
         ("mongodb://h:port", {}, ValueError),
     ],
 )
@@ -348,6 +509,51 @@ def test_bad_urls_and_options(
 ) -> None:
     with pytest.raises(error):
         mongodb.driver.open(url, namespace="n", options=options).close()
+
+
+def test_writes_wait_for_a_majority_and_reads_go_to_the_primary() -> None:
+    """Found by review: no write concern was set, so the server's default applied (w: 1
+    on MongoDB 4.4, with some arbiters, or set so by an admin), and a grant
+    acknowledged by the primary alone can be rolled back by a failover: the key is
+    then granted again. A readPreference in the URL sent holder reads to secondaries,
+    whose copy may be stale. w=0 made every grant look refused (pymongo fakes an empty
+    reply): refused before anything is sent."""
+    store = mongodb.driver.open(
+        "mongodb://127.0.0.1:9/?readPreference=secondaryPreferred", namespace="n", options={}
+    )
+    try:
+        assert store._collection.write_concern.document == {"w": "majority"}
+        assert store._collection.read_preference.mongos_mode == "primary"
+    finally:
+        store.close()
+    own = mongodb.driver.open("mongodb://127.0.0.1:9/?w=1", namespace="n", options={})
+    try:
+        assert own._collection.write_concern.document == {"w": 1}  # the URL's choice
+    finally:
+        own.close()
+    for url in ("mongodb://127.0.0.1:9/?w=0", "mongodb://127.0.0.1:9/?journal=true&W=0"):
+        with pytest.raises(ValueError, match=r"w=0 \(unacknowledged writes\) cannot hold locks"):
+            keymutex.Locks(url)
+
+
+def test_a_failed_lookup_of_an_srv_name_is_a_store_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: pymongo looks a mongodb+srv:// name up when the sync client is
+    made, and a resolver that timed out came out of Locks() as ValueError ("not a
+    usable MongoDB URL"); the async client, which looks later, raised StoreError. A
+    service that retries on StoreError at start-up crashed instead."""
+    import dns.resolver
+
+    def timed_out(*args: object, **kwargs: object) -> Any:
+        raise dns.resolver.LifetimeTimeout(timeout=0.5, errors={})
+
+    monkeypatch.setattr(dns.resolver, "resolve", timed_out)
+    with pytest.raises(keymutex.StoreError, match="cannot look up") as caught:
+        keymutex.Locks("mongodb+srv://user:s3cret@cluster0.example.com/app")
+    assert "s3cret" not in str(caught.value)
+    assert isinstance(caught.value.__cause__, mongodb.ConfigurationError)
+    # An SRV name with a port is still a bad URL, whatever the resolver.
+    with pytest.raises(ValueError, match="not a usable MongoDB URL"):
+        keymutex.Locks("mongodb+srv://cluster0.example.com:27017/app")
 
 
 def test_the_database_comes_from_the_url_else_keymutex() -> None:
@@ -365,27 +571,25 @@ def test_the_database_comes_from_the_url_else_keymutex() -> None:
 
 
 @pytest.mark.parametrize(
-    ("info", "message"),
+    "info",
     [
-        ({"n": 2**64}, "8-byte ints"),
-        ({"a\x00b": 1}, "NULL byte"),
-        ({"deep": functools.reduce(lambda inner, _: {"x": inner}, range(100), {})}, "nested"),
+        {"n": 2**64},  # beyond BSON's 8-byte ints
+        {"a\x00b": 1},  # NUL in a name
+        {"$gt": "$e", "a.b": {"$set": 1}},  # names MongoDB takes in some updates only
+        {"deep": functools.reduce(lambda inner, _: {"x": inner}, range(30), {})},
+        {"é": "ü 日本"},
     ],
 )
-def test_info_that_bson_cannot_hold_is_refused_before_anything_is_sent(
-    info: dict[str, Any], message: str
-) -> None:
-    # Nothing listens on port 9: a request sent would fail with StoreError instead.
-    url = "mongodb://127.0.0.1:9/?serverSelectionTimeoutMS=100"
-    with keymutex.Locks(url) as locks, pytest.raises(ValueError, match=message):
-        locks.acquire("k", timeout=0, info=info)
-
-    async def main() -> None:
-        async with keymutex.AsyncLocks(url) as alocks:
-            with pytest.raises(ValueError, match=message):
-                await alocks.acquire("k", timeout=0, info=info)
-
-    asyncio.run(main())
+def test_any_info_every_store_takes_is_kept_as_json_text(info: dict[str, Any]) -> None:
+    """Info is JSON text in the document, as in every other store. As a sub-document,
+    info that JSON allows and BSON does not (big ints, NUL) was refused by this store
+    alone, and names with $ or . depended on the server's version and the operation."""
+    info = keymutex._validate.check_info(info) or {}  # what Locks passes on
+    fields = acquire_pipeline("k", TOKEN, 30, "me", info, steal=False)[1]["$set"]
+    text = fields["i"]["$cond"][1]["$literal"]
+    assert isinstance(text, str)
+    assert bson.decode(bson.encode({"i": text})) == {"i": text}  # BSON can hold it
+    assert decode_holder(reply(i=text)).info == info
 
 
 def test_sync_and_async_shells_have_the_same_steps() -> None:

@@ -1,11 +1,11 @@
-"""``mongodb://…``, ``mongodb+srv://…``: leases in MongoDB (4.2 or later).
+"""``mongodb://…``, ``mongodb+srv://…``: leases in MongoDB (4.4 or later, as pymongo).
 
 **One document per key** in the collection ``keymutex_locks`` (option ``collection``) of
 the URL's database (else ``keymutex``; option ``database``). Its ``_id`` is
 ``"<length of namespace>:<namespace>/<key>"``: unambiguous, and a namespace's keys
 share one prefix, so ``holders(prefix)`` is one anchored range on the ``_id`` index.
 
-    {_id, k: key, t: token, o: owner, i: info, f: fence,
+    {_id, k: key, t: token, o: owner, i: info (JSON text), f: fence,
      a: acquired at, e: expires at, n: time of the last grant or renewal}
 
 ``a``, ``e`` and ``n`` are ``Date``s from the **server's clock** (``$$NOW`` in an
@@ -29,14 +29,18 @@ sets ``f`` to ``max(f + 1, $$NOW in microseconds)``. A counter document (``$inc`
 ``find_one_and_update``, upsert) would cost a second round trip on every acquire and
 make one hot document that every acquire of a namespace writes. The document is kept
 after release (the token is removed and ``e`` set to now), so a key's next fence is the
-last one plus one, through restarts and failovers (with ``w: majority``, the default
-since MongoDB 5.0). A TTL index on ``e`` (``expireAfterSeconds=GC_GRACE``) deletes a
+last one plus one, through restarts and failovers: every write waits for a majority
+(``w=majority``, unless the URL sets ``w``; ``w=0`` is refused), so an acknowledged
+grant is not rolled back by a failover. Reads go to the primary whatever the URL's
+``readPreference``. A TTL index on ``e`` (``expireAfterSeconds=GC_GRACE``) deletes a
 document a day after its last lease ended: the next grant then starts from the
 server's clock in microseconds, larger than every earlier fence unless the primary's
 clock went back more than the time elapsed since. Hence ``durable_fences=True``.
 
 **Renew** and **release** are one conditional update each (``{_id, t: token, e >
-$$NOW}``): ``e`` moves on, or the token is removed and ``e`` set to now. When the
+$$NOW}``): ``e`` moves on, or the token is removed and ``e`` set to now (``$unset``
+and ``$currentDate``: update operators, which change streams report as an update
+that removed ``t``). When the
 token no longer holds the key, a second read names the current holder for
 ``LockLost``: a second round trip only on that rare path.
 
@@ -61,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import logging
 import re
 import threading
@@ -70,12 +75,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
-import bson
-import bson.errors
+import dns.exception
 import pymongo
 import pymongo.asynchronous.collection
 import pymongo.collection
-from pymongo import AsyncMongoClient, MongoClient, ReturnDocument
+from pymongo import AsyncMongoClient, MongoClient, ReadPreference, ReturnDocument
 from pymongo.common import URI_OPTIONS_VALIDATOR_MAP
 from pymongo.errors import ConfigurationError, DuplicateKeyError, OperationFailure, PyMongoError
 from pymongo.uri_parser import split_options
@@ -127,14 +131,14 @@ def acquire_filter(doc_id: str) -> dict[str, Any]:
     return {"_id": doc_id}
 
 
-def check_bson_info(info: dict[str, Any]) -> None:
-    """``ValueError`` unless BSON can hold ``info`` (JSON allows what BSON does not:
-    integers beyond 64 bits, NUL in a key). Its depth is in MongoDB's limit (100
-    levels) already: every store takes info nested at most 32 levels."""
-    try:
-        bson.encode({"i": info})
-    except (OverflowError, bson.errors.InvalidDocument) as exc:
-        raise ValueError(f"info cannot be stored in MongoDB: {exc}") from None
+def info_text(info: dict[str, Any] | None) -> str | None:
+    """``info`` as the document keeps it: JSON text, as every other store does.
+
+    Not a sub-document: JSON allows what BSON or MongoDB's field names do not
+    (integers beyond 64 bits, NUL, and names with ``$`` or ``.``, which MongoDB
+    accepts in some operations and refuses in others, by version).
+    """
+    return None if info is None else json.dumps(info, separators=(",", ":"), ensure_ascii=False)
 
 
 def acquire_pipeline(
@@ -142,12 +146,9 @@ def acquire_pipeline(
 ) -> list[dict[str, Any]]:
     """Grant if no live lease (or ``steal``), else leave every field as it is.
 
-    User values are wrapped in ``$literal``: an owner or an info value that starts
-    with ``$`` is data, never a field path or an operator. ``info`` that BSON cannot
-    hold is a ``ValueError`` here, before anything is sent.
+    User values are wrapped in ``$literal``: an owner or a key that starts with ``$``
+    is data, never a field path or an operator.
     """
-    if info is not None:
-        check_bson_info(info)
     grant: Any = True if steal else {"$not": [_LIVE]}
     fence = {
         "$max": [
@@ -159,7 +160,7 @@ def acquire_pipeline(
         "k": {"$literal": key},
         "t": {"$literal": token},
         "o": {"$literal": owner},
-        "i": {"$literal": info},
+        "i": {"$literal": info_text(info)},
         "f": fence,
         "a": "$$NOW",
         "e": {"$add": ["$$NOW", _milliseconds(ttl)]},
@@ -184,8 +185,11 @@ def release_filter(doc_id: str, token: str) -> dict[str, Any]:
     return renew_filter(doc_id, token)
 
 
-# The document stays (its fence is the key's next one); the token goes, ``e`` ends now.
-RELEASE_PIPELINE: list[dict[str, Any]] = [{"$set": {"e": "$$NOW", "n": "$$NOW"}}, {"$unset": "t"}]
+# The document stays (its fence is the key's next one); the token goes, ``e`` ends now
+# (the server's clock). Update operators, not a pipeline: MongoDB may log a pipeline
+# update as a "replace" in change streams (SERVER-85923: "unsets done by update
+# aggregation pipelines show up as replacement"), which waiters would not hear.
+RELEASE_UPDATE: dict[str, Any] = {"$unset": {"t": ""}, "$currentDate": {"e": True, "n": True}}
 
 
 def holder_filter(doc_id: str) -> dict[str, Any]:
@@ -201,7 +205,8 @@ def holders_filter(namespace: str, prefix: str) -> dict[str, Any]:
 
 
 def released_pipeline(namespace: str) -> list[dict[str, Any]]:
-    """The change-stream filter: this namespace's releases and deletions."""
+    """The change-stream filter: this namespace's releases and deletions (and a
+    document replaced by one without a token, however the server logged a release)."""
     return [
         {
             "$match": {
@@ -209,6 +214,7 @@ def released_pipeline(namespace: str) -> list[dict[str, Any]]:
                 "$or": [
                     {"operationType": "delete"},
                     {"operationType": "update", "updateDescription.removedFields": "t"},
+                    {"operationType": "replace", "fullDocument.t": {"$exists": False}},
                 ],
             }
         }
@@ -225,7 +231,13 @@ def released_id(change: Mapping[str, Any]) -> str | None:
         return doc_id
     if kind == "update" and "t" in change.get("updateDescription", {}).get("removedFields", []):
         return doc_id
+    if kind == "replace" and "t" not in (change.get("fullDocument") or {"t": None}):
+        return doc_id
     return None
+
+
+# MongoDB 4.4.0 and 4.4.1 (which pymongo still serves) have no ``hello``: ``isMaster``.
+_COMMAND_NOT_FOUND = 59
 
 
 def notifies(hello: Mapping[str, Any]) -> bool:
@@ -250,7 +262,7 @@ def decode_holder(doc: Mapping[str, Any]) -> Holder:
         return Holder(
             key=str(doc["k"]),
             owner=str(doc["o"]),
-            info=None if info is None else dict(info),
+            info=None if info is None else dict(json.loads(info)),
             fence=int(doc["f"]),
             acquired_at=unix_seconds(doc["a"]),
             expires_at=unix_seconds(doc["e"]),
@@ -355,7 +367,8 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
     parts = split_url(url, "MongoDB", "mongodb://… or mongodb+srv://…")
     if parts.scheme.lower() not in ("mongodb", "mongodb+srv"):
         raise ValueError(f"{redacted(url)!r} is not a mongodb:// or mongodb+srv:// URL")
-    given = {name.lower(): name for name, _ in parse_qsl(parts.query, keep_blank_values=True)}
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    given = {name.lower(): name for name, _ in query}
     if parts.query:
         for lowered, name in given.items():
             # pymongo's own refusal does not name the option (since pymongo 4.20).
@@ -371,17 +384,31 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
             raise ValueError(
                 f"{redacted(url)!r} is not a usable MongoDB URL: {scrubbed(str(exc), url)}"
             ) from None
+    if any(name.lower() == "w" and value.strip() == "0" for name, value in query):
+        raise ValueError(
+            f"{redacted(url)!r}: w=0 (unacknowledged writes) cannot hold locks: the store"
+            " reads each write's result to know whether it was granted. Use w=majority"
+            " (the store's default) or w=1"
+        )
     client_options: dict[str, Any] = {
         name: value for name, value in DEFAULT_TIMEOUTS_MS.items() if name.lower() not in given
     }
     if "appname" not in given:
         client_options["appname"] = "keymutex"
-    if "." in unquote(parts.path.lstrip("/")):
+    if "w" not in given:
+        # Whatever the server's default (w: 1 on MongoDB 4.4, with some arbiters, or
+        # set so by an admin): a grant acknowledged by the primary alone can be rolled
+        # back by a failover, and the key granted again to another client.
+        client_options["w"] = "majority"
+    path_database = unquote(parts.path.lstrip("/"))
+    if "." in path_database:
         raise ValueError(
             f"{redacted(url)!r}: the URL's path names a database.collection; name the"
             " database alone in the URL (or with database=…) and the collection with"
             " collection=…"
         )
+    if path_database:
+        _name(path_database, "database")
     database = options.get("database")
     return Target(
         url,
@@ -395,6 +422,14 @@ def _database_name(client: Any, target: Target) -> str:
     if target.database is not None:
         return target.database
     return str(client.get_default_database(default=DEFAULT_DATABASE).name)
+
+
+def _collection(client: Any, target: Target) -> Any:
+    """The leases' collection, read on the primary whatever the URL's readPreference:
+    a secondary's copy may name a holder that has released, or none for a held key."""
+    return client[_database_name(client, target)].get_collection(
+        target.collection, read_preference=ReadPreference.PRIMARY
+    )
 
 
 # -- the synchronous store ---------------------------------------------------------
@@ -417,11 +452,13 @@ class _Watcher:
     """One change stream per store, read by one thread, that rings released keys' waiters.
 
     ``join`` returns once the stream is open, so a release after it is never missed.
-    When the stream fails, every waiter is rung (each looks again) and it reopens.
-    While it cannot open (change streams disabled, as on some MongoDB-compatible
-    services, or a role without the changeStream action), ``join`` returns at once and
-    waiters rely on their rechecks: it waited ``patience`` for every waiter, whatever
-    the caller's timeout.
+    When the stream fails, every waiter is rung (each looks again) and it reopens;
+    once it has, every waiter is rung again (a release while it was down was missed).
+    While it is down, or cannot open at all (change streams disabled, as on some
+    MongoDB-compatible services, or a role without the changeStream action), ``join``
+    returns at once. Found by review: it waited ``patience`` (5 s) for every waiter,
+    whatever the caller's timeout, while the stream could not open, and after a
+    primary step-down while it reopened.
     """
 
     def __init__(self, collection: pymongo.collection.Collection[Any], namespace: str) -> None:
@@ -431,7 +468,7 @@ class _Watcher:
         self._waiters: dict[str, set[_MongoWaiter]] = {}
         self._open = threading.Event()
         self._tried = threading.Event()  # the first attempt to open ended, either way
-        self._failing = False  # the last attempt to open failed
+        self._failing = False  # the last attempt to open failed: the stream is down
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -472,19 +509,21 @@ class _Watcher:
                 with self._collection.watch(
                     self._pipeline, max_await_time_ms=WATCH_AWAIT_MS
                 ) as stream:
-                    self._failing = False
+                    reopened, self._failing = self._failing, False
                     self._open.set()
                     self._tried.set()
+                    if reopened:  # a waiter that joined while it was down looks again
+                        self._ring(None)
                     pause = 0.05
                     while not self._closed and stream.alive:
                         change = stream.try_next()
                         if change is not None:
                             self._ring(released_id(change))
-            except PyMongoError as exc:
+            except Exception as exc:  # PyMongoError, or a bad event (InvalidBSON, …)
                 if self._closed:
                     return
                 _LOG.warning("MongoDB change stream failed, reopening: %s", exc)
-                self._failing = not self._open.is_set()  # it did not even open
+                self._failing = True  # until it opens again: joins do not wait for it
                 self._open.clear()
                 self._tried.set()
                 self._ring(None)  # releases may have been missed: everyone looks again
@@ -503,7 +542,7 @@ class MongoStore:
     def __init__(self, client: MongoClient[Any], target: Target, namespace: str) -> None:
         self._client = client
         self._namespace = namespace
-        self._collection = client[_database_name(client, target)][target.collection]
+        self._collection = _collection(client, target)
         self.capabilities = CAPABILITIES
         self._prepared = False
         self._prepare_mutex = threading.Lock()
@@ -517,7 +556,12 @@ class MongoStore:
             if self._prepared:
                 return
             with translate_errors(PyMongoError, what="MongoDB hello"):
-                hello = self._client.admin.command("hello")
+                try:
+                    hello = self._client.admin.command("hello")
+                except OperationFailure as exc:
+                    if exc.code != _COMMAND_NOT_FOUND:
+                        raise
+                    hello = self._client.admin.command("isMaster")
             try:
                 self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
             except OperationFailure as exc:  # e.g. no privilege: locks work, GC does not
@@ -583,7 +627,7 @@ class MongoStore:
         doc_id = document_id(self._namespace, key)
         with translate_errors(PyMongoError, what=f"MongoDB release of {key!r}"):
             doc = self._collection.find_one_and_update(
-                release_filter(doc_id, token), RELEASE_PIPELINE, projection={"_id": 1}
+                release_filter(doc_id, token), RELEASE_UPDATE, projection={"_id": 1}
             )
             if doc is not None:
                 return Outcome(True)
@@ -682,17 +726,19 @@ class _AsyncWatcher:
                 async with await self._collection.watch(
                     self._pipeline, max_await_time_ms=WATCH_AWAIT_MS
                 ) as stream:
-                    self._failing = False
+                    reopened, self._failing = self._failing, False
                     self._open.set()
                     self._tried.set()
+                    if reopened:
+                        self._ring(None)
                     pause = 0.05
                     while stream.alive:
                         change = await stream.try_next()
                         if change is not None:
                             self._ring(released_id(change))
-            except PyMongoError as exc:
+            except Exception as exc:  # as in _Watcher
                 _LOG.warning("MongoDB change stream failed, reopening: %s", exc)
-                self._failing = not self._open.is_set()  # it did not even open
+                self._failing = True
                 self._open.clear()
                 self._tried.set()
                 self._ring(None)
@@ -717,7 +763,7 @@ class AsyncMongoStore:
     def __init__(self, client: AsyncMongoClient[Any], target: Target, namespace: str) -> None:
         self._client = client
         self._namespace = namespace
-        self._collection = client[_database_name(client, target)][target.collection]
+        self._collection = _collection(client, target)
         self.capabilities = CAPABILITIES
         self._prepared = False
         self._prepare_lock: asyncio.Lock | None = None
@@ -732,7 +778,12 @@ class AsyncMongoStore:
             if self._prepared:
                 return
             with translate_errors(PyMongoError, what="MongoDB hello"):
-                hello = await self._client.admin.command("hello")
+                try:
+                    hello = await self._client.admin.command("hello")
+                except OperationFailure as exc:
+                    if exc.code != _COMMAND_NOT_FOUND:
+                        raise
+                    hello = await self._client.admin.command("isMaster")
             try:
                 await self._collection.create_index(
                     "e", expireAfterSeconds=GC_GRACE, name="keymutex_gc"
@@ -800,7 +851,7 @@ class AsyncMongoStore:
         doc_id = document_id(self._namespace, key)
         with translate_errors(PyMongoError, what=f"MongoDB release of {key!r}"):
             doc = await self._collection.find_one_and_update(
-                release_filter(doc_id, token), RELEASE_PIPELINE, projection={"_id": 1}
+                release_filter(doc_id, token), RELEASE_UPDATE, projection={"_id": 1}
             )
             if doc is not None:
                 return Outcome(True)
@@ -843,6 +894,12 @@ class MongoDriver:
         try:
             client: MongoClient[Any] = MongoClient(target.url, **target.client_options)
         except (ConfigurationError, ValueError) as exc:  # InvalidURI, bad ports among them
+            if isinstance(exc.__cause__, dns.exception.DNSException):
+                # A mongodb+srv:// name looked up now (the async client looks later):
+                # a resolver that timed out is the store unreachable, not a bad URL.
+                raise StoreError(
+                    f"MongoDB: cannot look up {redacted(url)!r}: {scrubbed(str(exc), url)}"
+                ) from exc
             raise ValueError(
                 f"{redacted(url)!r} is not a usable MongoDB URL: {scrubbed(str(exc), url)}"
             ) from None
