@@ -20,6 +20,7 @@ ENTRY_POINT_GROUP = "keymutex.stores"
 # The extra that installs a scheme's client library, where it is not named as the scheme.
 _EXTRAS = {
     "rediss": "redis",
+    "unix": "redis",
     "redis+cluster": "redis",
     "redis+sentinel": "redis",
     "https": "http",

@@ -786,7 +786,7 @@ def test_refused_by_the_constructor(
 
 # -- URLs --------------------------------------------------------------------------------
 
-KNOWN = "known schemes: etcd, etcds, http, https, memcached, memory, mongodb, mongodb+srv, postgres, postgresql, redis, redis+cluster, redis+sentinel, rediss, sqlite, zookeeper, zookeepers"  # fmt: skip
+KNOWN = "known schemes: etcd, etcds, http, https, memcached, memory, mongodb, mongodb+srv, postgres, postgresql, redis, redis+cluster, redis+sentinel, rediss, sqlite, unix, zookeeper, zookeepers"  # fmt: skip
 PARSE = "does not parse as a store URL: expected scheme://…, with a scheme among etcd, etcds, http"
 HTTP = "http://127.0.0.1:7420"
 

@@ -12,6 +12,8 @@ import contextlib
 import functools
 import gc
 import json
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -23,7 +25,7 @@ import redis
 
 import keymutex
 from _processes import free_port
-from _redis_servers import RedisCluster
+from _redis_servers import RedisCluster, RedisServer
 from keymutex import _clock as clock
 from keymutex._store import RenewRequest
 from keymutex.stores.redis import RedisStore
@@ -1121,3 +1123,39 @@ def test_an_async_client_works_in_loops_that_were_not_closed(
     loops.clear()
     del loop
     gc.collect()  # the stores of the other loops, closed with their sockets: here
+
+
+def test_redis_on_a_unix_socket(tmp_path: Path) -> None:
+    """``unix:///path/redis.sock``, as redis-py spells a Unix socket: the store took it,
+    and said so in its errors, but no entry point named the scheme, so ``Locks()``
+    answered "unknown store URL scheme 'unix'" (found by review, from an example that
+    accepted such URLs)."""
+    sockets = Path(tempfile.mkdtemp(prefix="km-", dir="/tmp"))  # a socket path is short
+    socket = sockets / "redis.sock"
+    server = RedisServer(
+        tmp_path / "unix",
+        ["save ''", "appendonly no", f"unixsocket {socket}", "unixsocketperm 700"],
+    )
+    try:
+        with server.start():
+            url = f"unix://{socket}?db=3"
+            with keymutex.Locks(url, namespace="unix") as locks:
+                lease = locks.acquire("k", timeout=0)
+                with pytest.raises(keymutex.Locked) as refused:
+                    locks.acquire("k", timeout=0)
+                assert refused.value.holder is not None
+                assert refused.value.holder.fence == lease.fence
+                lease.release()
+                assert locks.holder("k") is None
+
+            async def main() -> None:
+                alocks = keymutex.AsyncLocks(url, namespace="unix")
+                async with alocks, alocks.lock("k", timeout=1) as held:
+                    assert held.fence > lease.fence
+
+            asyncio.run(main())
+            # In database 3 of this server, not in 0.
+            assert server.client().keys("*") == []
+            assert redis.Redis(unix_socket_path=str(socket), db=3).keys("*") != []
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
