@@ -299,3 +299,30 @@ def seconds(text: str) -> int:
     match = re.fullmatch(r"(?:(\d+) min )?(\d+) s", text.strip())
     assert match, f"not a duration: {text!r}"
     return int(match[1] or 0) * 60 + int(match[2])
+
+
+def test_a_dashboard_of_many_locks_lists_the_first_rows_and_counts_them_all(
+    server: Server, store: str, windows: Windows
+) -> None:
+    """Found by review: every open dashboard was sent the whole namespace after each
+    change and every 4 s, and drew every row: at 10,000 leases a page froze for seconds
+    at each snapshot (and reconnected, never live again, with large infos), and the
+    server slowed renewals to half a second. The stream carries the first 500 rows by
+    key and the count of all; a prefix narrows the list."""
+    with keymutex.Locks(store, namespace="many", owner="bulk") as locks:
+        leases = [locks.acquire(f"item:{n:04d}", ttl=120) for n in range(520)]
+        page = windows.open("dashboard")
+        page.goto(f"{server.url}/?namespace=many")
+        expect(page.locator("#count")).to_have_text(
+            re.compile(r"520 held; the first 500 shown, narrow with a prefix")
+        )
+        expect(page.locator("tbody tr")).to_have_count(500)
+        expect(page.locator("tr[data-key='item:0499']")).to_be_visible()
+        expect(page.locator("tr[data-key='item:0500']")).to_have_count(0)
+        page.fill("#prefix", "item:05")
+        page.click("#filter button[type=submit]")
+        expect(page.locator("tbody tr")).to_have_count(20)
+        expect(page.locator("#count")).to_have_text("(20 held)")
+        for lease in leases:
+            lease.release()
+        expect(page.locator("tbody tr")).to_have_count(0, timeout=8000)

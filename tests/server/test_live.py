@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -151,6 +152,68 @@ def test_event_streams_that_ended_leave_nothing_behind(live: Live, http: httpx.C
     while len(signals) > 0:  # each stream ends once the server sees its client gone
         assert time.monotonic() < deadline, f"{len(signals)} namespaces still signalled"
         time.sleep(0.02)
+
+
+@pytest.mark.usefixtures("quiet_server")
+def test_event_streams_of_one_view_share_one_read_per_change(
+    live: Live, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: each stream read and encoded the whole namespace on its own
+    after each change; at 10,000 leases four open dashboards slowed a renewal from 2 ms
+    to 500 ms. Streams of one view told of one change now share one read."""
+    server = live.app.state.keymutex
+    reads: list[object] = []
+    read = server.snapshot
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args)
+        return await read(*args, **kwargs)
+
+    monkeypatch.setattr(server, "snapshot", counted)
+    with contextlib.ExitStack() as streams:
+        opened = []
+        for _ in range(4):
+            client = streams.enter_context(httpx.Client(base_url=live.url, timeout=PATIENCE))
+            stream = streams.enter_context(
+                client.stream("GET", "/v1/events", params={"prefix": "shared:"})
+            )
+            lines = stream.iter_lines()
+            assert _next_event(lines)["holders"] == []
+            opened.append(lines)
+        before = len(reads)
+        _acquire(http, "shared:1")
+        for lines in opened:
+            assert [h["key"] for h in _next_event(lines)["holders"]] == ["shared:1"]
+        assert len(reads) - before == 1, "one read per stream"
+
+
+def test_event_snapshots_list_the_first_rows_and_count_them_all(
+    http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dashboard is sent the first STREAM_ROWS holders by key and the total (see the
+    browser test of a namespace of 520 leases); /v1/holders still lists all."""
+    from keymutex.server import _app
+
+    monkeypatch.setattr(_app, "STREAM_ROWS", 5)
+    for n in range(7):
+        _acquire(http, f"row:{n}")
+    with http.stream("GET", "/v1/events", params={"prefix": "row:"}) as stream:
+        snapshot = _next_event(stream.iter_lines())
+    assert [h["key"] for h in snapshot["holders"]] == [f"row:{n}" for n in range(5)]
+    assert snapshot["total"] == 7
+    everything = http.get("/v1/holders", params={"prefix": "row:"}).json()
+    assert len(everything["holders"]) == 7
+    assert "total" not in everything
+
+
+def test_pages_may_not_be_framed_by_other_sites(http: httpx.Client) -> None:
+    """Found by review: the dashboard (force release) and the edit page (take over) are
+    one click from acting, and any site could show them in a frame (clickjacking)."""
+    for path in ("/", "/demo/edit/doc:1"):
+        reply = http.get(path)
+        assert reply.status_code == 200
+        assert reply.headers["content-security-policy"] == "frame-ancestors 'self'"
+        assert reply.headers["x-frame-options"] == "SAMEORIGIN"
 
 
 def _next_event(lines: Iterator[str]) -> dict[str, Any]:

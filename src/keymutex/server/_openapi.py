@@ -403,7 +403,10 @@ PATHS: dict[str, Any] = {
             ],
             "responses": _answers(
                 {
-                    "description": "event: holders, data: Holders plus server_time.",
+                    "description": (
+                        "event: holders, data: Holders (the first 500 holders and waited-for"
+                        " keys by key) plus total (holders in the view) and server_time."
+                    ),
                     "content": {"text/event-stream": {"schema": {"type": "string"}}},
                 },
                 *_ALL_CODES,

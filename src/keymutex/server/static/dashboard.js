@@ -1,6 +1,7 @@
 // The dashboard: held locks, live from the server's /v1/events stream.
 //
-// Each `holders` event is a snapshot {holders, waiting, server_time}. Times are shown
+// Each `holders` event is a snapshot {holders, waiting, total, server_time}: the first
+// rows by key (the server sends 500 at most) and how many are held. Times are shown
 // relative to that snapshot and counted down on this page's monotonic clock, so a
 // browser whose wall clock is off still shows the right "expires in".
 //
@@ -45,7 +46,7 @@ const params = new URLSearchParams(location.search);
 const state = {
   namespace: params.get('namespace') ?? '',
   prefix: params.get('prefix') ?? '',
-  /** @type {{holders: any[], waiting: Record<string, number>, server_time: number} | null} */
+  /** @type {{holders: any[], waiting: Record<string, number>, server_time: number, total?: number} | null} */
   snapshot: null,
   receivedAt: 0, // performance.now() when the snapshot arrived
   lastEventAt: 0,
@@ -264,6 +265,8 @@ function onSnapshot(text) {
   if (state.storeFailing) hideMessage();
   setStatus(`Live · updated ${clock(snapshot.server_time)}`);
   render();
+  // After the work: a page that took long to draw is not judged stale for it.
+  state.lastEventAt = performance.now();
 }
 
 /** @param {number} time UNIX seconds */
@@ -344,7 +347,10 @@ function render() {
   if (focusedKey !== undefined) {
     /** @type {HTMLElement | null} */ (view.rows.querySelector(`tr[data-key="${CSS.escape(focusedKey)}"] button`))?.focus();
   }
-  const held = `${snapshot.holders.length} held`;
+  // The stream lists the first rows by key (the server's cap) and counts them all.
+  const total = snapshot.total ?? snapshot.holders.length;
+  const shown = total > snapshot.holders.length ? `; the first ${snapshot.holders.length} shown, narrow with a prefix` : '';
+  const held = `${total} held${shown}`;
   view.count.textContent = state.live ? `(${held})` : `(${held} as of ${clock(snapshot.server_time)}; not live)`;
   view.table.classList.toggle('stale', !state.live);
   view.empty.hidden = keys.length > 0;
