@@ -55,6 +55,7 @@ from keymutex._store import (
     StoreOfTheLoop,
     Waiter,
     max_ttl_of,
+    stop_task,
 )
 from keymutex._urls import driver_for, redacted, scheme_of
 from keymutex._validate import (
@@ -1496,10 +1497,7 @@ class _AsyncRenewer:
     async def aclose(self) -> None:
         self._closed = True
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         await self._end_callbacks()
         if self._releases:  # before the store closes
             await asyncio.wait(self._releases)
@@ -1726,6 +1724,12 @@ class AsyncLocks:
         acquire that waits for a key raises it too, as ``Locks.close`` says.
         """
         self._closed = True
+        # To the end even if the caller is cancelled (which it then is): found by
+        # review, a cancellation in the middle left the store's connections open, and a
+        # second aclose() did not close them (the store is closed once).
+        await _to_the_end(self._close())
+
+    async def _close(self) -> None:
         await self._renewer.aclose()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)

@@ -49,6 +49,7 @@ __all__ = [
     "ThreadedAsyncStore",
     "Waiter",
     "WouldBlock",
+    "stop_task",
     "translate_errors",
 ]
 
@@ -209,6 +210,32 @@ class _Translation:
     ) -> None:
         if exc is not None and isinstance(exc, self._driver_errors):
             raise StoreError(f"{self._what}: {str(exc) or type(exc).__name__}") from exc
+
+
+async def stop_task(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` (a background reader, watcher or renewer) and wait until it ends.
+
+    Its cancellation is its end and is not raised; a failure of its own is, as awaiting
+    it raised. A caller cancelled while it waits is cancelled: found by review,
+    ``suppress(CancelledError)`` around ``await task`` swallowed the caller's own
+    cancellation too, and an ``asyncio.timeout()`` around ``aclose()`` never fired.
+    """
+    if task is None:
+        return
+    if task.done():
+        if not task.cancelled():
+            task.exception()  # ended by itself earlier: retrieved, it said so when it did
+        return
+    task.cancel()
+    task.add_done_callback(_retrieve)  # if the caller is cancelled before it ends
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.result()
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def translate_errors(*driver_errors: type[BaseException], what: str) -> _Translation:

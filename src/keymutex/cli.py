@@ -54,7 +54,7 @@ from click.core import ParameterSource
 
 from keymutex import AsyncLease, AsyncLocks, Holder, Locked, LockLost, Locks, StoreError
 from keymutex._client import MAX_NAMESPACE_BYTES
-from keymutex._store import max_ttl_of
+from keymutex._store import max_ttl_of, stop_task
 from keymutex._urls import driver_for, redacted, scheme_of, scrubbed
 from keymutex._validate import (
     check_info,
@@ -1165,9 +1165,7 @@ class _Run:
         try:
             returncode = await process.wait()
         finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            await stop_task(watch)
         return 128 - returncode if returncode < 0 else returncode
 
     async def _watch(self, lease: AsyncLease) -> None:

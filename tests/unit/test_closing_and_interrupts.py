@@ -9,6 +9,7 @@ release; and leaving a ``with`` block after ``close()`` replaced the block's exc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -394,3 +395,85 @@ async def test_an_async_release_under_way_reaches_the_store(
         await task
     async with keymutex.AsyncLocks(url) as fresh:
         assert await fresh.holder("k") is None
+
+
+@pytest.fixture(params=["memory", "redis", "postgresql", "etcd"])
+def closing_url(request: pytest.FixtureRequest) -> str:
+    """Stores whose async clients run tasks that ``aclose()`` stops: the renewer (all),
+    a pub/sub reader (Redis), a LISTEN reader (PostgreSQL), a watch (etcd)."""
+    if request.param == "memory":
+        return f"memory://closing-{time.monotonic_ns()}"
+    return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+async def _busy_client(url: str) -> keymutex.AsyncLocks:
+    """A client with a renewed lease, whose waiting once started the store's reader."""
+    locks = keymutex.AsyncLocks(url, namespace=f"closing-{time.monotonic_ns()}", ttl=30)
+    other = keymutex.AsyncLocks(url, namespace=locks.namespace, ttl=30)
+    held = await other.acquire("k")
+    waiting = asyncio.ensure_future(locks.acquire("k", timeout=10))
+    await asyncio.sleep(0.2)
+    await held.release()
+    await (await waiting).release()
+    await other.aclose()
+    await locks.acquire("renewed", renew=True)
+    return locks
+
+
+@pytest.mark.asyncio
+async def test_a_task_cancelled_inside_aclose_is_cancelled(closing_url: str) -> None:
+    """Found by review: ``aclose()`` kept its caller's cancellation quiet (it suppressed
+    CancelledError while it waited for the renewer and the stores' readers), so the
+    task went on as if not cancelled, and ``asyncio.timeout()`` around it never fired."""
+
+    async def close_then_go_on(locks: keymutex.AsyncLocks) -> str:
+        await locks.aclose()
+        await asyncio.sleep(0)
+        return "went on"
+
+    for turns in range(1, 6):  # the cancellation lands at each step of the close
+        locks = await _busy_client(closing_url)
+        closing = asyncio.ensure_future(close_then_go_on(locks))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        await locks.aclose()  # closed already, or its close ended in the background
+    locks = await _busy_client(closing_url)
+
+    async def close_within(seconds: float) -> None:
+        async with asyncio.timeout(seconds):
+            await locks.aclose()
+            await asyncio.sleep(0.5)
+
+    with pytest.raises(TimeoutError):
+        await close_within(0)
+    await locks.aclose()
+
+
+@pytest.mark.asyncio
+async def test_an_aclose_cancelled_half_way_still_closes_the_connections(redis_url: str) -> None:
+    """Found by review: a cancellation that landed on the close of the pub/sub
+    connection left it open (with a ResourceWarning later), and a second ``aclose()``
+    did not close it: the store is closed once."""
+    import redis.asyncio
+
+    admin = redis.asyncio.Redis.from_url(redis_url)
+    try:
+        before = len(await admin.client_list())
+        for turns in range(1, 9):
+            locks = await _busy_client(redis_url)
+            closing = asyncio.ensure_future(locks.aclose())
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            closing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await closing
+            for _ in range(200):  # the close goes on in the background
+                if len(await admin.client_list()) <= before:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(await admin.client_list()) == before, f"left open at {turns} turns"
+    finally:
+        await admin.aclose()

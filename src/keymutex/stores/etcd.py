@@ -159,7 +159,7 @@ import httpx
 from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
-from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex._store import Capabilities, RenewRequest, stop_task, translate_errors
 from keymutex.stores._doorbell import Doorbell, LoopDoorbell
 from keymutex.stores._settings import TLS_OPTIONS, digits, seconds, settings_of, tls_files
 
@@ -1666,10 +1666,7 @@ class _AsyncWatchHub:
     async def aclose(self) -> None:
         self._closed = True
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
 
 # -- the stores ----------------------------------------------------------------------

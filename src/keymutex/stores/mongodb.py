@@ -86,7 +86,7 @@ from pymongo.uri_parser import split_options
 
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
-from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex._store import Capabilities, RenewRequest, stop_task, translate_errors
 from keymutex._urls import redacted, scrubbed, split_url
 from keymutex.stores._doorbell import Doorbell, LoopDoorbell
 
@@ -747,10 +747,7 @@ class _AsyncWatcher:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
 
 class AsyncMongoStore:

@@ -106,7 +106,7 @@ from psycopg import pq
 
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
-from keymutex._store import Capabilities, RenewRequest, translate_errors
+from keymutex._store import Capabilities, RenewRequest, stop_task, translate_errors
 from keymutex._urls import redacted, scrubbed, split_url
 from keymutex.stores._doorbell import Doorbell, LoopDoorbell, wake
 from keymutex.stores._settings import count, digits, seconds
@@ -1661,10 +1661,7 @@ class _AsyncListener:
     async def aclose(self) -> None:
         self._closed = True
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
 
 # -- the stores --------------------------------------------------------------------------

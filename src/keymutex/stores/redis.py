@@ -79,7 +79,13 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
-from keymutex._store import Capabilities, PartialRenewal, RenewRequest, translate_errors
+from keymutex._store import (
+    Capabilities,
+    PartialRenewal,
+    RenewRequest,
+    stop_task,
+    translate_errors,
+)
 from keymutex._urls import redacted, scrubbed, split_url
 from keymutex.stores._doorbell import LoopDoorbell
 from keymutex.stores._settings import count, digits, seconds
@@ -1188,10 +1194,7 @@ class _AsyncSubscriptions:
     async def aclose(self) -> None:
         self._closed = True
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         pubsub, self._pubsub = self._pubsub, None
         if pubsub is not None:
             with contextlib.suppress(RedisError, OSError):
@@ -2097,10 +2100,7 @@ class _AsyncMasterWatch:
 
     async def aclose(self) -> None:
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
 
 class _AsyncSentinelStore(AsyncRedisStore):
