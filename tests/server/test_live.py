@@ -386,6 +386,70 @@ def test_http_store_unreachable_is_a_store_error() -> None:
         assert failed.value.__cause__ is not None
 
 
+@pytest.fixture
+def dripping_server() -> Iterator[str]:
+    """A "lock server" whose replies come one byte every 0.1 s (a stuck proxy or link):
+    each read is within any read timeout, and a reply would take hours."""
+    stop = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+
+    def answer(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+            conn.sendall(b"Content-Length: 100000\r\n\r\n")
+            while not stop.wait(0.1):
+                conn.sendall(b" ")
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                conn, _ = listener.accept()
+                threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+def test_http_store_calls_end_however_slowly_the_reply_comes(dripping_server: str) -> None:
+    """Found by review: httpx's read timeout is between two reads, so a reply that kept
+    coming a byte at a time kept every call waiting for ever: a release, ``close()``,
+    and an async acquire that its caller cancelled (it waits for its store step). A
+    request now takes twice ``timeout`` at most (plus its long poll)."""
+    results: list[BaseException | None] = []
+
+    def call() -> None:
+        with keymutex.Locks(dripping_server, timeout=0.5) as locks:
+            for step in (lambda: locks.holder("k"), lambda: locks.release("k", "t" * 22)):
+                try:
+                    step()
+                except BaseException as exc:
+                    results.append(exc)
+                else:
+                    results.append(None)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "a call still waits for the reply"
+    assert all(isinstance(exc, keymutex.StoreError) for exc in results), results
+    assert all(isinstance(exc.__cause__, httpx.ReadTimeout) for exc in results if exc)
+
+    async def main() -> None:
+        async with keymutex.AsyncLocks(dripping_server, timeout=0.5) as locks:
+            with pytest.raises(keymutex.StoreError, match="took more than 1 s"):
+                await asyncio.wait_for(locks.acquire("k", timeout=0), 60)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("store", ["sync", "async"])
 def test_http_store_takes_its_proxy_from_the_environment(
     live: Live, monkeypatch: pytest.MonkeyPatch, store: str

@@ -37,8 +37,10 @@
   ``StoreError``, as do 401/403 (a missing or insufficient API token); a 400 raises
   ``ValueError`` with the server's message (e.g. a ``ttl`` over the server's limit).
 
-Options: ``api_token`` (default ``$KEYMUTEX_API_TOKEN``), ``timeout`` (seconds per
-request, beyond the time a long poll may wait; default 10).
+Options: ``api_token`` (default ``$KEYMUTEX_API_TOKEN``), ``timeout`` (seconds for
+each phase of a request: connect, send, wait for each part of the reply, beyond the
+time a long poll may wait; default 10). A request, its reply read to the end, takes
+twice ``timeout`` (plus its long poll) at most, however slowly the reply comes.
 """
 
 from __future__ import annotations
@@ -294,10 +296,12 @@ class _Protocol:
         return dataclasses.replace(CAPABILITIES, durable_fences=durable)
 
 
-def _decode(request: httpx.Request, response: httpx.Response) -> tuple[int, JSONDict]:
+def _decode(
+    request: httpx.Request, response: httpx.Response, body: bytes | bytearray
+) -> tuple[int, JSONDict]:
     status = response.status_code
     try:
-        payload = response.json()
+        payload = json.loads(body)
     except ValueError:
         payload = None
     if not isinstance(payload, dict):
@@ -399,6 +403,14 @@ class _Requests:
         seconds = self._timeout
         return {"connect": seconds, "read": seconds + wait, "write": seconds, "pool": seconds}
 
+    def budget(self, call: _Call) -> float:
+        """How long ``call`` may take in all, its reply read to the end.
+
+        httpx's read timeout is between two reads: found by review, a reply that came a
+        byte at a time (a stuck proxy or link) kept a call, a release, ``close()`` and a
+        cancelled async acquire waiting for ever."""
+        return 2 * self._timeout + call.wait
+
     def url(self, path: str) -> httpx.URL:
         url = self._urls.get(path)
         if url is None:
@@ -421,6 +433,13 @@ class _Requests:
             content=_encode(call.body),
             extensions={"timeout": timeouts},
         )
+
+
+def _late(request: httpx.Request, budget: float) -> httpx.ReadTimeout:
+    return httpx.ReadTimeout(
+        f"the reply to {request.method} {request.url.path} took more than {budget:g} s",
+        request=request,
+    )
 
 
 # -- the synchronous store -------------------------------------------------------------
@@ -469,9 +488,15 @@ class HttpStore:
             self._pid, self._transport = os.getpid(), self._new_transport()
         with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
             request = self._requests.build(call)
+            budget = self._requests.budget(call)
+            deadline = _clock.monotonic() + budget
             response = self._transport.handle_request(request)
             try:
-                response.read()
+                body = bytearray()
+                for chunk in response.iter_bytes():
+                    body += chunk
+                    if _clock.monotonic() > deadline:
+                        raise _late(request, budget)
             finally:
                 response.close()
         if not self._asked_capabilities:
@@ -479,7 +504,7 @@ class HttpStore:
             # from before its request was sent, and must not lose this round trip.
             self._asked_capabilities = True
             self._ask_capabilities()
-        return _decode(request, response)
+        return _decode(request, response, body)
 
     def _ask_capabilities(self) -> None:
         with contextlib.suppress(StoreError):
@@ -604,17 +629,22 @@ class AsyncHttpStore:
             self._pid, self._transport = os.getpid(), self._new_transport()
         with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
             request = self._requests.build(call)
-            response = await self._transport.handle_async_request(request)
+            budget = self._requests.budget(call)
             try:
-                await response.aread()
-            finally:
-                await response.aclose()
+                async with asyncio.timeout(budget):
+                    response = await self._transport.handle_async_request(request)
+                    try:
+                        body = await response.aread()
+                    finally:
+                        await response.aclose()
+            except TimeoutError:
+                raise _late(request, budget) from None
         if not self._asked_capabilities:
             # After the first step's request, not before: a lease's ``remaining`` counts
             # from before its request was sent, and must not lose this round trip.
             self._asked_capabilities = True
             await self._ask_capabilities()
-        return _decode(request, response)
+        return _decode(request, response, body)
 
     async def _ask_capabilities(self) -> None:
         with contextlib.suppress(StoreError):
