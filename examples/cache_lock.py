@@ -58,27 +58,29 @@ def main() -> int:
     if not url.lower().startswith(("redis://", "rediss://", "unix://")):
         sys.exit(
             f"error: {url!r}: this example compares with a lock hand-rolled on Redis"
-            " and needs a redis:// URL"
+            " and needs a Redis URL (redis://, rediss:// or unix:///path/redis.sock)"
         )
     r = redis.Redis.from_url(url, decode_responses=True)
     try:
         r.ping()
     except redis.RedisError as exc:
         sys.exit(
-            f"error: Redis at {url} cannot be used: {str(exc).rstrip('.')}; give another redis:// URL"
+            f"error: Redis at {url} cannot be used: {str(exc).rstrip('.')}; give another Redis URL"
         )
     run = uuid.uuid4().hex[:8]
     info = {"host": socket.gethostname(), "pid": os.getpid()}
 
     print("1. a crashed holder")
     key = f"cache-lock:{run}:report"
-    r.set(key, "1", nx=True)  # the holder takes the lock ... and its process dies here
-    time.sleep(0.3)
-    print(
-        f"   hand-rolled: still locked after the holder died: {r.exists(key) == 1}"
-        " (and it stays so until someone deletes it by hand)"
-    )
-    r.delete(key)
+    try:
+        r.set(key, "1", nx=True)  # the holder takes the lock ... and its process dies here
+        time.sleep(0.3)
+        print(
+            f"   hand-rolled: still locked after the holder died: {r.exists(key) == 1}"
+            " (and it stays so until someone deletes it by hand)"
+        )
+    finally:  # this example deletes it by hand, also when interrupted
+        r.delete(key)
     with keymutex.Locks(url, namespace=f"cache-{run}") as locks:
         locks.acquire("report", ttl=0.2, info=info)  # never released: the holder "dies"
         time.sleep(0.3)
@@ -121,15 +123,19 @@ def main() -> int:
     print("3. waiting: polling against notification")
     hold = 1.0
     key = f"cache-lock:{run}:sync"
-    r.set(key, "holder", nx=True)
-    threading.Timer(hold, r.delete, args=(key,)).start()
-    before = calls(r, "set")
-    started = time.monotonic()
-    while not r.set(key, "waiter", nx=True):
-        time.sleep(POLL)
-    released_to_acquired = time.monotonic() - started - hold
-    polled = calls(r, "set") - before
-    r.delete(key)
+    release = threading.Timer(hold, r.delete, args=(key,))
+    try:
+        r.set(key, "holder", nx=True)
+        release.start()
+        before = calls(r, "set")
+        started = time.monotonic()
+        while not r.set(key, "waiter", nx=True):
+            time.sleep(POLL)
+        released_to_acquired = time.monotonic() - started - hold
+        polled = calls(r, "set") - before
+    finally:  # no TTL: deleted also when interrupted
+        release.cancel()
+        r.delete(key)
     print(
         f"   hand-rolled: {polled} commands while waiting {hold:.0f} s;"
         f" got it {released_to_acquired * 1000:.1f} ms after the release"
@@ -148,11 +154,13 @@ def main() -> int:
 
         releaser = threading.Thread(target=release_later)
         releaser.start()
-        before = calls(r, *KEYMUTEX_CALLS)
-        with waiter_locks.lock("sync", timeout=10):
-            acquired_at = time.monotonic()
-            waited_commands = calls(r, *KEYMUTEX_CALLS) - before
-        releaser.join()  # the holder has its release's answer before its client closes
+        try:
+            before = calls(r, *KEYMUTEX_CALLS)
+            with waiter_locks.lock("sync", timeout=10):
+                acquired_at = time.monotonic()
+                waited_commands = calls(r, *KEYMUTEX_CALLS) - before
+        finally:  # the holder has its release's answer before its client closes
+            releaser.join()
         print(
             f"   keymutex: {waited_commands} commands while waiting {hold:.0f} s"
             f" (including the holder's release); got it"
@@ -175,4 +183,12 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print(
+            "interrupted: the hand-rolled locks without a TTL were deleted; any other lock"
+            " left held expires after its TTL",
+            file=sys.stderr,
+        )
+        sys.exit(130)

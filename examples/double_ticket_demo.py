@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import signal
 import sqlite3
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,19 @@ def click(user: str, demo_dir: str, locks_url: str | None, start: Any, results: 
     )
 
 
+@contextlib.contextmanager
+def ctrl_c_ignored() -> Iterator[None]:
+    """Ctrl-C (SIGINT) is ignored in the block, and for good in the processes started in
+    it, which inherit that: a Ctrl-C at the terminal, sent to every process of the group,
+    interrupts this one alone, which stops them. (One pressed in the few milliseconds
+    that starting them takes is lost.)"""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def play(demo_dir: Path, locks_url: str | None) -> tuple[int, int]:
     """Every user clicks twice at once; prints what happened; (tickets, duplicates)."""
     tickets_path = demo_dir / "tickets.db"
@@ -101,12 +116,19 @@ def play(demo_dir: Path, locks_url: str | None) -> tuple[int, int]:
         context.Process(target=click, args=(user, str(demo_dir), locks_url, start, results))
         for user in clicks
     ]
-    for process in processes:
-        process.start()
-    reports = [results.get(timeout=60) for _ in processes]
-    for process in processes:
-        process.join()
-        assert process.exitcode == 0, f"a click process failed (exit {process.exitcode})"
+    try:
+        with ctrl_c_ignored():
+            for process in processes:
+                process.start()
+        reports = [results.get(timeout=60) for _ in processes]
+        for process in processes:
+            process.join()
+            assert process.exitcode == 0, f"a click process failed (exit {process.exitcode})"
+    finally:
+        for process in processes:
+            if process.is_alive():  # interrupted or failed: no click is left behind
+                process.terminate()
+                process.join()
 
     began = min(report["clicked_at"] for report in reports)
     for r in sorted(reports, key=lambda r: (r["user"], r["checked_at"])):
@@ -176,4 +198,11 @@ def verdict(duplicates: int, locked_duplicates: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print(
+            "interrupted: the clicks were stopped and their temporary directory removed",
+            file=sys.stderr,
+        )
+        sys.exit(130)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,28 +146,49 @@ async def worker(index: int, url: str) -> None:
     print(json.dumps(events), flush=True)
 
 
+@contextmanager
+def ctrl_c_ignored() -> Iterator[None]:
+    """Ctrl-C (SIGINT) is ignored in the block, and for good in the processes started in
+    it, which inherit that: a Ctrl-C at the terminal, sent to every process of the group,
+    interrupts this one alone, which stops them. (One pressed in the few milliseconds
+    that starting them takes is lost.)"""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def round_in_two_processes(url: str) -> tuple[list[Event], int]:
-    workers = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(index), url],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for index in range(2)
-    ]
-    for process in workers:
-        assert process.stdout is not None
-        assert process.stdout.readline().strip() == "ready"
+    workers: list[subprocess.Popen[str]] = []
     events: list[Event] = []
-    for process in workers:
-        assert process.stdin is not None
-        process.stdin.write("go\n")
-        process.stdin.flush()
-    for process in workers:
-        output, _ = process.communicate(timeout=60)
-        assert process.returncode == 0, f"a worker failed (exit {process.returncode})"
-        events.extend(tuple(event) for event in json.loads(output))
+    try:
+        with ctrl_c_ignored():
+            for index in range(2):
+                workers.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, "--worker", str(index), url],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+        for process in workers:
+            assert process.stdout is not None
+            assert process.stdout.readline().strip() == "ready"
+        for process in workers:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        for process in workers:
+            output, _ = process.communicate(timeout=60)
+            assert process.returncode == 0, f"a worker failed (exit {process.returncode})"
+            events.extend(tuple(event) for event in json.loads(output))
+    finally:
+        for process in workers:
+            if process.poll() is None:  # interrupted or failed: no worker is left behind
+                process.kill()
+            process.communicate()  # closes its pipes
     with keymutex.Locks(url) as locks:
         left = len(locks.holders("user:"))
     return sorted(events), left
@@ -244,4 +266,12 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         asyncio.run(worker(int(sys.argv[2]), sys.argv[3]))
     else:
-        main()
+        try:
+            main()
+        except KeyboardInterrupt:
+            print(
+                "interrupted: the orders were stopped, and the service processes of round 2"
+                " if it had begun",
+                file=sys.stderr,
+            )
+            sys.exit(130)

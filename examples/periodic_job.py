@@ -11,20 +11,25 @@ while the job runs, and a crashed worker's lease expires after its TTL.
 Redis needs ``pip install 'keymutex[redis]'``; any other store URL works the same, e.g.
 ``sqlite:///tmp/jobs.db`` or a lock server's ``http://127.0.0.1:7420``.
 
-Each worker records what it did as JSON lines (``--record FILE``), so the claims can be
-checked: the runs never overlap, and every run has a larger fence than the one before.
+Each worker records what it did as JSON lines, so the claims can be checked: the runs
+never overlap, and every run has a larger fence than the one before. ``--record FILE``
+keeps that record in FILE (replacing what it held); without it, the record lives in a
+temporary directory that is removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +76,52 @@ def write(record: str, entry: dict[str, object]) -> None:
         file.write(json.dumps(entry) + "\n")
 
 
+@contextlib.contextmanager
+def ctrl_c_ignored() -> Iterator[None]:
+    """Ctrl-C (SIGINT) is ignored in the block, and for good in the processes started in
+    it, which inherit that: a Ctrl-C at the terminal, sent to every process of the group,
+    interrupts this one alone, which stops them. (One pressed in the few milliseconds
+    that starting them takes is lost.)"""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def play(url: str, record: str) -> int:
+    """The scheduler fires the job on every worker, TICKS times; prints who ran it."""
+    namespace = f"periodic-{os.getpid()}"
+    fire = multiprocessing.Barrier(WORKERS)
+    processes = [
+        multiprocessing.Process(target=worker, args=(url, namespace, n, record, fire))
+        for n in range(WORKERS)
+    ]
+    try:
+        with ctrl_c_ignored():
+            for process in processes:
+                process.start()
+        for process in processes:
+            process.join()
+    finally:
+        for process in processes:
+            if process.is_alive():  # interrupted: no worker is left behind
+                process.terminate()
+                process.join()
+    if any(process.exitcode for process in processes):
+        print("a worker failed", file=sys.stderr)
+        return 1
+    entries = [json.loads(line) for line in Path(record).read_text().splitlines()]
+    runs = sorted((e for e in entries if "ran" in e), key=lambda e: e["ran"][0])
+    print(
+        f"{len(runs)} runs for {TICKS} ticks on {WORKERS} workers;"
+        f" {len(entries) - len(runs)} skips"
+    )
+    for run in runs:
+        print(f"tick {run['tick']}: ran on worker {run['worker']} with fence {run['fence']}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -88,31 +139,22 @@ def main() -> int:
             probe.holder("probe")
     except (ImportError, ValueError, keymutex.StoreError) as exc:
         parser.error(f"{str(exc).rstrip('.')}; give another store URL, e.g. sqlite:///tmp/jobs.db")
-    record = args.record or str(Path(tempfile.mkdtemp()) / "runs.jsonl")
-    namespace = f"periodic-{os.getpid()}"
-    fire = multiprocessing.Barrier(WORKERS)
-    processes = [
-        multiprocessing.Process(target=worker, args=(args.url, namespace, n, record, fire))
-        for n in range(WORKERS)
-    ]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join()
-    if any(process.exitcode for process in processes):
-        print("a worker failed", file=sys.stderr)
-        return 1
-    entries = [json.loads(line) for line in Path(record).read_text().splitlines()]
-    runs = sorted((e for e in entries if "ran" in e), key=lambda e: e["ran"][0])
-    print(
-        f"{len(runs)} runs for {TICKS} ticks on {WORKERS} workers;"
-        f" {len(entries) - len(runs)} skips"
-    )
-    for run in runs:
-        print(f"tick {run['tick']}: ran on worker {run['worker']} with fence {run['fence']}")
-    print(f"record: {record}")
-    return 0
+    if not args.record:  # the record lives as long as the run
+        with tempfile.TemporaryDirectory(prefix="keymutex-periodic-") as directory:
+            return play(args.url, str(Path(directory) / "runs.jsonl"))
+    # This run's record alone: an earlier run's lines would count as runs of this one.
+    Path(args.record).write_text("", encoding="utf-8")
+    status = play(args.url, args.record)
+    print(f"record: {args.record}")
+    return status
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print(
+            "interrupted: the workers were stopped; a lease they held expires after its TTL",
+            file=sys.stderr,
+        )
+        sys.exit(130)

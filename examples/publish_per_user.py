@@ -21,21 +21,26 @@ What happens, on a timeline (seconds from the start):
     python examples/publish_per_user.py URL [--record FILE]
     # URL: postgresql://user@host/db, mongodb://host/db, ... (default: $KEYMUTEX_STORE)
 
-Every worker appends what it did to a JSON-lines record (``--record``), so the claims
-can be checked from what happened rather than from the lines printed here.
+Every worker appends what it did to a JSON-lines record, so the claims can be checked
+from what happened rather than from the lines printed here. ``--record FILE`` keeps that
+record in FILE (replacing what it held); without it, the record lives in a temporary
+directory that is removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -187,6 +192,62 @@ def worker(
         publish(locks, request, record)
 
 
+@contextlib.contextmanager
+def ctrl_c_ignored() -> Iterator[None]:
+    """Ctrl-C (SIGINT) is ignored in the block, and for good in the processes started in
+    it, which inherit that: a Ctrl-C at the terminal, sent to every process of the group,
+    interrupts this one alone, which stops them. (One pressed in the few milliseconds
+    that starting them takes is lost.)"""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def play(url: str, record: str) -> int:
+    """Every request in a worker process of its own, each at its time; prints how many
+    leases were left. 0 if every worker exited as planned (only the crashing one died)."""
+    namespace = f"publish-{uuid.uuid4().hex[:8]}"
+    context = multiprocessing.get_context("spawn")  # fresh interpreters, as serverless
+    ready = context.Barrier(len(REQUESTS) + 1)
+    go = context.Value("d", 0.0)
+    processes = [
+        context.Process(target=worker, args=(url, namespace, n, request, record, ready, go))
+        for n, request in enumerate(REQUESTS, start=1)
+    ]
+    try:
+        with ctrl_c_ignored():
+            for process in processes:
+                process.start()
+        ready.wait(120)
+        go.value = time.time() + 0.05
+        for process in processes:
+            process.join(60)
+    finally:
+        for process in processes:
+            if process.is_alive():  # interrupted (or stuck): no worker is left behind
+                process.terminate()
+                process.join()
+
+    crashed = {f"w{n}" for n, r in enumerate(REQUESTS, start=1) if r.fault == "crash"}
+    unexpected = [
+        (f"w{n}", process.exitcode)
+        for n, process in enumerate(processes, start=1)
+        if process.exitcode != (3 if f"w{n}" in crashed else 0)
+    ]
+    with keymutex.Locks(url, namespace=namespace) as locks:
+        left = locks.holders("publish:")
+    Record(record, "main").write(
+        "end", Request(0.0, "", ""), leases_left=len(left), unexpected_exits=unexpected
+    )
+    print(f"leases left after the last upload: {len(left)}")
+    if unexpected:
+        print(f"workers that exited unexpectedly: {unexpected}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("url", nargs="?", default=os.environ.get("KEYMUTEX_STORE"))
@@ -204,42 +265,23 @@ def main() -> int:
             probe.holder("probe")
     except (ImportError, ValueError, keymutex.StoreError) as exc:
         parser.error(f"{str(exc).rstrip('.')}; give another store URL, e.g. sqlite:///tmp/p.db")
-    record = args.record or str(Path(tempfile.mkdtemp()) / "publish.jsonl")
-    Path(record).touch()
-    namespace = f"publish-{uuid.uuid4().hex[:8]}"
-
-    context = multiprocessing.get_context("spawn")  # fresh interpreters, as serverless
-    ready = context.Barrier(len(REQUESTS) + 1)
-    go = context.Value("d", 0.0)
-    processes = [
-        context.Process(target=worker, args=(args.url, namespace, n, request, record, ready, go))
-        for n, request in enumerate(REQUESTS, start=1)
-    ]
-    for process in processes:
-        process.start()
-    ready.wait(120)
-    go.value = time.time() + 0.05
-    for process in processes:
-        process.join(60)
-
-    crashed = {f"w{n}" for n, r in enumerate(REQUESTS, start=1) if r.fault == "crash"}
-    unexpected = [
-        (f"w{n}", process.exitcode)
-        for n, process in enumerate(processes, start=1)
-        if process.exitcode != (3 if f"w{n}" in crashed else 0)
-    ]
-    with keymutex.Locks(args.url, namespace=namespace) as locks:
-        left = locks.holders("publish:")
-    Record(record, "main").write(
-        "end", Request(0.0, "", ""), leases_left=len(left), unexpected_exits=unexpected
-    )
-    print(f"leases left after the last upload: {len(left)}")
-    print(f"record: {record}")
-    if unexpected:
-        print(f"workers that exited unexpectedly: {unexpected}", file=sys.stderr)
-        return 1
-    return 0
+    if not args.record:  # the record lives as long as the run
+        with tempfile.TemporaryDirectory(prefix="keymutex-publish-") as directory:
+            return play(args.url, str(Path(directory) / "publish.jsonl"))
+    # This run's record alone: an earlier run's lines would read as this run's uploads.
+    Path(args.record).write_text("", encoding="utf-8")
+    status = play(args.url, args.record)
+    print(f"record: {args.record}")
+    return status
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print(
+            "interrupted: the workers were stopped; a lease they held expires after its"
+            f" {TTL:.0f} s TTL",
+            file=sys.stderr,
+        )
+        sys.exit(130)

@@ -6,12 +6,18 @@ The checks re-derive every claim from the example's own record of what happened
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -155,8 +161,15 @@ def test_periodic_job_runs_once_per_tick_and_never_overlaps(
     redis_url: str, tmp_path: Path
 ) -> None:
     record = tmp_path / "runs.jsonl"
-    run_example_with("periodic_job.py", redis_url, "--record", str(record))
+    # An earlier run's record: found by review, the example appended to it, and its
+    # summary counted both runs ("6 runs for 3 ticks").
+    earlier = {"worker": 0, "tick": 0, "ran": [1.0, 2.0], "fence": 1}
+    record.write_text(json.dumps(earlier) + "\n")
+    output = run_example_with("periodic_job.py", redis_url, "--record", str(record))
+    assert "3 runs for 3 ticks on 4 workers; 9 skips" in output
+    assert f"record: {record}" in output
     entries = [json.loads(line) for line in record.read_text().splitlines()]
+    assert earlier not in entries
     runs = sorted((e for e in entries if "ran" in e), key=lambda e: e["ran"][0])
     skips = [e for e in entries if "skipped_for" in e]
     ticks = {e["tick"] for e in entries}
@@ -174,10 +187,52 @@ def test_periodic_job_runs_once_per_tick_and_never_overlaps(
         assert {"host", "pid"} <= set(who)
 
 
-def test_cache_lock_shows_the_holes_of_the_hand_rolled_lock_and_their_fixes(
-    redis_url: str,
+def test_periodic_job_without_record_leaves_nothing_in_the_temporary_directory(
+    redis_url: str, tmp_path: Path
 ) -> None:
-    output = run_example_with("cache_lock.py", redis_url)
+    """Found by review: without ``--record``, each run left a directory in /tmp with its
+    record, and printed its path."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "periodic_job.py"), redis_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 runs for 3 ticks on 4 workers; 9 skips" in result.stdout
+    assert "record:" not in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def redis_socket_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``unix:///…/redis.sock``: a Redis of this module's own, on a Unix socket alone (no
+    other test's keys in it). The socket's path is short, as a socket path must be."""
+    from _redis_fixtures import require_redis
+
+    require_redis()
+    from _redis_servers import RedisServer
+
+    sockets = Path(tempfile.mkdtemp(prefix="km-", dir="/tmp"))
+    socket = sockets / "redis.sock"
+    server = RedisServer(
+        tmp_path_factory.mktemp("redis-socket"),
+        ["save ''", "appendonly no", f"unixsocket {socket}", "unixsocketperm 700"],
+    )
+    try:
+        with server.start():
+            yield f"unix://{socket}"
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+@pytest.mark.parametrize("store", ["redis_url", "redis_socket_url"])
+def test_cache_lock_shows_the_holes_of_the_hand_rolled_lock_and_their_fixes(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    output = run_example_with("cache_lock.py", request.getfixturevalue(store))
     assert "hand-rolled: still locked after the holder died: True" in output
     assert "keymutex: free again after the 0.2 s TTL: True" in output
     assert "hand-rolled: workers inside at once: ['B', 'C'] (1 overlap)" in output
@@ -274,3 +329,125 @@ def test_an_example_of_processes_refuses_the_memory_store(example: str) -> None:
     assert result.returncode == 2
     assert "memory:// lives in one process" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------
+
+
+def running_in_session(session: int) -> list[str]:
+    """The command lines of the live processes (zombies aside) of a session."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # gone meanwhile
+            continue
+        state, _, _, sid = stat.rsplit(")", 1)[1].split()[:4]
+        if int(sid) == session and state != "Z":
+            found.append(f"{entry.name}: {command}")
+    return found
+
+
+def interrupt(
+    command: list[str], after: str, directory: Path, children: int = 0, delay: float = 0.0
+) -> tuple[int, str, str]:
+    """Runs an example as a terminal runs a command, in a process group (and session) of
+    its own, with ``directory/tmp`` as its TMPDIR; once a line of its output matched
+    ``after``, it has started ``children`` processes, and ``delay`` seconds later, sends
+    SIGINT to the whole group, as Ctrl-C does. Its exit status, output and errors;
+    checks that every process it started is gone and its temporary directories are
+    removed."""
+    temporary = directory / "tmp"
+    temporary.mkdir()
+    stdout, stderr = directory / "stdout", directory / "stderr"
+    env = {**os.environ, "TMPDIR": str(temporary), "PYTHONUNBUFFERED": "1"}
+    with stdout.open("w") as out, stderr.open("w") as err:
+        example = subprocess.Popen(
+            command, stdout=out, stderr=err, env=env, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 30
+        while not re.search(after, stdout.read_text(), re.M):
+            assert example.poll() is None, f"it ended first:\n{stdout.read_text()}"
+            assert time.monotonic() < deadline, f"no {after!r} in:\n{stdout.read_text()}"
+            time.sleep(0.01)
+        while len(running_in_session(example.pid)) <= children:  # itself and them
+            assert example.poll() is None, f"it ended first:\n{stdout.read_text()}"
+            assert time.monotonic() < deadline, running_in_session(example.pid)
+            time.sleep(0.01)
+        time.sleep(delay)
+        os.killpg(example.pid, signal.SIGINT)
+        status = example.wait(timeout=30)
+    finally:
+        if example.poll() is None:
+            os.killpg(example.pid, signal.SIGKILL)
+            example.wait()
+    # What it started and stopped may take a moment to be reaped.
+    deadline = time.monotonic() + 10
+    while (left := running_in_session(example.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(example.pid, signal.SIGKILL)  # whatever was left, for the next tests
+    assert left == [], f"processes left running:\n{left}\n{stderr.read_text()}"
+    assert list(temporary.iterdir()) == [], stderr.read_text()
+    return status, stdout.read_text(), stderr.read_text()
+
+
+# (example, its store's fixture, a line of progress to interrupt after, the processes it
+# has started by then)
+INTERRUPTED = [
+    # Interrupted while its six click processes start (spawn: fresh interpreters).
+    ("double_ticket_demo.py", None, r"^Round 1: no lock", 6),
+    # While its worker processes (fork) run the job or skip it.
+    ("periodic_job.py", "redis_url", r"^worker \d, tick 0: skipped", 0),
+    # While its worker processes (spawn) publish, and the crashing one has died.
+    ("publish_per_user.py", "postgresql_url", r"^dave: worker \S+ dies", 0),
+    # While its two service processes (subprocess) start.
+    ("orders_per_user.py", None, r"^Round 2: ", 2),
+    # In one process, after its first request.
+    ("cms_edit_lock.py", "memcached_url", r"alice\s+open\s+-> editing", 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("example", "store", "after", "children"), INTERRUPTED, ids=[e[0] for e in INTERRUPTED]
+)
+def test_ctrl_c_stops_an_example_with_one_line(
+    example: str,
+    store: str | None,
+    after: str,
+    children: int,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+) -> None:
+    """Found by review: Ctrl-C flooded the terminal with a KeyboardInterrupt traceback
+    from the example and from each of its processes, and it exited on the signal (-2)."""
+    command = [sys.executable, str(EXAMPLES / example)]
+    if store is not None:
+        command.append(request.getfixturevalue(store))
+    status, output, errors = interrupt(command, after, tmp_path, children, delay=0.1)
+    assert "Traceback" not in output + errors, output + errors
+    assert status == 130, output + errors
+    (line,) = errors.splitlines()
+    assert line.startswith("interrupted: "), errors
+
+
+def test_ctrl_c_in_cache_lock_leaves_no_key_in_redis(
+    redis_socket_url: str, tmp_path: Path
+) -> None:
+    """Found by review: part 1's hand-rolled lock has no TTL, and a Ctrl-C while it was
+    held left its key in Redis for good."""
+    import redis
+
+    command = [sys.executable, str(EXAMPLES / "cache_lock.py"), redis_socket_url]
+    # Part 1 holds its key 0.3 s after this line.
+    status, output, errors = interrupt(command, r"^1\. a crashed holder", tmp_path, delay=0.1)
+    assert "Traceback" not in output + errors, output + errors
+    assert status == 130, output + errors
+    (line,) = errors.splitlines()
+    assert line.startswith("interrupted: "), errors
+    with redis.Redis.from_url(redis_socket_url) as client:
+        assert client.keys("cache-lock:*") == []

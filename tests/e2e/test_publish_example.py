@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,11 @@ SLACK = 0.05
 @pytest.fixture(scope="module")
 def record(postgresql_url: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     path = tmp_path_factory.mktemp("publish") / "record.jsonl"
+    # An earlier run's record: found by review, the example appended to it, and its
+    # uploads read as this run's (a2 done as well as refused).
+    path.write_text(
+        json.dumps({"event": "done", "worker": "w5", "user": "alice", "upload": "a2"}) + "\n"
+    )
     result = subprocess.run(
         [sys.executable, str(EXAMPLE), postgresql_url, "--record", str(path)],
         capture_output=True,
@@ -37,6 +43,7 @@ def record(postgresql_url: str, tmp_path_factory: pytest.TempPathFactory) -> lis
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+    assert f"record: {path}" in result.stdout
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -171,3 +178,22 @@ def test_no_lease_is_left_behind(record: list[dict[str, Any]]) -> None:
     (end,) = events(record, "end")
     assert end["leases_left"] == 0
     assert end["unexpected_exits"] == []
+
+
+def test_without_record_nothing_is_left_in_the_temporary_directory(
+    postgresql_url: str, tmp_path: Path
+) -> None:
+    """Found by review: without ``--record``, each run left a directory in /tmp with its
+    record, and printed its path."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), postgresql_url],
+        capture_output=True,
+        text=True,
+        timeout=55,
+        check=False,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "leases left after the last upload: 0" in result.stdout
+    assert "record:" not in result.stdout
+    assert list(tmp_path.iterdir()) == []
