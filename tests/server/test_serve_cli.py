@@ -229,6 +229,58 @@ def test_requests_waiting_at_shutdown_are_answered_and_streams_end(tmp_path: Pat
     assert "ERROR" not in log.read_text()
 
 
+def test_shutdown_with_a_store_that_does_not_answer_still_answers_in_json(
+    tmp_path: Path,
+) -> None:
+    """Found by review: with Redis stopped (SIGSTOP: a partition), a waiting acquire's
+    clean-up (leaving its queue) held its 503 until uvicorn's graceful timeout, and a
+    read waiting for Redis was cut off: both were answered uvicorn's plain-text 500,
+    with tracebacks in the log."""
+    from _redis_servers import standalone
+
+    with standalone(tmp_path / "redis") as redis_server:
+        log = tmp_path / "out.log"
+        with _running("--store", redis_server.url, log=log) as (process, url):
+            held = httpx.post(f"{url}/v1/acquire", json={"key": "k", "ttl": 60})
+            assert held.status_code == 200, held.text
+            answers: dict[str, httpx.Response] = {}
+
+            def ask(name: str, method: str, path: str, **kwargs: object) -> None:
+                answers[name] = httpx.request(method, f"{url}{path}", timeout=WAIT, **kwargs)
+
+            waiting = threading.Thread(
+                target=ask,
+                args=("acquire", "POST", "/v1/acquire"),
+                kwargs={"json": {"key": "k", "timeout": 25}},
+            )
+            waiting.start()
+            deadline = time.monotonic() + WAIT
+            while "keymutex_waiting_requests 1.0" not in httpx.get(f"{url}/metrics").text:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.02)
+            redis_server.pause()
+            try:
+                reading = threading.Thread(
+                    target=ask,
+                    args=("holder", "GET", "/v1/holder"),
+                    kwargs={"params": {"key": "k"}},
+                )
+                reading.start()
+                time.sleep(0.3)  # the read is sent to the stopped Redis
+                process.send_signal(signal.SIGTERM)
+                for thread in (waiting, reading):
+                    thread.join(WAIT)
+                    assert not thread.is_alive()
+                process.wait(WAIT)
+            finally:
+                redis_server.resume()
+    for name in ("acquire", "holder"):
+        assert answers[name].status_code == 503, answers[name].text
+        assert answers[name].json()["error"] == "shutting_down", answers[name].text
+    assert "Traceback" not in log.read_text()
+    assert "Exception in ASGI application" not in log.read_text()
+
+
 def test_a_store_whose_extra_is_missing_is_named_without_a_traceback(tmp_path: Path) -> None:
     (tmp_path / "redis").mkdir()  # as if redis-py were not installed
     (tmp_path / "redis" / "__init__.py").write_text(

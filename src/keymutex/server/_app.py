@@ -156,10 +156,15 @@ class _Guard:
 
     (``keymutex serve`` stops a head that large while it arrives; this is for the
     parsers that read one whole, as h11 does when it comes in one piece.)
+
+    A request that the ASGI server cancels as it shuts down (uvicorn, when its graceful
+    timeout ends: its store did not answer) is answered 503 ``shutting_down`` in JSON.
+    Found by review: uvicorn answered it a plain-text 500, with a traceback in the log.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, stopping: asyncio.Event) -> None:
         self.app = app
+        self.stopping = stopping
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -181,6 +186,11 @@ class _Guard:
             await self.app(scope, receive, watched_send)
         except ClientDisconnect:
             return  # nobody to answer
+        except asyncio.CancelledError:
+            if started or not self.stopping.is_set():
+                raise
+            with contextlib.suppress(OSError, RuntimeError):  # the caller may be gone
+                await CUT_BY_SHUTDOWN(scope, receive, send)
         except Exception:
             LOG.exception("unexpected error answering %s %s", scope["method"], scope["path"])
             if not started:
@@ -195,6 +205,16 @@ class _Guard:
 
 
 HEAD_TOO_LARGE = JSONResponse(HEAD_TOO_LARGE_ERROR, status_code=431)
+CUT_BY_SHUTDOWN = JSONResponse(
+    {
+        "error": "shutting_down",
+        "message": (
+            "the lock server shut down before its store answered: a change asked for may"
+            " or may not have been made; ask another server, or this one when it is back"
+        ),
+    },
+    status_code=503,
+)
 
 
 def _charset(parameters: str) -> str | None:
@@ -284,7 +304,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], stopping: a
     if the server starts shutting down (a 503 ``shutting_down``).
 
     A waiting acquire that is cancelled gives back a grant landing meanwhile
-    (``AsyncLocks``), so a caller that hangs up leaves no lease behind.
+    (``AsyncLocks``), so a caller that hangs up leaves no lease behind. At shutdown the
+    503 does not wait for that clean-up more than ``STOP_GRACE``: found by review, an
+    acquire leaving its queue in a store that did not answer (Redis stopped) held the
+    503 until uvicorn's graceful 3 s ran out, and the caller got a plain-text 500. The
+    clean-up goes on in the background, as long as the store and the process allow.
     """
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request.receive))
@@ -295,7 +319,16 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], stopping: a
         for future in (task, gone, stop):
             if not future.done():
                 future.cancel()
-        results = await asyncio.gather(task, gone, stop, return_exceptions=True)
+        if stop.done() and not stop.cancelled():
+            await asyncio.wait([task], timeout=STOP_GRACE)
+        if not task.done():
+            _BACKGROUND.add(task)
+            task.add_done_callback(_ended_in_background)
+        results = await asyncio.gather(
+            *([task] if task.done() else []), gone, stop, return_exceptions=True
+        )
+    if not task.done():
+        raise SHUTTING_DOWN
     if task.cancelled() or isinstance(results[0], asyncio.CancelledError):
         if stop.done() and not stop.cancelled():
             raise SHUTTING_DOWN
@@ -304,6 +337,16 @@ async def _unless_disconnected(request: Request, work: Awaitable[T], stopping: a
     if gone.done() and not gone.cancelled() and gone.exception() is None:
         await _caller_gone(result)  # the grant and the hang-up came together
     return result
+
+
+STOP_GRACE = 0.5  # seconds a request cancelled by shutdown may take to clean up
+_BACKGROUND: set[asyncio.Future[Any]] = set()  # their clean-up, when it takes longer
+
+
+def _ended_in_background(task: asyncio.Future[Any]) -> None:
+    _BACKGROUND.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        LOG.warning("a request cancelled by shutdown ended with: %s", task.exception())
 
 
 async def _unless_gone(request: Request, lease: AsyncLease) -> AsyncLease:
@@ -1069,7 +1112,7 @@ def create_app(
         routes=server.routes(),
         middleware=[
             Middleware(MetricsMiddleware, metrics=server.metrics),
-            Middleware(_Guard),
+            Middleware(_Guard, stopping=server.stopping),
             *([Middleware(_NoRebinding)] if auth.open else []),
         ],
         exception_handlers={
