@@ -12,7 +12,10 @@ keymutex:
 3. Waiting by polling costs a command every 100 ms per waiter, and a waiter notices a
    release up to 100 ms late. keymutex: the release wakes the waiter.
 
-And who holds it? keymutex keeps the host and pid in the holder's info.
+And who holds it? keymutex keeps the host and pid in the holder's info. And in which
+order are waiters served? Polling serves whoever asks first after a release;
+keymutex on Redis hands the key to the waiters in the order they arrived (a fair
+queue: requests for one resource processed strictly in arrival order).
 
     python examples/cache_lock.py [REDIS_URL]    # default: $KEYMUTEX_STORE or redis://127.0.0.1:6379/0
 """
@@ -178,8 +181,68 @@ def main() -> int:
             f"   keymutex: held by {holder.owner} with info {holder.info},"
             f" fence {holder.fence}, expires in {holder.expires_at - time.time():.0f} s"
         )
+
+    print("5. in which order are waiters served?")
+    print(f"   hand-rolled: {hand_rolled_order(r, f'cache-lock:{run}:queue')}")
+    print(f"   keymutex: {keymutex_order(url, f'cache-{run}')}")
     r.close()
     return 0
+
+
+WAITERS = 5
+ARRIVING = 0.05  # seconds between two waiters' arrivals
+SERVING = 0.02  # how long each holds the resource
+
+
+def hand_rolled_order(r: redis.Redis, key: str) -> str:
+    """Five waiters arrive 50 ms apart while the resource is held, and poll."""
+    served: list[int] = []
+
+    def waiter(number: int) -> None:
+        while not r.set(key, str(number), nx=True):
+            time.sleep(POLL)
+        served.append(number)
+        time.sleep(SERVING)
+        r.delete(key)
+
+    r.set(key, "first", nx=True)
+    threads = [threading.Thread(target=waiter, args=(n,)) for n in range(WAITERS)]
+    try:
+        for thread in threads:
+            thread.start()
+            time.sleep(ARRIVING)
+        r.delete(key)  # the first holder is done
+    finally:
+        for thread in threads:
+            thread.join()
+        r.delete(key)
+    return f"served in the order {served} (whoever polled first after each release)"
+
+
+def keymutex_order(url: str, namespace: str) -> str:
+    """The same five waiters, each with a client of its own, waiting with keymutex."""
+    served: list[int] = []
+    with keymutex.Locks(url, namespace=namespace) as first:
+        lease = first.acquire("queue")
+        clients = [keymutex.Locks(url, namespace=namespace) for _ in range(WAITERS)]
+
+        def waiter(number: int) -> None:
+            with clients[number].lock("queue", timeout=30):
+                served.append(number)
+                time.sleep(SERVING)
+
+        threads = [threading.Thread(target=waiter, args=(n,)) for n in range(WAITERS)]
+        try:
+            for thread in threads:
+                thread.start()
+                time.sleep(ARRIVING)
+            lease.release()
+        finally:
+            for thread in threads:
+                thread.join()
+            for client in clients:
+                client.close()
+    return f"served in the order {served}: the order they arrived in"
 
 
 if __name__ == "__main__":

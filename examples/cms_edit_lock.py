@@ -201,7 +201,11 @@ def _play(url: str, record: Path, namespace: str, documents: Documents) -> bool:
         file.write(json.dumps({"namespace": namespace, "doc": doc, "ttl": EDIT_TTL}) + "\n")
     try:
         alice = step("alice", "open", desk.open_edit(doc, ALICE))
-        step("alice", "heartbeat", desk.heartbeat(doc, alice["token"]))
+        # The page's timer: heartbeats keep the lock well past its TTL while she edits.
+        editing_until = time.monotonic() + 2 * EDIT_TTL
+        while time.monotonic() < editing_until:
+            time.sleep(HEARTBEAT_EVERY)
+            step("alice", "heartbeat", desk.heartbeat(doc, alice["token"]), "the page's timer")
         step("alice", "save", desk.save(doc, alice["token"], "Alice's first draft"))
         step("bob", "open", desk.open_edit(doc, BOB))
         step("alice-window2", "open", desk.open_edit(doc, ALICE), "same user, second window")

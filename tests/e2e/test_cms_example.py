@@ -55,8 +55,18 @@ def test_two_editors_take_over_and_the_displaced_window_finds_out(
         return [s["answer"] for s in steps if s["actor"] == actor and s["action"] == action]
 
     alice_open, alice_reopen = answers("alice", "open")
+    *heartbeats_ok, heartbeat_lost = answers("alice", "heartbeat")
     bob_refused, bob_forced, bob_refused_by_crash, bob_after_expiry = answers("bob", "open")
     assert alice_open["status"] == "editing"
+
+    # The page's heartbeats kept Alice's lock (the same lease, by its fence) for twice
+    # its TTL: Bob, who came after, is refused by it.
+    assert len(heartbeats_ok) >= 2
+    assert all(h["status"] == "editing" for h in heartbeats_ok)
+    assert all(h["fence"] == alice_open["fence"] for h in heartbeats_ok)
+    opened = next(s for s in steps if s["answer"] is alice_open)
+    refused_at = next(s for s in steps if s["answer"] is bob_refused)["at"]
+    assert refused_at - opened["at"] >= 2 * setup["ttl"]
 
     # A second editor, and the same user in a second window, both see who holds it.
     for refused in (bob_refused, answers("alice-window2", "open")[0]):
@@ -64,15 +74,13 @@ def test_two_editors_take_over_and_the_displaced_window_finds_out(
         assert refused["by"]["name"] == "Alice"
         assert refused["by"]["email"] == "alice@example.com"
         assert refused["by"]["fence"] == alice_open["fence"]
-        assert abs(refused["by"]["until"] - alice_open["expires_at"]) < setup["ttl"]
+        assert abs(refused["by"]["until"] - heartbeats_ok[-1]["expires_at"]) < setup["ttl"]
         assert refused["message"].startswith("locked by Alice (alice@example.com) since ")
     assert "locked by Alice (alice@example.com) since" in output
 
     # The forced takeover: a larger fence; Alice's next heartbeat and save learn it.
     assert bob_forced["status"] == "editing"
     assert bob_forced["fence"] > alice_open["fence"]
-    heartbeat_ok, heartbeat_lost = answers("alice", "heartbeat")
-    assert heartbeat_ok["status"] == "editing"
     assert heartbeat_lost["status"] == "lost"
     assert heartbeat_lost["by"]["name"] == "Bob"
     assert heartbeat_lost["by"]["fence"] == bob_forced["fence"]

@@ -248,6 +248,8 @@ def test_cache_lock_shows_the_holes_of_the_hand_rolled_lock_and_their_fixes(
     # Polling every 100 ms for a second costs about ten commands; notification a few.
     assert int(notified[1]) < int(polled[1])
     assert re.search(r"held by \S+ with info \{'host': '[^']+', 'pid': \d+\}", output)
+    # Story 4's fair queue: waiters served in the order they arrived (polling: any order).
+    assert "keymutex: served in the order [0, 1, 2, 3, 4]: the order they arrived in" in output
 
 
 # -- story 3 across languages: Node.js and Python clicks on one lock server ----------
