@@ -42,8 +42,22 @@ BAD_GATEWAY = (
     b"content-length: %d\r\n"
     b"connection: close\r\n\r\n%s" % (len(BAD_GATEWAY_PAGE), BAD_GATEWAY_PAGE)
 )
+GATEWAY_JSON = b'{"error":"bad gateway"}'
+BAD_GATEWAY_JSON = (
+    b"HTTP/1.1 502 Bad Gateway\r\n"
+    b"content-type: application/json\r\n"
+    b"content-length: %d\r\n"
+    b"connection: close\r\n\r\n%s" % (len(GATEWAY_JSON), GATEWAY_JSON)
+)
 ANSWERS = [
     pytest.param(STORE_FAILED, "answered acquire with 503 store_unavailable", id="503-json"),
+    # Found by review: a JSON error without a message ended in an empty tail.
+    pytest.param(
+        BAD_GATEWAY_JSON,
+        r'answered acquire with 502 bad gateway: \{"error": "bad gateway"\} \(not the lock'
+        r" server's answer: a proxy in between\?\)",
+        id="502-json",
+    ),
     pytest.param(
         BAD_GATEWAY,
         "answered POST /v1/acquire with 502 and a body that is not a JSON object",

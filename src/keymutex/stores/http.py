@@ -154,13 +154,22 @@ def _outcome(ok: bool, data: object) -> Outcome:
     return Outcome(ok, holder, _number(data["expires_in"]))
 
 
+def _json_text(payload: JSONDict, limit: int = 200) -> str:
+    text = json.dumps(payload, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def _expect(what: str, status: int, payload: JSONDict, conflict: str | None = None) -> bool:
     """``True`` for a 200, ``False`` for the 409 ``conflict``; raise for anything else."""
     if status == 200:
         return True
-    error, message = payload.get("error"), payload.get("message", "")
+    error, message = payload.get("error"), payload.get("message")
     if status == 409 and conflict is not None and error == conflict:
         return False
+    if not isinstance(message, str) or not message.strip():
+        # Not one of the server's errors, which all say what happened: found by review,
+        # a proxy's {"error": "bad gateway"} ended the message with an empty tail.
+        message = f"{_json_text(payload)} (not the lock server's answer: a proxy in between?)"
     if status == 400:
         raise ValueError(f"the lock server refused {what}: {message}")
     if status == 401:
