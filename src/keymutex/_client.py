@@ -878,6 +878,20 @@ def _renewed_too_late(batch: Sequence[L], outcomes: Sequence[Outcome | None]) ->
     return [x for x, o in zip(batch, outcomes, strict=True) if o is not None and o.ok and x._lost]
 
 
+def _dead_on_arrival(lease: LeaseState) -> bool:
+    """A grant that came back past its deadline (the store answered after the lease's
+    time, as after an outage): lost already, and given back at once if its token was
+    drawn here. Found by review: nobody released it, and the key stayed held by nobody
+    for a whole TTL after the outage."""
+    return lease._drawn and lease.remaining <= 0
+
+
+_RAN_OUT = (
+    "lease on {key!r} was lost: its time ran out by this client's clock before a"
+    " renewal landed; the store still had it, and it was released now"
+)
+
+
 def _after_loss(lease: LeaseState, holder: Holder | None) -> Holder | None:
     """The key's holder after ``lease`` was lost, from the store's current ``holder``.
 
@@ -1281,6 +1295,8 @@ class Locks:
             on_lost=request.on_lost,
         )
         lease._drawn = request.token is None
+        if _dead_on_arrival(lease):
+            self._give_back(request.key, token)
         self._leases[token] = lease
         if request.renew:
             try:
@@ -1295,7 +1311,7 @@ class Locks:
         try:
             self._store.release(key, token)
         except Exception as exc:  # the lease will expire by its TTL
-            _LOG.warning("could not give back %r, granted to an acquire that failed: %s", key, exc)
+            _LOG.warning("could not give back %r (it expires by its TTL): %s", key, exc)
 
     def _holder_if_known(self, key: str) -> Holder | None:
         try:
@@ -1309,10 +1325,20 @@ class Locks:
         return LockLost(lease.key, lease._new_holder if holder is None else holder)
 
     def _gone(self, lease: Lease) -> LockLost:
-        """The error for a lease already known lost or released: see ``_after_loss``."""
+        """The error for a lease already known lost or released: see ``_after_loss``.
+
+        A lease lost at its local deadline that the store still shows (its own fence)
+        is released now, if its token was drawn here: it cannot be renewed (a waiter
+        may be granted the key any moment), and would keep the key from everyone until
+        the store's TTL. The message said "no current holder".
+        """
         holder = lease._new_holder
         if holder is None:
-            holder = _after_loss(lease, self._holder_if_known(lease.key))
+            current = self._holder_if_known(lease.key)
+            if current is not None and current.fence == lease.fence and lease._drawn:
+                self._give_back(lease.key, lease.token)
+                return LockLost(lease.key, None, _RAN_OUT.format(key=lease.key))
+            holder = _after_loss(lease, current)
         return LockLost(lease.key, holder)
 
     def _renew_lease(self, lease: Lease, ttl: float | None) -> None:
@@ -2032,7 +2058,7 @@ class AsyncLocks:
         try:
             await self._store.release(key, token)
         except StoreError as exc:  # the lease will expire by its TTL
-            _LOG.warning("could not release %r after a cancelled acquire: %s", key, exc)
+            _LOG.warning("could not give back %r (it expires by its TTL): %s", key, exc)
 
     def _granted(
         self, request: _Request, token: str, outcome: Outcome, sent_at: float
@@ -2047,6 +2073,8 @@ class AsyncLocks:
             on_lost=request.on_lost,
         )
         lease._drawn = request.token is None
+        if _dead_on_arrival(lease):
+            self._give_back(request.key, token)
         self._leases[token] = lease
         if request.renew:
             try:
@@ -2071,7 +2099,11 @@ class AsyncLocks:
         """As ``Locks._gone``."""
         holder = lease._new_holder
         if holder is None:
-            holder = _after_loss(lease, await self._holder_if_known(lease.key))
+            current = await self._holder_if_known(lease.key)
+            if current is not None and current.fence == lease.fence and lease._drawn:
+                await self._release_quietly(lease.key, lease.token)
+                return LockLost(lease.key, None, _RAN_OUT.format(key=lease.key))
+            holder = _after_loss(lease, current)
         return LockLost(lease.key, holder)
 
     async def _renew_lease(self, lease: AsyncLease, ttl: float | None) -> None:
