@@ -89,7 +89,10 @@ export class Lease {
   renew(options?: { ttl?: number }): Promise<Lease>;
   /**
    * Releases the lease and stops withLock's renewal of it. Throws LockLost if it no longer holds
-   * the key (already released, expired, taken over).
+   * the key (already released, expired, taken over). A release that fails with a StoreError
+   * throws it, and the lease counts as released: the client tries the release again in the
+   * background until it lands, or the ttl has passed (not for a lease whose token the caller
+   * named: from LockClient.renew of a token another client was granted).
    */
   release(): Promise<void>;
 }
@@ -105,6 +108,11 @@ export class LockClient {
   readonly namespace: string;
   /** The default lease lifetime in seconds. */
   readonly ttl: number;
+  /**
+   * An acquire that fails while the server may have granted it (no reply in time, a reply
+   * lost, a 5xx) gives that grant back in the background: released by its token until a
+   * release lands, or the ttl has passed.
+   */
   acquire(key: string, options?: AcquireOptions): Promise<Lease>;
   /**
    * Key and token only. A live lease this client granted to the token takes the renewal in

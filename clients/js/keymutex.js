@@ -42,6 +42,14 @@ const LEASES_SWEPT_FROM = 64;
 // Seconds a request may take beyond a long poll's own wait, as the Python http:// store.
 const DEFAULT_REQUEST_TIMEOUT = 10;
 const MAX_REQUEST_TIMEOUT = 86400;
+// Giving back (GiveBacks): ms from the first release of a token to the second, each wait
+// then GIVE_BACK_GROWTH times the one before, as the Python client's (keymutex._giveback).
+const GIVE_BACK_FIRST_WAIT = 100;
+const GIVE_BACK_GROWTH = 3;
+// Tokens a client gives back at once, at most: beyond, a grant is left to its ttl. Bounds
+// the memory, and the releases once the server is back, of an application that retries
+// failing acquires in a tight loop.
+const GIVE_BACK_TOKENS = 10_000;
 // Seconds asked of the server per long poll. The server answers after at most its own
 // max_wait (30 s by default) anyway; the client loops until its own deadline.
 const POLL_SECONDS = 60;
@@ -440,19 +448,24 @@ function isSeconds(value) {
 
 /**
  * A reply without the shape the HTTP API promises (a proxy's page, another server): the
- * client cannot tell what happened, so it is a StoreError rather than a guess. The
- * value is shown without its token, if it has one: a secret.
+ * client cannot tell what happened, so it is a StoreError rather than a guess, with the
+ * reply's HTTP status. The value is shown without its token, if it has one: a secret.
  * @param {string} what
  * @param {unknown} value
+ * @param {number} status the HTTP status of the reply
  */
-function malformed(what, value) {
+function malformed(what, value, status) {
   const text = JSON.stringify(value, (name, item) => (name === 'token' ? '…' : item)) ?? String(value);
   const shown = text.length > 100 ? `${text.slice(0, 100)}…` : text;
-  return new StoreError(`unexpected ${what} from the lock server: ${shown}`);
+  return new StoreError(`unexpected ${what} from the lock server: ${shown}`, {status});
 }
 
-/** @param {unknown} wire a Holder object of the HTTP API @returns {Holder} */
-function toHolder(wire) {
+/**
+ * @param {unknown} wire a Holder object of the HTTP API
+ * @param {number} status the HTTP status of the reply that holds it
+ * @returns {Holder}
+ */
+function toHolder(wire, status) {
   const valid =
     isObject(wire) &&
     typeof wire.key === 'string' &&
@@ -463,7 +476,7 @@ function toHolder(wire) {
     isSeconds(wire.acquired_at) &&
     isSeconds(wire.expires_at) &&
     isSeconds(wire.expires_in);
-  if (!valid) throw malformed('holder', wire);
+  if (!valid) throw malformed('holder', wire, status);
   return Object.freeze({
     key: wire.key,
     owner: wire.owner,
@@ -475,22 +488,32 @@ function toHolder(wire) {
   });
 }
 
-/** @param {unknown} wire a Holder object or null @returns {Holder | null} */
-function toHolderOrNull(wire) {
-  return wire === null ? null : toHolder(wire);
+/**
+ * @param {unknown} wire a Holder object or null
+ * @param {number} status the HTTP status of the reply that holds it
+ * @returns {Holder | null}
+ */
+function toHolderOrNull(wire, status) {
+  return wire === null ? null : toHolder(wire, status);
 }
 
 /**
- * The Lease object of an acquire or renew of `key` by `token`, checked.
- * @param {unknown} wire
+ * The granted lease of a reply to an acquire or renew of `key` by `token`, checked.
+ * @typedef {{holder: Holder, token: string, ttl: number}} Granted
+ */
+
+/**
+ * @param {unknown} wire a Lease object of the HTTP API
  * @param {string} key
  * @param {string} token
+ * @param {number} status the HTTP status of the reply
+ * @returns {Granted}
  */
-function toLease(wire, key, token) {
-  const holder = toHolder(wire);
+function toLease(wire, key, token, status) {
+  const holder = toHolder(wire, status);
   const lease = /** @type {Record<string, any>} */ (wire);
   if (holder.key !== key || lease.token !== token || !(isSeconds(lease.ttl) && lease.ttl > 0)) {
-    throw malformed('lease', lease);
+    throw malformed('lease', lease, status);
   }
   return {holder, token, ttl: /** @type {number} */ (lease.ttl)};
 }
@@ -593,14 +616,146 @@ function mayHaveGranted(error) {
 }
 
 /**
- * Releases by token, in the background, a grant that nobody will use: if that fails
- * too, the lease expires by its ttl.
+ * Releases by token, in the background, once: a lease past its deadline, whose grant the
+ * server is about to end, or a grant that landed as the caller aborted the acquire (as
+ * the Python client gives back the grant of an interrupted acquire). If the release
+ * fails too, the lease expires by its ttl.
  * @param {LockClient} client
  * @param {string} key
  * @param {string} token
  */
-function giveBack(client, key, token) {
+function releaseOnce(client, key, token) {
   client[sendRelease](key, token).catch(() => {});
+}
+
+/**
+ * A token whose grant of `key` in `namespace` is being given back. On the clock `now()`,
+ * in ms: `at`, when its next release is due; `last`, when a grant made at the failure
+ * would have expired; `wait`, from its next release to the one after.
+ * @typedef {{namespace: string, key: string, token: string, at: number, last: number, wait: number}} GiveBack
+ */
+
+/**
+ * The give-backs of one LockClient: releases, by token, of what the server may hold for
+ * a token this client drew and nobody will use. The grant of an acquire that failed with
+ * a StoreError (its reply lost or too late, a 5xx: the server may have granted all the
+ * same), or a lease whose release failed so (a server restarting, a network blip): else
+ * the key stays held by nobody for its whole ttl, against the very caller who tries again.
+ *
+ * As the Python client (keymutex._giveback): released at once, then 0.1, 0.4, 1.3, 4 …
+ * s after the failure (three times longer each time), and a last time when a grant made
+ * at the failure would have expired, until one release lands. A release checks the
+ * token on the server, so it ends that grant and nothing else; where there is nothing
+ * to release (LockLost) it changes nothing, and is sent again at its next time all the
+ * same (a slow server may grant after the acquire gave up). Not for a token the caller
+ * named: it may be named again, for another lease.
+ *
+ * One loop runs while there are tokens; each round of releases stops at the first that
+ * fails (the server is still out of reach): the others wait for their next time. Its
+ * timers are unref'd in Node: a give-back that waits keeps no process alive (a process
+ * that ends leaves its tokens to their ttl). A LockClient has no close() (the Python
+ * client's makes a last round): it holds no connection of its own, and its give-backs
+ * end by themselves, by the ttl at the latest. At most GIVE_BACK_TOKENS wait at once.
+ */
+class GiveBacks {
+  /** @type {(namespace: string, key: string, token: string) => Promise<void>} */
+  #release;
+  /** @type {GiveBack[]} by `at`, the soonest first */
+  #due = [];
+  #running = false;
+  /** @type {() => void} ends the loop's pause before the next due release */
+  #wake = () => {};
+
+  /** @param {(namespace: string, key: string, token: string) => Promise<void>} release */
+  constructor(release) {
+    this.#release = release;
+  }
+
+  /**
+   * Gives back `token`'s grant of `key`, if any: its first release is sent at once.
+   * @param {string} namespace
+   * @param {string} key
+   * @param {string} token
+   * @param {number} ttl seconds: the grant, if any, expires by then
+   */
+  add(namespace, key, token, ttl) {
+    if (this.#due.length >= GIVE_BACK_TOKENS) return;
+    const at = now();
+    this.#plan({namespace, key, token, at, last: at + ttl * 1000, wait: GIVE_BACK_FIRST_WAIT});
+    if (this.#running) this.#wake();
+    else this.#run();
+  }
+
+  /** @param {GiveBack} entry placed after those due no later */
+  #plan(entry) {
+    let low = 0;
+    let high = this.#due.length;
+    while (low < high) {
+      const middle = (low + high) >>> 1;
+      if (this.#due[middle].at <= entry.at) low = middle + 1;
+      else high = middle;
+    }
+    this.#due.splice(low, 0, entry);
+  }
+
+  async #run() {
+    this.#running = true;
+    try {
+      while (this.#due.length > 0) {
+        const time = now();
+        if (this.#due[0].at > time) {
+          await this.#pause(this.#due[0].at - time);
+          continue;
+        }
+        let count = 1;
+        while (count < this.#due.length && this.#due[count].at <= time) count++;
+        await this.#round(this.#due.splice(0, count));
+      }
+    } finally {
+      this.#running = false;
+    }
+  }
+
+  /** @param {number} ms @returns {Promise<void>} after `ms`, or at wake() */
+  #pause(ms) {
+    return new Promise((resolve) => {
+      const timer = setTimeout(resolve, ms);
+      // Node: a give-back that waits must not keep the process alive (browsers have no unref).
+      /** @type {{unref?: () => void}} */ (/** @type {unknown} */ (timer)).unref?.();
+      this.#wake = () => {
+        clearTimeout(timer);
+        resolve();
+      };
+    });
+  }
+
+  /** @param {GiveBack[]} batch the tokens due, released one after the other */
+  async #round(batch) {
+    for (let done = 0; done < batch.length; done++) {
+      const entry = batch[done];
+      try {
+        await this.#release(entry.namespace, entry.key, entry.token);
+      } catch (error) {
+        if (error instanceof LockLost) {
+          this.#again([entry]); // nothing to release, yet
+          continue;
+        }
+        this.#again(batch.slice(done)); // the server out of reach, or failing: the rest wait too
+        return;
+      }
+    }
+  }
+
+  /** @param {GiveBack[]} entries their next release, unless the last one was made */
+  #again(entries) {
+    const time = now();
+    for (const entry of entries) {
+      if (time >= entry.last) continue;
+      entry.at = Math.min(time + entry.wait, entry.last);
+      entry.wait *= GIVE_BACK_GROWTH;
+      this.#plan(entry);
+    }
+  }
 }
 
 /**
@@ -629,6 +784,7 @@ const startRenewing = Symbol('startRenewing');
 const finishLease = Symbol('finishLease');
 const sendRenewal = Symbol('sendRenewal');
 const sendRelease = Symbol('sendRelease');
+const giveBack = Symbol('giveBack');
 const renewByToken = Symbol('renewByToken');
 const forgetLease = Symbol('forgetLease');
 
@@ -651,6 +807,8 @@ const forgetLease = Symbol('forgetLease');
  */
 export class Lease {
   /** @type {LockClient} */ #client;
+  /** @type {boolean} its token was drawn by the client (acquire), not named by the caller */
+  #drawn;
   /** @type {number} */ #deadline;
   /** @type {AbortController} */ #lostController = new AbortController();
   /** @type {boolean} */ #released = false;
@@ -661,14 +819,13 @@ export class Lease {
 
   /**
    * @param {LockClient} client
-   * @param {unknown} wire a Lease object of the HTTP API
+   * @param {Granted} granted the reply that granted or renewed it, checked (toLease)
    * @param {number} sentAt now() before the request was sent
-   * @param {string} key the key asked for
-   * @param {string} token the token that acquired or renewed it
+   * @param {boolean} drawn whether the client drew its token (acquire), or the caller named it
    */
-  constructor(client, wire, sentAt, key, token) {
-    const {holder, ttl} = toLease(wire, key, token);
+  constructor(client, {holder, token, ttl}, sentAt, drawn) {
     this.#client = client;
+    this.#drawn = drawn;
     /** @type {string} */ this.key = holder.key;
     /** @type {string} */ this.token = token;
     /** @type {number} */ this.fence = holder.fence;
@@ -780,7 +937,11 @@ export class Lease {
    * Releases the lease, and stops its renewal. Throws LockLost if it no longer holds its
    * key, was released already, or is lost by this process's clock (a lease past its
    * deadline is released all the same, in the background: the server may still count it
-   * as held).
+   * as held). A release that fails with a StoreError (the server unreachable, restarting)
+   * throws it, and the lease counts as released (nothing renews it any more): the client
+   * tries the release again in the background until it lands, as it gives back the grant
+   * of a failed acquire (GiveBacks). Not a lease whose token the caller named
+   * (client.renew of a token this client did not grant): that release is not tried again.
    * @returns {Promise<void>}
    */
   release() {
@@ -802,10 +963,27 @@ export class Lease {
       await this.#client[sendRelease](this.key, this.token);
     } catch (error) {
       if (error instanceof LockLost) throw this.#lose(error);
+      if (error instanceof StoreError && this.#drawn) this.#finishLater(error);
       throw error;
     }
     this.#released = true;
     this.#client[forgetLease](this);
+  }
+
+  /**
+   * The release failed with `error`: its outcome is unknown (a reply lost, a server back
+   * a moment later), and nothing else would end the lease before its ttl, however short
+   * the outage: its renewal has stopped. So it goes on in the background (GiveBacks),
+   * and the lease counts as released: its owner asked for that, and nobody renews it
+   * meanwhile. Found by review: the key stayed held to its ttl after a release that
+   * met a restart of the server.
+   * @param {StoreError} error
+   */
+  #finishLater(error) {
+    this.#released = true;
+    this.#client[forgetLease](this);
+    this.#client[giveBack](this.key, this.token, this.ttl);
+    error.message += '; keymutex tries the release again in the background until it lands';
   }
 
   /**
@@ -820,7 +998,7 @@ export class Lease {
       throw new LockLost(this.key, null, `lease on ${JSON.stringify(this.key)} was already released`);
     }
     if (!this.lost) return;
-    if (this.remaining === 0) giveBack(this.#client, this.key, this.token);
+    if (this.remaining === 0) releaseOnce(this.#client, this.key, this.token);
     throw this.#lose(expired(this.key, `its deadline passed ${when}`));
   }
 
@@ -982,6 +1160,8 @@ export class LockClient {
    */
   #leases = new Map();
   #sweepAt = LEASES_SWEPT_FROM;
+  /** What the server may hold for tokens this client drew, and nobody will use. */
+  #giveBacks = new GiveBacks((namespace, key, token) => this[sendRelease](key, token, namespace));
 
   /** @param {LockClientOptions} options */
   constructor(options) {
@@ -1028,8 +1208,9 @@ export class LockClient {
    * Each call draws a token and sends it with every ask, as the Python http:// store
    * does: the server answers an ask whose token already holds the key with that lease.
    * So an acquire whose reply was lost on the way is asked again once, at once, without
-   * risk of a second grant; and one that fails otherwise, or is aborted, while a grant
-   * may have landed gives that grant back (a release by its token, in the background).
+   * risk of a second grant; and one that fails otherwise while a grant may have landed
+   * gives that grant back: a release by its token, in the background, tried again until
+   * one lands or the ttl has passed (see GiveBacks); one release for an aborted acquire.
    * Not promised: a waiter's place in the server's queue from one long poll to the next
    * (the server queues each poll anew).
    * @param {string} key
@@ -1058,15 +1239,25 @@ export class LockClient {
       const wait = Math.min(Math.max(0, (deadline - now()) / 1000), POLL_SECONDS);
       const sentAt = now();
       try {
-        const reply = await this.#request('POST', '/v1/acquire', {body: {...body, timeout: wait}, signal, key, wait});
-        return this.#remember(new Lease(this, reply, sentAt, key, token));
+        const granted = await this.#request(
+          'POST',
+          '/v1/acquire',
+          {body: {...body, timeout: wait}, signal, key, wait},
+          (reply, status) => toLease(reply, key, token, status),
+        );
+        return this.#remember(new Lease(this, granted, sentAt, true));
       } catch (error) {
         if (error instanceof StoreError && error.code === 'unreachable' && !askedAgain) {
           askedAgain = true;
           continue;
         }
         if (!(error instanceof Locked) || now() >= deadline) {
-          if (mayHaveGranted(error)) giveBack(this, key, token);
+          if (mayHaveGranted(error)) {
+            // The server failing, or the way to it: given back until a release lands.
+            // Aborted: the server answers, and one release ends what landed meanwhile.
+            if (error instanceof StoreError) this[giveBack](key, token, ttl);
+            else releaseOnce(this, key, token);
+          }
           throw error;
         }
         askedAgain = false;
@@ -1109,7 +1300,10 @@ export class LockClient {
   async [sendRenewal](key, token, ttl, signal) {
     const sentAt = now();
     const body = {namespace: this.namespace, key, token, ttl};
-    return new Lease(this, await this.#request('POST', '/v1/renew', {body, signal, key}), sentAt, key, token);
+    const renewed = await this.#request('POST', '/v1/renew', {body, signal, key}, (reply, status) =>
+      toLease(reply, key, token, status),
+    );
+    return new Lease(this, renewed, sentAt, false);
   }
 
   /**
@@ -1133,11 +1327,24 @@ export class LockClient {
    * The release request, its arguments checked.
    * @param {string} key
    * @param {string} token
+   * @param {string} [namespace]
    * @returns {Promise<void>}
    */
-  async [sendRelease](key, token) {
-    const reply = await this.#request('POST', '/v1/release', {body: {namespace: this.namespace, key, token}, key});
-    if (reply.released !== true) throw malformed('release result', reply);
+  async [sendRelease](key, token, namespace = this.namespace) {
+    await this.#request('POST', '/v1/release', {body: {namespace, key, token}, key}, (reply, status) => {
+      if (reply.released !== true) throw malformed('release result', reply, status);
+    });
+  }
+
+  /**
+   * Gives back, in the background, what the server may hold for `token` on `key`: a
+   * token this client drew, that nobody will use (see GiveBacks).
+   * @param {string} key
+   * @param {string} token
+   * @param {number} ttl seconds the grant, if any, lives
+   */
+  [giveBack](key, token, ttl) {
+    this.#giveBacks.add(this.namespace, key, token, ttl);
   }
 
   /**
@@ -1211,8 +1418,8 @@ export class LockClient {
    */
   async holder(key) {
     checkKey(key);
-    const reply = await this.#request('GET', '/v1/holder', {query: {namespace: this.namespace, key}});
-    return toHolderOrNull(reply.holder);
+    const query = {namespace: this.namespace, key};
+    return this.#request('GET', '/v1/holder', {query}, (reply, status) => toHolderOrNull(reply.holder, status));
   }
 
   /**
@@ -1222,9 +1429,11 @@ export class LockClient {
    */
   async holders(prefix = '') {
     checkText(prefix, 'prefix', {allowEmpty: true, maxBytes: MAX_KEY_BYTES});
-    const reply = await this.#request('GET', '/v1/holders', {query: {namespace: this.namespace, prefix}});
-    if (!Array.isArray(reply.holders)) throw malformed('holders', reply.holders);
-    return reply.holders.map(toHolder);
+    const query = {namespace: this.namespace, prefix};
+    return this.#request('GET', '/v1/holders', {query}, (reply, status) => {
+      if (!Array.isArray(reply.holders)) throw malformed('holders', reply.holders, status);
+      return reply.holders.map((/** @type {unknown} */ wire) => toHolder(wire, status));
+    });
   }
 
   /**
@@ -1257,10 +1466,11 @@ export class LockClient {
       const body = {namespace: this.namespace, key, fence, timeout: wait};
       if (holding) body.holding = true;
       const sentAt = now();
-      const reply = await this.#request('POST', '/v1/wait', {body, signal, key, wait});
-      if (typeof reply.changed !== 'boolean') throw malformed('wait result', reply);
-      const holder = toHolderOrNull(reply.holder);
-      if (reply.changed || now() >= deadline) return {changed: reply.changed, holder};
+      const result = await this.#request('POST', '/v1/wait', {body, signal, key, wait}, (reply, status) => {
+        if (typeof reply.changed !== 'boolean') throw malformed('wait result', reply, status);
+        return {changed: /** @type {boolean} */ (reply.changed), holder: toHolderOrNull(reply.holder, status)};
+      });
+      if (result.changed || now() >= deadline) return result;
       if (now() - sentAt < 20) await sleep(50 * Math.random(), signal);
     }
   }
@@ -1283,9 +1493,10 @@ export class LockClient {
     /** @type {Record<string, unknown>} */
     const body = {namespace: this.namespace, key, reason};
     if (fence !== null) body.fence = fence;
-    const reply = await this.#request('POST', '/v1/force-release', {body, key});
-    if (typeof reply.released !== 'boolean') throw malformed('force-release result', reply);
-    return {released: reply.released, holder: toHolderOrNull(reply.holder)};
+    return this.#request('POST', '/v1/force-release', {body, key}, (reply, status) => {
+      if (typeof reply.released !== 'boolean') throw malformed('force-release result', reply, status);
+      return {released: /** @type {boolean} */ (reply.released), holder: toHolderOrNull(reply.holder, status)};
+    });
   }
 
   /**
@@ -1337,15 +1548,19 @@ export class LockClient {
   }
 
   /**
-   * One request; its JSON object if the reply is a 2xx, else the matching LockError.
-   * No reply within requestTimeout (plus `wait`, the seconds the server may hold a long
-   * poll) is a StoreError with code "timeout"; a connection that fails, "unreachable".
+   * One request; if the reply is a 2xx, what `read` makes of its JSON object and HTTP
+   * status (a reply without the promised shape is a StoreError with that status), else
+   * the matching LockError. No reply within requestTimeout (plus `wait`, the seconds the
+   * server may hold a long poll) is a StoreError with code "timeout"; a connection that
+   * fails, "unreachable".
+   * @template T
    * @param {'GET' | 'POST'} method
    * @param {string} path
    * @param {{body?: object, query?: Record<string, string>, signal?: AbortSignal, key?: string, wait?: number}} request
-   * @returns {Promise<Record<string, any>>}
+   * @param {(reply: Record<string, any>, status: number) => T} read
+   * @returns {Promise<T>}
    */
-  async #request(method, path, {body, query, signal, key = '', wait = 0}) {
+  async #request(method, path, {body, query, signal, key = '', wait = 0}, read) {
     const url = new URL(this.#base + path);
     for (const [name, value] of Object.entries(query ?? {})) url.searchParams.set(name, value);
     const seconds = this.#requestTimeout + wait;
@@ -1399,14 +1614,18 @@ export class LockClient {
       });
     }
     if (response.ok) {
-      if (!isObject(reply)) throw malformed(`reply to ${method} ${path}`, reply);
-      return reply;
+      if (!isObject(reply)) throw malformed(`reply to ${method} ${path}`, reply, response.status);
+      return read(reply, response.status);
     }
     const code = typeof reply?.error === 'string' ? reply.error : null;
     const message = typeof reply?.message === 'string' ? reply.message : `HTTP ${response.status} from ${method} ${path}`;
     const details = {status: response.status, code};
-    if (response.status === 409 && code === 'locked') throw new Locked(key, toHolderOrNull(reply.holder), message);
-    if (response.status === 409 && code === 'lock_lost') throw new LockLost(key, toHolderOrNull(reply.holder), message);
+    if (response.status === 409 && code === 'locked') {
+      throw new Locked(key, toHolderOrNull(reply.holder, response.status), message);
+    }
+    if (response.status === 409 && code === 'lock_lost') {
+      throw new LockLost(key, toHolderOrNull(reply.holder, response.status), message);
+    }
     if (response.status === 401) throw new Unauthorized(message, details);
     if (response.status === 403) throw new Forbidden(message, details);
     if ([400, 413, 415].includes(response.status)) throw new InvalidArgument(message, details);

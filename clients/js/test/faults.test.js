@@ -1,6 +1,7 @@
 // A lock server that misbehaves: one that accepts requests and never answers, and one
-// whose 200 replies are not what the HTTP API promises. The client must fail with a
-// StoreError, in bounded time, and never take nonsense for an answer.
+// whose replies are not what the HTTP API promises. The client must fail with a
+// StoreError, in bounded time (with the status of a reply that came), and never take
+// nonsense for an answer.
 import assert from 'node:assert/strict';
 import http from 'node:http';
 import net from 'node:net';
@@ -68,7 +69,7 @@ describe('a server that accepts requests and never answers', () => {
   });
 });
 
-describe('200 replies without the shape the API promises', () => {
+describe('replies without the shape the API promises (200s, and 409 refusals)', () => {
   /** @type {{status: number, body: string}} */
   let reply;
   /** @type {{path: string, body: any}[]} */
@@ -87,14 +88,16 @@ describe('200 replies without the shape the API promises', () => {
   after(() => server.close());
 
   /**
-   * @param {string} body the 200 reply's body
+   * @param {string} body the reply's body
    * @param {() => Promise<unknown>} call
+   * @param {number} [status] the reply's HTTP status
    */
-  async function refused(body, call) {
-    reply = {status: 200, body};
+  async function refused(body, call, status = 200) {
+    reply = {status, body};
     await assert.rejects(call, (error) => {
       assert.ok(error instanceof StoreError, `${body}: expected a StoreError, got ${error}`);
       assert.match(error.message, /unexpected .* from the lock server/);
+      assert.equal(error.status, status, `${body}: the status of the reply, which did come`);
       return true;
     });
   }
@@ -126,12 +129,27 @@ describe('200 replies without the shape the API promises', () => {
     const sent = requests[0].body.token;
     await refused(JSON.stringify({...holder, token: TOKEN, ttl: 30}), () => locks.acquire('k', {timeout: 0}));
     await refused(JSON.stringify({...holder, ttl: 30}), () => locks.renew('k', TOKEN));
+    await refused('{}', () => locks.acquire('k', {timeout: 0}));
     await sleep(100);
     // The server may have granted what it answered so badly: the client releases it by
     // the token it sent (never with the token of the reply).
     const releases = requests.filter((request) => request.path === '/v1/release');
     assert.ok(releases.length >= 2, `releases: ${JSON.stringify(requests)}`);
     assert.equal(releases[0].body.token, sent);
+  });
+
+  test('a 409 refusal without the holder it names: a StoreError with status 409, nothing given back', async () => {
+    requests.length = 0;
+    await refused('{"error": "locked"}', () => locks.acquire('k', {timeout: 0}), 409);
+    // (The releases of the test before go on in the background: they are not this one's.)
+    const sent = requests.find((request) => request.path === '/v1/acquire').body.token;
+    await refused('{"error": "locked", "holder": {"key": "k"}}', () => locks.acquire('k', {timeout: 0}), 409);
+    await refused('{"error": "lock_lost"}', () => locks.renew('k', TOKEN), 409);
+    await refused('{"error": "lock_lost", "holder": 1}', () => locks.release('k', TOKEN), 409);
+    await sleep(100);
+    // The server answered no: there is no grant to give back.
+    const releases = requests.filter((request) => request.path === '/v1/release' && request.body.token === sent);
+    assert.deepEqual(releases, []);
   });
 
   test("a lease's token is not shown in the error", async () => {
