@@ -18,11 +18,13 @@ Found by review (2026-11-28): each stream read and encoded the whole namespace o
 own after every change, 2 MB a snapshot at 10,000 leases; four open dashboards made a
 renewal take half a second. Streams now share each read, carry 500 rows at most, and
 a large namespace is read a tenth of the time at most.
+Results: benchmarks/results/dashboard.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import platform
 import statistics
@@ -37,6 +39,7 @@ from bench_server import LockServer
 
 import keymutex
 
+RESULTS = Path(__file__).resolve().parent / "results"
 NAMESPACE = "bench"
 RENEW_EVERY = 0.1
 STREAMS = (0, 1, 4)
@@ -131,19 +134,22 @@ def main() -> None:
                     size = len(answer.content)
                 for streams in STREAMS:
                     rows[name, streams] = measure(server.url, token, streams, args.seconds)
-    print(f"# Open dashboards on {args.leases:,} leases (`benchmarks/bench_dashboard.py`)\n")
-    print(
-        f"Python {platform.python_version()}, keymutex at {revision()}; one namespace of"
-        f" {args.leases:,} leases on SQLite (`GET /v1/holders` of it: {size / 1e6:.1f} MB);"
-        f" a renewal over HTTP every {RENEW_EVERY} s for {args.seconds:g} s per row.\n"
-    )
-    print(
+    lines = [
+        "## Lock server: open dashboards on a large namespace (`benchmarks/bench_dashboard.py`)",
+        "",
+        f"Run on {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC: Python"
+        f" {platform.python_version()}, {os.cpu_count()} cores; keymutex at {revision()}."
+        f" One namespace of {args.leases:,} leases on SQLite (`GET /v1/holders` of it:"
+        f" {size / 1e6:.1f} MB); a client renews one of them over HTTP every {RENEW_EVERY} s"
+        f" for {args.seconds:g} s per row, while 0, 1 or 4 dashboards (`GET /v1/events`"
+        " streams) watch the namespace.",
+        "",
         "| server | open dashboards | renewals | renewal p50 ms | p99 ms | max ms"
-        " | snapshots/s per dashboard | KB/s per dashboard |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        " | snapshots/s per dashboard | KB/s per dashboard |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for (name, streams), row in rows.items():
-        print(
+        lines.append(
             f"| {name} | {streams} | {row['renewals']:.0f} | {row['p50']:.1f}"
             f" | {row['p99']:.1f} | {row['max']:.1f} | {row['snapshots']:.1f}"
             f" | {row['bytes'] / 1000:,.0f} |"
@@ -151,7 +157,11 @@ def main() -> None:
     command = ".venv/bin/python benchmarks/bench_dashboard.py"
     if args.baseline_src:
         command += f" --baseline-src {args.baseline_src}"
-    print(f"\nCommand: `{command}`")
+    lines += ["", f"Command: `{command}`"]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "dashboard.md").write_text(table)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ SCRIPTS = {
     "zookeeper": ["bench_zookeeper.py"],
     "etcd": ["bench_etcd.py"],
     "server": ["bench_server.py"],
+    "dashboard": ["bench_dashboard.py"],
     "stores": ["bench_stores.py"],
     "peers": ["bench_peers.py"],
     "memcached": ["bench_memcached.py"],
