@@ -217,7 +217,11 @@ def _requests(base: str) -> dict[str, int]:
 
 
 def contention(variant: Variant, url: str, seconds: float) -> dict[str, Any]:
-    workdir = tempfile.mkdtemp(prefix="km-bench-etcd-")
+    with tempfile.TemporaryDirectory(prefix="km-bench-etcd-") as workdir:
+        return _contention(variant, url, seconds, workdir)
+
+
+def _contention(variant: Variant, url: str, seconds: float, workdir: str) -> dict[str, Any]:
     counter = str(Path(workdir) / "counter")
     Path(counter).write_text("0")
     namespace = f"bench-{uuid.uuid4().hex[:8]}"

@@ -256,8 +256,12 @@ def _worker(
 
 
 def contention(url: str, kind: str, seconds: float) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="km-bench-pg-") as workdir:
+        return _contention(url, kind, seconds, workdir)
+
+
+def _contention(url: str, kind: str, seconds: float, workdir: str) -> dict[str, float]:
     context = mp.get_context("spawn")
-    workdir = tempfile.mkdtemp(prefix="km-bench-pg-")
     counter = str(Path(workdir) / "counter")
     Path(counter).write_text("0")
     namespace = f"bench-{uuid.uuid4().hex[:8]}"

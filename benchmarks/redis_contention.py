@@ -292,8 +292,10 @@ def contention(name: str, port: int, seconds: float) -> dict[str, float]:
     first_asked = min(e[2] for e in events)
     stop_at = first_asked + seconds
     in_time = [e for e in events if e[0] < stop_at]
-    handoffs = [b[0] - a[1] for a, b in itertools.pairwise(in_time)]
-    deciles = statistics.quantiles(handoffs, n=10)
+    # Release -> the next grant to *another* process (found by review: the releaser's
+    # re-takes, 99.7 % of redis-py Lock's grants, were counted as 0.25 ms hand-overs).
+    handoffs = [b[0] - a[1] for a, b in itertools.pairwise(in_time) if a[3] != b[3]]
+    deciles = statistics.quantiles(handoffs, n=10) if len(handoffs) > 1 else [float("nan")] * 9
     by_pid: dict[int, list[int]] = {}
     for a, b in itertools.pairwise(in_time):
         by_pid.setdefault(b[3], []).append(a[3] == b[3])
@@ -305,8 +307,9 @@ def contention(name: str, port: int, seconds: float) -> dict[str, float]:
     return {
         "acquires/s": len(in_time) / seconds,
         "lost updates": acquires - counter,
-        "handoff p50 ms": statistics.median(handoffs) * 1e3,
+        "handoff p50 ms": statistics.median(handoffs) * 1e3 if handoffs else float("nan"),
         "handoff p90 ms": deciles[8] * 1e3,
+        "handoffs": len(handoffs),
         "worst wait ms": max(e[0] - e[2] for e in events) * 1e3,
         "same holder %": 100.0 * same / max(1, len(in_time) - 1),
         "max per-process re-acquire %": 100.0 * same_share,

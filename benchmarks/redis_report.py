@@ -76,7 +76,8 @@ CAVEATS = [
     "'client' counts what redis-py sent (its packer); 'one-off' are server commands sent "
     "at most once per task in the whole run (handshakes, first SUBSCRIBE, SCRIPT LOAD), which "
     "the coalescing goal leaves out; round trips are redis-py "
-    "socket sends (a pipeline is one); socket reads are the server's "
+    "socket sends (a pipeline is one), and the writes keymutex's async store makes to the "
+    "socket itself; socket reads are the server's "
     "`total_reads_processed`. Client counts exist only for redis-py based libraries.",
     "Part 4 ticks are the store's `renew_many` calls (one per renewer wake-up), counted "
     "through a private hook on `Locks._store`; bytes/lease is the `used_memory` delta "
@@ -420,6 +421,7 @@ class Report:
             "lost updates",
             "handoff p50 ms",
             "handoff p90 ms",
+            "handoffs",
             "worst wait ms",
             "same holder %",
             "max per-process re-acquire %",
