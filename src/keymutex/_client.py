@@ -1700,7 +1700,8 @@ class AsyncLocks:
             self._store = StoreOfTheLoop(store, open_store)
         self._gate: AsyncKeyedLock = AsyncKeyedLock()
         self._renewer = _AsyncRenewer(self._store)
-        self._at_store = _StoreCalls("AsyncLocks", self._store.aclose)
+        self._store_closed = asyncio.Event()
+        self._at_store = _StoreCalls("AsyncLocks", self._close_store)
         self._give_backs = AsyncGiveBacks(self._store.release, self._at_store)
         self._leases: weakref.WeakValueDictionary[str, AsyncLease] = (
             weakref.WeakValueDictionary()
@@ -1716,7 +1717,8 @@ class AsyncLocks:
         self._loop, self._loop_switch = None, threading.Lock()
         self._gate = AsyncKeyedLock()
         self._renewer = _AsyncRenewer(self._store)
-        self._at_store = _StoreCalls("AsyncLocks", self._store.aclose)
+        self._store_closed = asyncio.Event()
+        self._at_store = _StoreCalls("AsyncLocks", self._close_store)
         if self._closed:
             self._at_store.close()
         self._give_backs = AsyncGiveBacks(self._store.release, self._at_store)
@@ -1760,8 +1762,26 @@ class AsyncLocks:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._at_store.close():
-            await self._store.aclose()
+            await self._close_store()
+        else:
+            # Calls under way at the store (a cancelled waiter leaving its queue and
+            # giving back a key handed to it, the release of a cancelled block) close it
+            # when the last one ends: waited for, ``CALLBACK_GRACE`` at most. Found by
+            # review: aclose() returned first, the application ended its event loop
+            # (uvicorn's shutdown, asyncio.run), which cancelled those tasks half-way,
+            # and a key handed to a leaving waiter stayed held by nobody for its TTL.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CALLBACK_GRACE):
+                    await self._store_closed.wait()
+                    while self._background:  # releases started meanwhile
+                        await asyncio.gather(*self._background, return_exceptions=True)
         await self._give_backs.aclose()
+
+    async def _close_store(self) -> None:
+        try:
+            await self._store.aclose()
+        finally:
+            self._store_closed.set()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -477,3 +477,35 @@ async def test_an_aclose_cancelled_half_way_still_closes_the_connections(redis_u
             assert len(await admin.client_list()) == before, f"left open at {turns} turns"
     finally:
         await admin.aclose()
+
+
+@pytest.mark.parametrize("store", ["redis", "postgresql"])
+def test_aclose_waits_for_cancelled_blocks_and_waiters_to_leave_the_store(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    """Found by review (uvicorn's shutdown: request tasks cancelled, the lifespan's
+    ``aclose()``, then the loop ends): ``aclose()`` returned while the cancelled holder's
+    release and the waiters' leaving their queue were under way, and the loop's end
+    cancelled them half-way: a key handed to a leaving waiter stayed held by nobody for
+    its TTL (4 runs in 30). Once ``aclose()`` returns, the key is free."""
+    url = str(request.getfixturevalue(f"{store}_url"))
+
+    async def hold(locks: keymutex.AsyncLocks) -> None:
+        async with locks.lock("user:a", timeout=120):
+            await asyncio.sleep(60)
+
+    async def shutdown(namespace: str) -> None:
+        workers = [keymutex.AsyncLocks(url, namespace=namespace, ttl=60) for _ in range(2)]
+        tasks = [asyncio.create_task(hold(w)) for _ in range(3) for w in workers]
+        await asyncio.sleep(0.3)  # one holds, five wait
+        for task in tasks:
+            task.cancel()
+        for worker in workers:
+            await worker.aclose()
+        # The application's loop ends here: asyncio.run cancels what is still running.
+
+    for run in range(20):
+        namespace = f"shutdown-{run}-{time.monotonic_ns()}"
+        asyncio.run(shutdown(namespace))
+        with keymutex.Locks(url, namespace=namespace) as locks:
+            assert locks.holders() == [], f"run {run}: the key is held after the shutdown"
