@@ -215,7 +215,15 @@ def _key_template(template: object, function: Callable[..., Any]) -> inspect.Sig
             f"key template {template!r} is malformed: {exc} (write {{{{ and }}}} for literal"
             " braces)"
         ) from None
-    for _, field, _, conversion in fields:
+    if not template:
+        raise ValueError("key template must not be empty; e.g. 'order:{user_id}'")
+    nested = [
+        inner
+        for _, _, spec, _ in fields
+        if spec and "{" in spec
+        for inner in string.Formatter().parse(spec)
+    ]
+    for _, field, _, conversion in [*fields, *nested]:
         if field is None:
             continue
         if conversion not in (None, "r", "s", "a"):
@@ -248,7 +256,22 @@ def _format_key(
 ) -> str:
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    return template.format(**bound.arguments)
+    try:
+        return template.format(**bound.arguments)
+    except (LookupError, AttributeError, ValueError, TypeError) as exc:
+        # An index, attribute or format spec that the call's arguments do not have:
+        # found by review, a bare KeyError 'z' (or IndexError, …) that named nothing.
+        raise ValueError(
+            f"key template {template!r} cannot be filled from the call's arguments"
+            f" ({', '.join(bound.arguments)}): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _returns_coroutines(function: Callable[..., Any]) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
+        getattr(function, "__call__", None)
+    )
 
 
 def _renewal_due(lease: LeaseState, since: float) -> float:
@@ -1153,7 +1176,7 @@ class Locks:
                 raise TypeError(
                     f"Locks.locked decorates functions; {function!r} is not a callable object"
                 )
-            if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+            if _returns_coroutines(function) or inspect.isasyncgenfunction(function):
                 raise TypeError("Locks.locked decorates plain functions; use AsyncLocks.locked")
             _refuse_generator(function, asynchronous=False)
             signature = _key_template(key, function)
@@ -1162,7 +1185,17 @@ class Locks:
             def locked_call(*args: P.args, **kwargs: P.kwargs) -> R:
                 name = _format_key(key, signature, args, kwargs)
                 with self.lock(name, ttl, timeout, renew, info, steal, on_lost):
-                    return function(*args, **kwargs)
+                    result = function(*args, **kwargs)
+                    if inspect.isawaitable(result):
+                        # It runs after the lock is released: found by review, a plain
+                        # function that returns a coroutine held no lock, silently.
+                        if inspect.iscoroutine(result):
+                            result.close()
+                        raise TypeError(
+                            f"{function!r} returned an awaitable, which would run after"
+                            " Locks.locked released the lock; use AsyncLocks.locked"
+                        )
+                    return result
 
             return locked_call
 
@@ -1920,7 +1953,7 @@ class AsyncLocks:
                     " callable object"
                 )
             _refuse_generator(function, asynchronous=True)
-            if not inspect.iscoroutinefunction(function):
+            if not _returns_coroutines(function):
                 raise TypeError("AsyncLocks.locked decorates async functions; use Locks.locked")
             signature = _key_template(key, function)
 
