@@ -269,9 +269,10 @@ def _format_key(
 
 def _returns_coroutines(function: Callable[..., Any]) -> bool:
     """An ``async def`` function, or an object whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
-        getattr(function, "__call__", None)
+    call = (
+        None if inspect.isroutine(function) else inspect.getattr_static(function, "__call__", None)
     )
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(call)
 
 
 def _renewal_due(lease: LeaseState, since: float) -> float:
