@@ -16,15 +16,15 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import signal
 import sqlite3
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from _interrupts import ctrl_c_ignored
 
 import keymutex
 
@@ -88,19 +88,6 @@ def click(user: str, demo_dir: str, locks_url: str | None, start: Any, results: 
             "fence": fence,
         }
     )
-
-
-@contextlib.contextmanager
-def ctrl_c_ignored() -> Iterator[None]:
-    """Ctrl-C (SIGINT) is ignored in the block, and for good in the processes started in
-    it, which inherit that: a Ctrl-C at the terminal, sent to every process of the group,
-    interrupts this one alone, which stops them. (One pressed in the few milliseconds
-    that starting them takes is lost.)"""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def play(demo_dir: Path, locks_url: str | None) -> tuple[int, int]:

@@ -18,16 +18,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from _interrupts import ctrl_c_ignored
 
 import keymutex
 
@@ -144,19 +145,6 @@ async def worker(index: int, url: str) -> None:
         await asyncio.to_thread(sys.stdin.readline)  # "go": both processes start at once
         events = await serve(ORDERS[index::2], user_lock, f"worker-{index + 1}")
     print(json.dumps(events), flush=True)
-
-
-@contextmanager
-def ctrl_c_ignored() -> Iterator[None]:
-    """Ctrl-C (SIGINT) is ignored in the block, and for good in the processes started in
-    it, which inherit that: a Ctrl-C at the terminal, sent to every process of the group,
-    interrupts this one alone, which stops them. (One pressed in the few milliseconds
-    that starting them takes is lost.)"""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def round_in_two_processes(url: str) -> tuple[list[Event], int]:

@@ -20,18 +20,17 @@ temporary directory that is removed at the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing
 import os
-import signal
 import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from _interrupts import ctrl_c_ignored
 
 import keymutex
 
@@ -74,19 +73,6 @@ def worker(url: str, namespace: str, number: int, record: str, fire: Any) -> Non
 def write(record: str, entry: dict[str, object]) -> None:
     with open(record, "a", encoding="utf-8") as file:
         file.write(json.dumps(entry) + "\n")
-
-
-@contextlib.contextmanager
-def ctrl_c_ignored() -> Iterator[None]:
-    """Ctrl-C (SIGINT) is ignored in the block, and for good in the processes started in
-    it, which inherit that: a Ctrl-C at the terminal, sent to every process of the group,
-    interrupts this one alone, which stops them. (One pressed in the few milliseconds
-    that starting them takes is lost.)"""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def play(url: str, record: str) -> int:

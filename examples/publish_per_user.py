@@ -30,21 +30,20 @@ directory that is removed at the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing
 import os
-import signal
 import socket
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from _interrupts import ctrl_c_ignored
 
 import keymutex
 
@@ -190,19 +189,6 @@ def worker(
         if delay > 0:
             time.sleep(delay)
         publish(locks, request, record)
-
-
-@contextlib.contextmanager
-def ctrl_c_ignored() -> Iterator[None]:
-    """Ctrl-C (SIGINT) is ignored in the block, and for good in the processes started in
-    it, which inherit that: a Ctrl-C at the terminal, sent to every process of the group,
-    interrupts this one alone, which stops them. (One pressed in the few milliseconds
-    that starting them takes is lost.)"""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def play(url: str, record: str) -> int:
