@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from _interrupts import ctrl_c_ignored
+from _shared import ctrl_c_ignored
 
 import keymutex
 

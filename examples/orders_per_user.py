@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _interrupts import ctrl_c_ignored
+from _shared import ctrl_c_ignored
 
 import keymutex
 

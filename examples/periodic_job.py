@@ -25,12 +25,11 @@ import multiprocessing
 import os
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _interrupts import ctrl_c_ignored
+from _shared import check_shared_store, ctrl_c_ignored, with_record
 
 import keymutex
 
@@ -115,24 +114,8 @@ def main() -> int:
     )
     parser.add_argument("--record", help="JSON-lines file of what each worker did")
     args = parser.parse_args()
-    if args.url.partition(":")[0] == "memory":  # what `keymutex run` says too
-        parser.error(
-            "memory:// lives in one process, and the workers here are processes: each"
-            " would hold its own locks; give a store they share, e.g. sqlite:///tmp/jobs.db"
-        )
-    try:  # one line if this store cannot be used here, not a traceback from every worker
-        with keymutex.Locks(args.url) as probe:
-            probe.holder("probe")
-    except (ImportError, ValueError, keymutex.StoreError) as exc:
-        parser.error(f"{str(exc).rstrip('.')}; give another store URL, e.g. sqlite:///tmp/jobs.db")
-    if not args.record:  # the record lives as long as the run
-        with tempfile.TemporaryDirectory(prefix="keymutex-periodic-") as directory:
-            return play(args.url, str(Path(directory) / "runs.jsonl"))
-    # This run's record alone: an earlier run's lines would count as runs of this one.
-    Path(args.record).write_text("", encoding="utf-8")
-    status = play(args.url, args.record)
-    print(f"record: {args.record}")
-    return status
+    check_shared_store(parser, args.url, "sqlite:///tmp/jobs.db")
+    return with_record(lambda record: play(args.url, record), args.record, "runs.jsonl")
 
 
 if __name__ == "__main__":

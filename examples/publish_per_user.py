@@ -35,15 +35,13 @@ import multiprocessing
 import os
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from _interrupts import ctrl_c_ignored
+from _shared import check_shared_store, ctrl_c_ignored, with_record
 
 import keymutex
 
@@ -241,24 +239,8 @@ def main() -> int:
     args = parser.parse_args()
     if not args.url:
         parser.error("give a store URL (postgresql://…, mongodb://…) or set $KEYMUTEX_STORE")
-    if args.url.partition(":")[0] == "memory":  # what `keymutex run` says too
-        parser.error(
-            "memory:// lives in one process, and the workers here are processes: each"
-            " would hold its own locks; give a store they share, e.g. sqlite:///tmp/p.db"
-        )
-    try:  # one line if this store cannot be used here, not a traceback from every worker
-        with keymutex.Locks(args.url) as probe:
-            probe.holder("probe")
-    except (ImportError, ValueError, keymutex.StoreError) as exc:
-        parser.error(f"{str(exc).rstrip('.')}; give another store URL, e.g. sqlite:///tmp/p.db")
-    if not args.record:  # the record lives as long as the run
-        with tempfile.TemporaryDirectory(prefix="keymutex-publish-") as directory:
-            return play(args.url, str(Path(directory) / "publish.jsonl"))
-    # This run's record alone: an earlier run's lines would read as this run's uploads.
-    Path(args.record).write_text("", encoding="utf-8")
-    status = play(args.url, args.record)
-    print(f"record: {args.record}")
-    return status
+    check_shared_store(parser, args.url, "sqlite:///tmp/p.db")
+    return with_record(lambda record: play(args.url, record), args.record, "publish.jsonl")
 
 
 if __name__ == "__main__":

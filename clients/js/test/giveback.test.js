@@ -38,6 +38,19 @@ async function eventually(check, seconds) {
 }
 
 /**
+ * The outage ends (the proxy lets connections through again); the key must then be
+ * freed by the client's give-backs within 8 s, long before its ttl of 30 s.
+ * @param {{restore: () => Promise<void>}} proxy
+ * @param {string} key
+ */
+async function assertFreedAfterOutage(proxy, key) {
+  await sleep(OUTAGE_MS);
+  await proxy.restore();
+  const freed = await eventually(async () => (await client().holder(key)) === null, 8);
+  assert.ok(freed, 'the key is still held, to its ttl of 30 s');
+}
+
+/**
  * A TCP proxy to the lock server that can stop for a while: cut() refuses connections
  * and cuts the open ones (a server restarting, a network blip); restore() accepts them
  * again, on the same port. dropReply(): the next reply is dropped on its way back, the
@@ -107,10 +120,7 @@ describe('giving back', {concurrency: true}, () => {
         assert.equal(lease.lost, false);
         await assert.rejects(lease.release(), /already released/);
         assert.equal((await client().holder(key))?.fence, lease.fence, 'held still, until the server is back');
-        await sleep(OUTAGE_MS);
-        await proxy.restore();
-        const freed = await eventually(async () => (await client().holder(key)) === null, 8);
-        assert.ok(freed, 'the key is still held, to its ttl of 30 s');
+        await assertFreedAfterOutage(proxy, key);
       } finally {
         proxy.close();
       }
@@ -124,10 +134,7 @@ describe('giving back', {concurrency: true}, () => {
         const outcome = locks.withLock(key, () => proxy.cut(), {ttl: 30, timeout: 0});
         await assert.rejects(outcome, (error) => error instanceof StoreError && TRIED_AGAIN.test(error.message));
         assert.notEqual(await client().holder(key), null);
-        await sleep(OUTAGE_MS);
-        await proxy.restore();
-        const freed = await eventually(async () => (await client().holder(key)) === null, 8);
-        assert.ok(freed, 'the key is still held, to its ttl of 30 s');
+        await assertFreedAfterOutage(proxy, key);
       } finally {
         proxy.close();
       }
@@ -143,10 +150,7 @@ describe('giving back', {concurrency: true}, () => {
           (error) => error instanceof StoreError && error.code === 'unreachable',
         );
         assert.notEqual(await client().holder(key), null, 'the server granted what the client never saw');
-        await sleep(OUTAGE_MS);
-        await proxy.restore();
-        const freed = await eventually(async () => (await client().holder(key)) === null, 8);
-        assert.ok(freed, 'the key is still held, to its ttl of 30 s');
+        await assertFreedAfterOutage(proxy, key);
       } finally {
         proxy.close();
       }
