@@ -1795,6 +1795,11 @@ class AsyncLocks:
         await self._renewer.aclose()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        # The give-backs' last round first: their task is a call at the store, which
+        # the wait below would wait out (found by review: `keymutex run` on a store
+        # that refused its connection took CALLBACK_GRACE, 5 s, to exit). Tokens that
+        # calls still under way add later are given back at once, by a task they start.
+        await self._give_backs.aclose()
         if self._at_store.close():
             await self._close_store()
         else:
@@ -1809,7 +1814,6 @@ class AsyncLocks:
                     await self._store_closed.wait()
                     while self._background:  # releases started meanwhile
                         await asyncio.gather(*self._background, return_exceptions=True)
-        await self._give_backs.aclose()
 
     async def _close_store(self) -> None:
         try:
