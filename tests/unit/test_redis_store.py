@@ -340,6 +340,12 @@ async def test_async_a_channel_nobody_waits_on_is_unsubscribed_after_lingering(
         # redis-py would take db= over the path and write to database 2.
         ("redis://127.0.0.1:6379/1?db=2", r"database twice, in its path \(/1\) and as db="),
         ("rediss://127.0.0.1:6379/0?db=0", "database twice"),
+        # Found by review: these failed only at the first command ("DB index is out of
+        # range", "Connection refused" for an empty socket path).
+        ("redis://127.0.0.1:6379?db=-5", "database must be a number from 0"),
+        ("redis://127.0.0.1:6379/99999999999999999999", "database must be a number from 0"),
+        ("unix:///run/redis.sock?db=-1", "database must be a number from 0"),
+        ("unix://", "needs the socket's path"),
     ],
 )
 def test_malformed_urls_are_refused_before_connecting(url: str, message: str) -> None:

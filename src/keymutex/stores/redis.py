@@ -144,7 +144,10 @@ end
 -- Grant the free key to the first queued waiter that hears of it: a new fence, the
 -- lease made from its entry, and 'token:fence:acquired_ms' published on its channel.
 -- A waiter whose channel nobody listens to any more (its process is gone, or its
--- connection) is skipped: its lease is deleted again and the next one tried.
+-- connection) is skipped: its lease is deleted again and the next one tried. A
+-- PUBLISH refused (an ACL user without the channel) keeps the grant, unheard: its
+-- waiter finds it when it looks again (within a second). Raised, the error came after
+-- the writes and told the releaser its release failed, which it had not.
 local function hand_on(lease, queue, fence_key, publish, now_ms)
   while true do
     local head = redis.call('LPOP', queue)
@@ -161,7 +164,8 @@ local function hand_on(lease, queue, fence_key, publish, now_ms)
       end
       redis.call('PEXPIRE', lease, math.floor(e[2]))
       local told = e[1] .. ':' .. string.format('%d', fence) .. ':' .. now_ms
-      if redis.call(publish, e[5], told) > 0 then return end
+      local heard = redis.pcall(publish, e[5], told)
+      if type(heard) ~= 'number' or heard > 0 then return end
       redis.call('DEL', lease)
     end
   end
@@ -754,6 +758,32 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class _Confirmation(threading.Event):
+    """Set when Redis confirmed a channel's subscription, or refused it (``refused``)."""
+
+    refused: Exception | None = None
+
+
+class _AsyncConfirmation(asyncio.Event):
+    """``_Confirmation`` for an async store."""
+
+    refused: Exception | None = None
+
+
+def _refused_subscription(channel: str, refusal: Exception) -> StoreError:
+    """Found by review: Redis 7 gives a new ACL user no channels
+    (``acl-pubsub-default resetchannels``); the refused SUBSCRIBE was only logged, and
+    every waiting acquire waited 5 s, whatever its timeout, for a confirmation that
+    never came, then said nothing of why."""
+    error = StoreError(
+        f"Redis refused the subscription to {channel!r}, on which this client waits to hear"
+        f" of releases: {refusal}. An ACL user needs the channels km:* (ACL SETUSER"
+        " … '&km:*'), or allchannels"
+    )
+    error.__cause__ = refusal
+    return error
+
+
 class _Subscriptions:
     """One pub/sub connection per sync store (per node in a cluster), read by a waiter.
 
@@ -777,7 +807,7 @@ class _Subscriptions:
         self._kind = _SHARDED if sharded else _PLAIN
         self._mutex = threading.Lock()
         self._channels = _Channels()
-        self._confirmed: dict[str, threading.Event] = {}
+        self._confirmed: dict[str, _Confirmation] = {}
         self._pubsub: Any = None
         # The event of the thread reading the connection now, and those of the threads
         # waiting for it to ring them (in arrival order).
@@ -820,7 +850,7 @@ class _Subscriptions:
             self._channels.add(waiter.channel, waiter)
             confirmed = self._confirmed.get(waiter.channel)
             if confirmed is None:
-                confirmed = self._confirmed[waiter.channel] = threading.Event()
+                confirmed = self._confirmed[waiter.channel] = _Confirmation()
                 try:
                     if self._pubsub is None:
                         self._pubsub = self._make_pubsub()
@@ -838,6 +868,24 @@ class _Subscriptions:
         deadline = time.monotonic() + timeout
         if not self._await(confirmed.is_set, threading.Event(), deadline):
             raise StoreError(f"Redis did not confirm the subscription within {timeout} s")
+        if confirmed.refused is not None:
+            raise _refused_subscription(waiter.channel, confirmed.refused)
+
+    def _refuse(self, pubsub: Any, refusal: Exception) -> None:
+        """Under the mutex: an error reply on the pub/sub connection answers a SUBSCRIBE
+        (or an UNSUBSCRIBE): every subscription not yet confirmed fails with it at once,
+        and its channel is dropped (redis-py would subscribe it again at every
+        reconnection). A later join subscribes afresh."""
+        refused = [channel for channel, c in self._confirmed.items() if not c.is_set()]
+        for channel in refused:
+            confirmed = self._confirmed.pop(channel)
+            confirmed.refused = refusal
+            confirmed.set()
+        for event in self._followers:  # among them, the threads joining those channels
+            event.set()
+        if refused:
+            with contextlib.suppress(Exception):
+                getattr(pubsub, self._kind.unsubscribe)(*refused)
 
     def leave(self, waiter: _RedisWaiter) -> None:
         with self._mutex:
@@ -910,6 +958,10 @@ class _Subscriptions:
             try:
                 message = pubsub.get_message(timeout=min(remaining, TEND_EVERY))
                 failures = 0
+            except redis.exceptions.ResponseError as exc:  # the connection is fine
+                with self._mutex:
+                    self._refuse(pubsub, exc)
+                continue
             except Exception as exc:  # the driver's, or a socket closed under it by close()
                 if self._closed:
                     return
@@ -986,6 +1038,9 @@ class _Subscriptions:
                     if message is None:
                         break
                     self._dispatch(message)
+            except redis.exceptions.ResponseError as exc:  # as in _read_until
+                with self._mutex:
+                    self._refuse(pubsub, exc)
             except Exception as exc:  # reconnects at the next read (redis-py resubscribes)
                 if not self._closed:
                     _LOG.warning("Redis pub/sub connection failed (%s); reconnecting", exc)
@@ -1101,7 +1156,7 @@ class _AsyncSubscriptions:
         self._kind = _SHARDED if sharded else _PLAIN
         self._mutex = asyncio.Lock()  # serialises subscribing, not the bookkeeping
         self._channels = _Channels()
-        self._confirmed: dict[str, asyncio.Event] = {}
+        self._confirmed: dict[str, _AsyncConfirmation] = {}
         self._pubsub: Any = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -1122,7 +1177,7 @@ class _AsyncSubscriptions:
             self._channels.add(waiter.channel, waiter)
             confirmed = self._confirmed.get(waiter.channel)
             if confirmed is None:
-                confirmed = self._confirmed[waiter.channel] = asyncio.Event()
+                confirmed = self._confirmed[waiter.channel] = _AsyncConfirmation()
                 try:
                     if self._pubsub is None:
                         self._pubsub = self._make_pubsub()
@@ -1141,6 +1196,20 @@ class _AsyncSubscriptions:
             raise StoreError(
                 f"Redis did not confirm the subscription within {timeout} s"
             ) from None
+        if confirmed.refused is not None:
+            raise _refused_subscription(waiter.channel, confirmed.refused)
+
+    async def _refuse(self, refusal: Exception) -> None:
+        """As ``_Subscriptions._refuse``."""
+        refused = [channel for channel, c in self._confirmed.items() if not c.is_set()]
+        for channel in refused:
+            confirmed = self._confirmed.pop(channel)
+            confirmed.refused = refusal
+            confirmed.set()
+        if refused:
+            with contextlib.suppress(Exception):
+                async with self._mutex:
+                    await getattr(self._pubsub, self._kind.unsubscribe)(*refused)
 
     def leave(self, waiter: _AsyncRedisWaiter) -> None:
         if not self._closed:
@@ -1172,6 +1241,9 @@ class _AsyncSubscriptions:
                         await getattr(self._pubsub, self._kind.unsubscribe)(*unused)
                 message = await self._pubsub.get_message(timeout=0.5)
                 failures = 0
+            except redis.exceptions.ResponseError as exc:  # the connection is fine
+                await self._refuse(exc)
+                continue
             except Exception as exc:  # the driver's, or a socket closed under it by aclose()
                 if self._closed:
                     return
@@ -1306,6 +1378,25 @@ def _renewed(calls: Sequence[_Call], replies: Sequence[Any]) -> list[Outcome]:
     return cast(list[Outcome], outcomes)
 
 
+# Connections of a pool limited by ``max_connections`` that a store leaves in it, idle,
+# for what goes through redis-py's own path: the pub/sub connection, a renewal's
+# pipeline, ``holder``/``holders``, loading the scripts again.
+POOL_RESERVE = 2
+
+
+def _kept_at_most(pool: Any) -> int | None:
+    """How many idle connections ``_Connections`` may keep out of ``pool``: any number,
+    unless the user limited the pool (``max_connections``; redis-py's default is
+    2**31), then all but ``POOL_RESERVE``. Found by review: with ``max_connections=2``,
+    two acquires at once once left both connections kept idle here, and every renewal
+    (the lease was lost), ``holder()`` and pub/sub failed with "Too many connections"
+    from then on."""
+    limit = getattr(pool, "max_connections", None)
+    if not isinstance(limit, int) or limit >= 2**31:
+        return None
+    return max(0, limit - POOL_RESERVE)
+
+
 class _Connections:
     """Connections held out of redis-py's pool, for the scripts of one sync store.
 
@@ -1314,13 +1405,28 @@ class _Connections:
     on loopback. A connection that fails is dropped. A step whose connection, used
     before, turned out closed (by the server, while idle) is tried once more on a new
     one; one that timed out is not: Redis may have run it, and a release or a queueing
-    try run twice would be answered wrongly the second time.
+    try run twice would be answered wrongly the second time. A pool limited by
+    ``max_connections`` keeps some of its connections (``_kept_at_most``).
     """
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self._free: list[Any] = []  # list.append / pop are atomic: no lock needed
         self._pid = os.getpid()
+        self._kept_at_most = _kept_at_most(pool)
+        self._keeping = threading.Lock()  # with a limit: the count and the append together
+
+    def _keep(self, conn: Any) -> None:
+        """Keep ``conn`` for the next step, or give it back to the pool (see there)."""
+        if self._kept_at_most is None:
+            self._free.append(conn)
+            return
+        with self._keeping:
+            kept = len(self._free) < self._kept_at_most
+            if kept:
+                self._free.append(conn)
+        if not kept:
+            self._pool.release(conn)
 
     def call(self, *args: Any, resent: list[bool] | None = None) -> Any:
         """Send a command and read its reply. ``resent``: told (``True`` appended) when
@@ -1337,7 +1443,7 @@ class _Connections:
             sent = True
             reply = conn.read_response()
         except redis.exceptions.ResponseError:
-            self._free.append(conn)  # an error reply: the connection is fine
+            self._keep(conn)  # an error reply: the connection is fine
             raise
         except _BROKEN as exc:
             conn.disconnect()
@@ -1351,7 +1457,7 @@ class _Connections:
             conn.disconnect()
             self._pool.release(conn)
             raise
-        self._free.append(conn)
+        self._keep(conn)
         return reply
 
     def follow(self, master: tuple[str, int]) -> None:
@@ -1402,6 +1508,14 @@ class _AsyncConnections:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self._free: list[Any] = []
+        self._kept_at_most = _kept_at_most(pool)
+
+    async def _keep(self, conn: Any) -> None:
+        """As ``_Connections._keep`` (one event loop: no lock needed)."""
+        if self._kept_at_most is None or len(self._free) < self._kept_at_most:
+            self._free.append(conn)
+        else:
+            await self._pool.release(conn)
 
     async def call(self, *args: Any, resent: list[bool] | None = None) -> Any:
         try:
@@ -1412,7 +1526,7 @@ class _AsyncConnections:
             await _send(conn, args)
             reply = await conn.read_response()
         except redis.exceptions.ResponseError:
-            self._free.append(conn)
+            await self._keep(conn)
             raise
         except _BROKEN as exc:
             await conn.disconnect()
@@ -1426,7 +1540,7 @@ class _AsyncConnections:
             await asyncio.shield(conn.disconnect())
             await asyncio.shield(self._pool.release(conn))
             raise
-        self._free.append(conn)
+        await self._keep(conn)
         return reply
 
     async def follow(self, master: tuple[str, int]) -> None:
@@ -2206,6 +2320,9 @@ def _check_single(url: str, parts: SplitResult) -> None:
         parsed = redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
         # redis-py reads the numbers but lets any value through (socket_timeout=-1).
         _checked_options({k: v for k, v in parsed.items() if k in CLIENT_OPTIONS})
+        _check_database(parsed.get("db"))
+        if parts.scheme.lower() == "unix" and not parsed.get("path"):
+            raise ValueError("a unix:// URL needs the socket's path: unix:///path/redis.sock")
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"{redacted(url)!r} is not a Redis URL: {scrubbed(str(exc), url)}"
@@ -2241,6 +2358,17 @@ def _check_single(url: str, parts: SplitResult) -> None:
             f"{redacted(url)!r} is not a Redis URL: it names the database twice, in its path"
             f" (/{database}) and as db= in its query; give one"
         )
+
+
+def _check_database(db: object) -> None:
+    """A database number redis-py took as it came (found by review: ``?db=-5`` or
+    ``/99999999999999999999`` failed only at the first command, as "DB index is out of
+    range"). How many there are is the server's ``databases`` setting (16 by default)."""
+    if db is not None and (not isinstance(db, int) or not 0 <= db <= MAX_DATABASE):
+        raise ValueError(f"the database must be a number from 0 to {MAX_DATABASE}, not {db!r}")
+
+
+MAX_DATABASE = 2**31 - 1
 
 
 def _check_tls(scheme: str, names: Iterable[str], what: str) -> None:
@@ -2290,7 +2418,8 @@ def _checked_options(options: Mapping[str, object]) -> dict[str, object]:
         elif name == "health_check_interval":
             checked[name] = seconds("Redis", name, value, zero="never", text=False)
         elif name == "max_connections":
-            checked[name] = count("Redis", name, value, text=False)
+            # One connection stays with pub/sub while a waiter waits; the steps need one.
+            checked[name] = count("Redis", name, value, minimum=POOL_RESERVE, text=False)
         elif name in ("socket_keepalive", "ssl_check_hostname"):
             _typed_option(name, value, bool, "True or False")
         elif name == "ssl_cert_reqs":
