@@ -399,6 +399,49 @@ def test_a_request_that_does_not_arrive_in_time_is_answered_408(tmp_path: Path) 
     assert "Traceback" not in log.read_text()
 
 
+def _answered_then(url: str, request: bytes, then: bytes) -> bytes:
+    """Send ``request``, read its whole answer, send ``then``; what follows until the
+    server closes (a socket timeout, 15 s, if it never does)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=15) as conn:
+        conn.sendall(request)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += conn.recv(65536)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))  # type: ignore[union-attr]
+        while len(body) < length:
+            body += conn.recv(65536)
+        conn.sendall(then)
+        rest = b""
+        while chunk := conn.recv(65536):
+            rest += chunk
+        return rest
+
+
+def test_bytes_that_begin_no_request_do_not_keep_a_connection_open(tmp_path: Path) -> None:
+    """Found by review: a bare CRLF (which httptools skips) cancelled uvicorn's idle
+    timeout and started no request clock; so did the rest of a body the server had
+    refused without reading it. Either kept the connection open for good: 140 such
+    connections, without a token, took every descriptor of a server."""
+    log = tmp_path / "out.log"
+    with _running("--store", "memory://", "--request-timeout", "0.5", log=log) as (
+        process,
+        url,
+    ):
+        answer, _ = _answer_and_time(url, b"\r\n")  # on a new connection
+        assert _json_errors(answer) == [(408, "request_timeout")]
+        health = b"GET /healthz HTTP/1.1\r\n" + HOST + b"\r\n"
+        assert _answered_then(url, health, b"\r\n") == b""  # after a kept-alive answer
+        refused = b"POST /v1/acquire HTTP/1.1\r\n%sContent-Type: text/plain\r\n" % HOST
+        refused += b"Content-Length: 100000\r\n\r\n{"
+        assert _answered_then(url, refused, b'"') == b""  # answered 415, body unread
+        assert httpx.get(f"{url}/healthz", timeout=WAIT).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT) == 0, log.read_text()
+    assert "Traceback" not in log.read_text()
+
+
 def test_shutdown_answers_a_request_whose_body_is_still_coming(tmp_path: Path) -> None:
     """Before: uvicorn's graceful timeout cancelled the app waiting for the body, logged
     the traceback, and answered a plain-text 500."""

@@ -18,7 +18,9 @@ error, ``invalid_argument``, as every other 4xx it gives. On top of uvicorn:
   after its first byte is answered 408 ``request_timeout`` and the connection closed
   (nothing was done: the app never acts on half a body), and a new connection that sends
   nothing is closed after uvicorn's keep-alive timeout, as an idle one is after a
-  response. Time spent waiting for a lock is not counted: the request has arrived.
+  response. Bytes that begin no request (blank lines) and the rest of a body the app
+  answered without reading start the same clock, and the connection is closed when it
+  runs out. Time spent waiting for a lock is not counted: the request has arrived.
 - **A client that closes its side is gone at once**: the app learns it as soon as the
   end of its stream is read, not a turn of the event loop later when uvicorn's
   connection is lost, so a lease granted meanwhile is given back, not answered to
@@ -157,6 +159,23 @@ class _Guarded(_JsonErrors):
         self._stop_clock()
         super().connection_lost(exc)  # type: ignore[misc]
 
+    def data_received(self, data: bytes) -> None:
+        """uvicorn cancels its keep-alive timeout at any byte, and arms it again only
+        after a response. Found by review: bytes that begin no request (a bare CRLF,
+        which httptools skips) or that carry on a body the app answered without
+        reading (a 401) left a connection with no timeout at all, open for good: a
+        client without a token could take every connection the server may have. Such
+        bytes now start the request's clock."""
+        super().data_received(data)  # type: ignore[misc]
+        if (
+            self._arriving is None
+            and self.timeout_keep_alive_task is None
+            and not self.pipeline
+            and (self.cycle is None or self.cycle.response_complete)
+            and not self.transport.is_closing()
+        ):
+            self._start_clock()
+
     # -- httptools' parser callbacks
 
     def on_message_begin(self) -> None:
@@ -216,9 +235,14 @@ class _Guarded(_JsonErrors):
             # until it is: this one's time starts when it can arrive.
             self._start_clock()
             return
+        if cycle is not None and cycle.response_complete:
+            # Answered (a refusal, without waiting for the body), or a request before
+            # bytes that began none: the rest is not waited for.
+            self.transport.close()
+            return
         if cycle is not None and cycle.response_started:
-            # The app answered without waiting for the body (a refusal): the keep-alive
-            # timeout ends the connection once that answer is out.
+            # The answer is on its way: the keep-alive timeout, armed once it is out,
+            # or the clock again at the next byte, ends the connection.
             return
         self._answer_instead(
             cycle,
