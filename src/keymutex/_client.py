@@ -1554,25 +1554,30 @@ class _AsyncRenewer:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    async def aclose(self) -> None:
+    async def aclose(self, closer: asyncio.Task[Any] | None = None) -> None:
+        """Stop renewing; let the ``on_lost`` coroutines end (but ``closer``, the task
+        that called ``AsyncLocks.aclose()``: an ``on_lost`` that closes its client)."""
         self._closed = True
         task, self._task = self._task, None
         await stop_task(task)
-        await self._end_callbacks()
+        await self._end_callbacks(closer)
         if self._releases:  # before the store closes
             await asyncio.wait(self._releases)
 
-    async def _end_callbacks(self) -> None:
+    async def _end_callbacks(self, closer: asyncio.Task[Any] | None) -> None:
         """Let the ``on_lost`` coroutines under way finish, for ``CALLBACK_GRACE``
         seconds at most, then cancel the rest. (The ``AsyncLocks`` is closed already:
         what they do with it raises; what they do elsewhere, such as stopping the work
         the lease protected, gets its time.)
 
-        One that calls ``aclose()`` is not waited for by it; one that will not end when
-        cancelled is left behind after a second grace, with a warning.
+        One that calls ``aclose()`` (``closer``) is not waited for by it: found by review,
+        ``aclose()`` runs in a task of its own (``_to_the_end``), so the callback's task
+        was never the current one here; it was waited for, then cancelled, 10 s in all.
+        One that will not end when cancelled is left behind after a second grace, with a
+        warning.
         """
-        loop, me = asyncio.get_running_loop(), asyncio.current_task()
-        pending = {x for x in self._callbacks if x is not me and x.get_loop() is loop}
+        loop = asyncio.get_running_loop()
+        pending = {x for x in self._callbacks if x is not closer and x.get_loop() is loop}
         if not pending:
             return
         _, pending = await asyncio.wait(pending, timeout=CALLBACK_GRACE)
@@ -1789,10 +1794,10 @@ class AsyncLocks:
         # To the end even if the caller is cancelled (which it then is): found by
         # review, a cancellation in the middle left the store's connections open, and a
         # second aclose() did not close them (the store is closed once).
-        await _to_the_end(self._close())
+        await _to_the_end(self._close(asyncio.current_task()))
 
-    async def _close(self) -> None:
-        await self._renewer.aclose()
+    async def _close(self, closer: asyncio.Task[Any] | None) -> None:
+        await self._renewer.aclose(closer)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         # The give-backs' last round first: their task is a call at the store, which

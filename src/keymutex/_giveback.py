@@ -114,7 +114,8 @@ class _Plan:
 def _found(token: _Token, outcome: Outcome) -> bool:
     if outcome.ok:
         _LOG.warning(
-            "released %r: granted to an acquire whose answer came too late or was lost",
+            "released %r in the background: an acquire's grant whose answer came too late"
+            " or was lost, or a lease whose release had failed",
             token.key,
         )
     return outcome.ok

@@ -403,6 +403,38 @@ async def test_aclose_waits_for_on_lost_coroutines_then_cancels_them(
     assert sorted(seen) == ["brief ended", "endless cancelled"]
 
 
+@pytest.mark.asyncio
+async def test_an_on_lost_coroutine_may_close_its_own_client(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: aclose() called from an on_lost coroutine waited for that very
+    coroutine (CALLBACK_GRACE), then cancelled it: 10 s, and CancelledError in the
+    user's callback."""
+    monkeypatch.setattr(_client, "CALLBACK_GRACE", 600.0, raising=False)
+    closed = asyncio.Event()
+    outcome: list[str] = []
+    locks = keymutex.AsyncLocks(url, ttl=SHORT)
+
+    async def stop(_: keymutex.AsyncLease) -> None:
+        try:
+            await locks.aclose()
+            outcome.append("closed")
+        except BaseException as exc:
+            outcome.append(type(exc).__name__)
+            raise
+        finally:
+            closed.set()
+
+    async with keymutex.AsyncLocks(url) as thief:
+        await locks.acquire("k", renew=True, on_lost=stop)
+        await thief.acquire("k", steal=True, timeout=0)
+        async with asyncio.timeout(PATIENCE):
+            await closed.wait()
+    assert outcome == ["closed"]
+    with pytest.raises(RuntimeError, match="closed"):
+        await locks.holder("k")
+
+
 # --- LockLost.holder after a loss at the deadline ----------------------------------------
 
 
