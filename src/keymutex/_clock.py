@@ -1,8 +1,8 @@
 """The clock every time decision uses.
 
-On Linux this is ``CLOCK_BOOTTIME``: monotonic, shared by every process on the host,
-and still running while the machine is suspended (a suspended holder's lease must
-expire in real time). Elsewhere it is ``time.monotonic()``. Wall-clock time is used
+On Linux this is ``CLOCK_BOOTTIME``: monotonic, shared by every process on the host
+(read as the host's in a time namespace too), and still running while the machine is
+suspended (a suspended holder's lease must expire in real time). Elsewhere it is ``time.monotonic()``. Wall-clock time is used
 only for display (``acquired_at``, ``expires_at``).
 """
 
@@ -15,6 +15,25 @@ from collections.abc import Callable
 __all__ = ["boot_id", "monotonic"]
 
 
+def _boottime_offset(path: str = "/proc/self/timens_offsets") -> float:
+    """How far this process's ``CLOCK_BOOTTIME`` is set off the host's (seconds).
+
+    A Linux time namespace (``unshare --time``, CRIU's restore, some container
+    runtimes) shifts it per process, and the boot id does not tell. Found by review:
+    a process in one, 50,000 s behind, wrote expiry times long past for the host's
+    processes (another was granted the key it held) and read theirs as hours away.
+    """
+    try:
+        with open(path, encoding="ascii") as file:
+            for line in file:
+                name, seconds, nanoseconds = line.split()
+                if name == "boottime":
+                    return int(seconds) + int(nanoseconds) / 1e9
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
 def _pick_clock() -> Callable[[], float]:
     clock_id = getattr(time, "CLOCK_BOOTTIME", None)
     if clock_id is None:
@@ -23,6 +42,9 @@ def _pick_clock() -> Callable[[], float]:
         time.clock_gettime(clock_id)
     except OSError:  # pragma: no cover - kernels without CLOCK_BOOTTIME
         return time.monotonic
+    offset = _boottime_offset()
+    if offset:
+        return lambda: time.clock_gettime(clock_id) - offset
     return functools.partial(time.clock_gettime, clock_id)
 
 

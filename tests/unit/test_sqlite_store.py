@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -215,6 +216,91 @@ def test_a_waiter_in_another_network_namespace_keeps_its_place(tmp_path: Path) -
         thread.join(30)  # the waiter finds its grant at its recheck
         assert len(got) == 1
         got[0].release()
+
+
+def test_a_dead_waiter_in_another_network_namespace_holds_the_key_no_longer_than_its_row(
+    tmp_path: Path,
+) -> None:
+    """Found by review: a release handed the key to the first waiter even when it was in
+    another network namespace (a container sharing the file), where it cannot be seen
+    to be gone; dead (the container stopped), it held the key for its whole TTL, and
+    the waiter queued behind it waited that long, not the WAITER_TTL documented."""
+    db = tmp_path / "locks.db"
+    url = f"sqlite:///{db}"
+    code = f"""if True:
+        import keymutex
+        keymutex.Locks({url!r}).acquire("k", ttl=600, timeout=120)
+    """
+    with keymutex.Locks(url) as holding, keymutex.Locks(url) as waiting:
+        lease = holding.acquire("k", timeout=0)
+        container = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            deadline = time.monotonic() + 30
+            while rows(db, "waiters") < 1:
+                assert time.monotonic() < deadline, "the first waiter never queued"
+                time.sleep(0.01)
+            elsewhere = b"\0keymutex-f00f-" + secrets.token_hex(12).encode()
+            with sqlite3.connect(db) as conn:
+                conn.execute("UPDATE keymutex_waiters SET address = ?", (elsewhere,))
+            container.kill()
+            container.wait(10)
+            got: list[keymutex.Lease] = []
+            thread = threading.Thread(target=lambda: got.append(waiting.acquire("k", timeout=30)))
+            thread.start()
+            while rows(db, "waiters") < 2:
+                assert time.monotonic() < deadline, "the second waiter never queued"
+                time.sleep(0.01)
+            lease.release()
+            thread.join(40)
+            assert len(got) == 1, "the key went to the dead waiter for its TTL"
+            assert got[0].fence > lease.fence
+            got[0].release()
+        finally:
+            container.kill()
+            container.wait(10)
+
+
+def _time_namespaces() -> bool:
+    """Whether this process may start one in a time namespace (root, Linux >= 5.6)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    tried = subprocess.run(
+        [unshare, "--time", "--boottime", "1", "true"], capture_output=True, check=False
+    )
+    return tried.returncode == 0
+
+
+def test_a_process_in_a_time_namespace_judges_expiry_as_the_host_does(tmp_path: Path) -> None:
+    """Found by review: CLOCK_BOOTTIME is shifted per time namespace (unshare --time,
+    CRIU): a holder in one, 50,000 s behind, wrote an expiry long past for the host's
+    processes, and another was granted the key it held."""
+    if not _time_namespaces():
+        pytest.skip("cannot start a process in a time namespace here (needs root)")
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    code = f"""if True:
+        import sys, keymutex
+        lease = keymutex.Locks({url!r}).acquire("k", ttl=60, timeout=0)
+        print(lease.fence, flush=True)
+        sys.stdin.read()
+    """
+    with subprocess.Popen(  # the with closes its pipes
+        ["unshare", "--time", "--boottime", "-50000", sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as shifted:
+        try:
+            assert shifted.stdout is not None
+            fence = int(shifted.stdout.readline())
+            with keymutex.Locks(url) as host:
+                with pytest.raises(keymutex.Locked) as refused:
+                    host.acquire("k", timeout=0)
+                assert refused.value.holder is not None
+                assert refused.value.holder.fence == fence
+                assert 0 < refused.value.holder.expires_at - time.time() <= 60
+        finally:
+            shifted.kill()
 
 
 def test_leases_of_an_earlier_boot_are_dropped(tmp_path: Path) -> None:

@@ -29,8 +29,9 @@
   granted only to the first waiter. A waiter whose process died is found when the
   datagram bounces; its row, and a lease handed to it, are dropped. Abstract sockets
   exist per network namespace: a waiter in another one (a container sharing the file)
-  cannot be rung, so it is handed the key without a datagram and finds it at its next
-  recheck (within a second); if it is gone, its row lapses after ``WAITER_TTL``.
+  cannot be rung, so the key is left free for it (the queue's head) and it takes it at
+  its next recheck (within a second); if it is gone, its row lapses after
+  ``WAITER_TTL`` and the next waiter takes the key.
   Elsewhere than Linux, waiters poll with backoff and no handoff is made.
 """
 
@@ -122,6 +123,7 @@ _SCHEMA = (
 _HANDOFF_MESSAGE = struct.Struct("!cqdd")
 _LEASE_COLUMNS = " (namespace, key, token, owner, info, fence, acquired_at, expires, wake)"
 _DELETE_WAITER = "DELETE FROM keymutex_waiters WHERE namespace = ? AND key = ? AND seq = ?"
+_DELETE_LEASE = "DELETE FROM keymutex_leases WHERE namespace = ? AND key = ? AND token = ?"
 _SELECT_LEASE = (
     "SELECT token, owner, info, fence, acquired_at, expires FROM keymutex_leases"
     " WHERE namespace = ? AND key = ?"
@@ -153,15 +155,20 @@ _GRANT_IF_FREE = (
     " FROM keymutex_waiters WHERE namespace = ?1 AND key = ?2 AND expires > ?8)"
     " RETURNING fence"
 )
-# Grant to the first live waiter that can be woken: ? = acquired_at, now, namespace, key,
-# now. Returns the lease and where to send the news.
+# Grant to the first live waiter that can be woken, if it can be rung from here (its
+# address is of our network namespace: see _elsewhere): ? = acquired_at, now,
+# namespace, key, now, len(_HERE), _HERE. Returns the lease and where to send the news.
+# Found by review: a waiter of another namespace (a container sharing the file) was
+# handed the key too, unheard; dead (its container stopped), it held the key for its
+# whole TTL, not the WAITER_TTL its row lapses after. The key now stays free for it,
+# the queue's head, and it takes it at its next recheck.
 _HAND_OFF = (
     "INSERT OR REPLACE INTO keymutex_leases"
     + _LEASE_COLUMNS
     + " SELECT namespace, key, token, owner, info,"
     " (SELECT value + 1 FROM keymutex_meta WHERE name = 'fence'), ?, ? + ttl, address"
-    " FROM keymutex_waiters WHERE namespace = ? AND key = ? AND expires > ?"
-    " AND address IS NOT NULL ORDER BY seq LIMIT 1"
+    " FROM (SELECT * FROM keymutex_waiters WHERE namespace = ? AND key = ? AND expires > ?"
+    " AND address IS NOT NULL ORDER BY seq LIMIT 1) WHERE substr(address, 1, ?) = ?"
     " RETURNING token, owner, info, fence, acquired_at, expires, wake"
 )
 # Release: only the token's own lease (an expired one is deleted too, and reported lost).
@@ -225,6 +232,10 @@ def _network_namespace() -> bytes:
 _NETWORK_NAMESPACE = _network_namespace() if NOTIFIES else b"0"
 
 
+# How the addresses of this network namespace begin (see _SocketPool.take).
+_HERE = b"\0keymutex-%s-" % _NETWORK_NAMESPACE
+
+
 def _elsewhere(address: bytes) -> bool:
     """Whether ``address`` was bound in another network namespace than ours."""
     parts = address.split(b"-")
@@ -235,8 +246,8 @@ def _ring(sender: socket.socket, address: bytes, message: bytes = b"!") -> bool:
     """Send a datagram; ``False`` when nobody listens there any more.
 
     A waiter in another network namespace is not rung (it cannot be): it is taken to
-    be there, finds a hand-over at its next recheck (within a second), and if it is
-    gone its row lapses after ``WAITER_TTL``.
+    be there, takes the key at its next recheck (within a second), and if it is gone
+    its row lapses after ``WAITER_TTL``.
     """
     if _elsewhere(address):
         return True
@@ -379,7 +390,7 @@ class _SocketPool:
                 sock, address = self._free.pop()
                 self._lent.add(sock)
                 return sock, address
-        address = b"\0keymutex-%s-%s" % (_NETWORK_NAMESPACE, secrets.token_hex(12).encode())
+        address = _HERE + secrets.token_hex(12).encode()
         with translate_errors(OSError, what="cannot open a socket to wait on"):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             try:
@@ -705,7 +716,9 @@ class SqliteStore:
 
         Returns what to send it once the transaction has committed.
         """
-        row = conn.execute(_HAND_OFF, (time.time(), now, self._namespace, key, now)).fetchone()
+        row = conn.execute(
+            _HAND_OFF, (time.time(), now, self._namespace, key, now, len(_HERE), _HERE)
+        ).fetchone()
         if row is None:
             return None
         token, _, _, fence, acquired_at, expires, address = row
@@ -726,7 +739,7 @@ class SqliteStore:
     def _take_back(self, gone: _Handoff, conn: sqlite3.Connection, now: float) -> _Handoff | None:
         """Undo a handoff to a waiter that is gone, and hand the key to the next one."""
         deleted = conn.execute(
-            "DELETE FROM keymutex_leases WHERE namespace = ? AND key = ? AND token = ?",
+            _DELETE_LEASE,
             (self._namespace, gone.key, gone.token),
         )
         return self._hand_off(conn, gone.key, now) if deleted.rowcount else None
@@ -767,7 +780,7 @@ class SqliteStore:
                 conn.execute(_DELETE_WAITER, (namespace, key, waiter.seq))
             if waiter.token is not None:
                 conn.execute(
-                    "DELETE FROM keymutex_leases WHERE namespace = ? AND key = ? AND token = ?",
+                    _DELETE_LEASE,
                     (namespace, key, waiter.token),
                 )
             row = conn.execute(_SELECT_LEASE, (namespace, key)).fetchone()
