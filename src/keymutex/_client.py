@@ -1912,7 +1912,8 @@ class AsyncLocks:
     async def release(self, key: str, token: str) -> None:
         """Release the lease that ``token`` holds on ``key``; ``LockLost`` if it holds none.
 
-        Once started, the release goes on if the caller is cancelled (see ``_released``).
+        Once started, the release goes on if the caller is cancelled, and ``aclose()``
+        waits for it.
         """
         key, token = check_key(key), check_token(token)
         await self._unstopped(self._release_by_token(key, token))

@@ -214,7 +214,7 @@ class Lease(LeaseState):
         self._renewing = threading.Lock()
 
     def renew(self, ttl: float | None = None) -> Lease:
-        """Extend the lease by ``ttl`` (default: its current TTL); ``LockLost`` if gone."""
+        """Renew the lease to ``ttl`` seconds from now (default: its current TTL); ``LockLost`` if gone."""
         self._locks._renew_lease(self, ttl)
         return self
 
@@ -259,7 +259,7 @@ class AsyncLease(LeaseState):
         self._renewing = asyncio.Lock()  # as Lease._renewing
 
     async def renew(self, ttl: float | None = None) -> AsyncLease:
-        """Extend the lease by ``ttl`` (default: its current TTL); ``LockLost`` if gone."""
+        """Renew the lease to ``ttl`` seconds from now (default: its current TTL); ``LockLost`` if gone."""
         await self._locks._renew_lease(self, ttl)
         return self
 

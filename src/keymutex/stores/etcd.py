@@ -29,7 +29,7 @@ timeouts, rounded up: 2 s with the default flags), and are revoked by a sweep th
 every 500 ms. A lease is granted ``ceil(ttl)`` seconds (at least 1) and the client
 counts ``ttl`` from before the grant was sent, so the client's deadline is never later
 than etcd's. The price: a key whose holder vanished stays held in etcd up to
-``ceil(ttl) - ttl`` + the minimum + 0.5 s past the holder's own deadline (its own
+``max(ceil(ttl), minimum) - ttl`` + 0.5 s past the holder's own deadline (its own
 client, which knows the deadline passed, releases it on the next call it makes).
 
 **Steps** (HTTP round trips in brackets; every write — grant, transaction with a put

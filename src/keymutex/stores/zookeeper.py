@@ -557,10 +557,13 @@ class ZooKeeperStore:
         with translate_errors(*_DRIVER_ERRORS, what=f"ZooKeeper: {what}"):
             if not self._connected.is_set() and not self._connected.wait(self._timeout):
                 last = getattr(self._client.logger, "last_warning", None)
+                # kazoo only logs why it cannot connect: its connection-loss error,
+                # with that warning, stands as the driver's exception (found by review:
+                # this StoreError had no __cause__, unlike every other store's).
                 raise StoreError(
                     f"ZooKeeper: {what}: not connected to {self._client.hosts!r}"
                     f" after {self._timeout:g} s" + (f" (kazoo: {last})" if last else "")
-                )
+                ) from ConnectionLoss(last or f"not connected after {self._timeout:g} s")
             try:
                 if self._orphans:  # nodes of creates whose reply was lost: delete them first
                     self._clean_orphans()
