@@ -1358,8 +1358,8 @@ def run_command(
     and sends SIGTERM to COMMAND and the processes it started (on Linux) rather than
     letting two holders overlap; it waits for COMMAND to end and exits 70, whatever
     COMMAND's status. While COMMAND runs, the lease is renewed every second (not only
-    every TTL/3), so that a force release stops COMMAND within about a second. A resource that checks KEYMUTEX_FENCE rejects its late writes
-    either way.
+    every TTL/3), so that a force release stops COMMAND within about a second. A
+    resource that checks KEYMUTEX_FENCE rejects its late writes either way.
 
     \b
     A KEY that begins with - follows --: keymutex run -- -KEY -- COMMAND. A script
