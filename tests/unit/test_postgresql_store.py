@@ -1281,7 +1281,7 @@ def test_connections_have_keepalives_and_a_tcp_user_timeout() -> None:
     assert target.timeout == 2.5
     assert target.connect_kwargs["keepalives"] == 1
     assert target.connect_kwargs["tcp_user_timeout"] == 2500
-    assert target.setup() == b"SET statement_timeout = 2250"
+    assert target.setup() == b"SET statement_timeout = 2250; SET lock_timeout = 0"
     # What the URL says wins.
     target = _parse("postgresql://h/db?keepalives=0&tcp_user_timeout=100&timeout=1", {})
     assert target.timeout == 1

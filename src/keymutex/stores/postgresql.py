@@ -200,6 +200,10 @@ BEGIN
         RAISE EXCEPTION 'keymutex needs a UTF8 database, not %',
             current_setting('server_encoding');
     END IF;
+    IF to_regclass('{meta}') IS NULL AND to_regclass('{table}') IS NOT NULL THEN
+        RAISE EXCEPTION 'keymutex: table {table} is not a keymutex table (it has no {meta}):'
+            ' name one of keymutex''s own with ?table=';
+    END IF;
     IF to_regclass('{meta}') IS NULL THEN
         CREATE TABLE {meta} (name text PRIMARY KEY, value text NOT NULL);
         INSERT INTO {meta} (name, value) VALUES ('schema', '{version}');
@@ -576,7 +580,13 @@ class _Statement:
 
         sql = _PLACEHOLDER.sub(number, text).replace("%%", "%")
         types = tuple(_PARAMETER_TYPES[parameter] for parameter in order)
-        return cls(f"keymutex_{name}".encode(), sql.encode(), tuple(order), types)
+        # The name says what the statement is: found by review, behind a pooler that
+        # hands a server session from client to client (PgBouncer's session mode with
+        # no reset query), one client's statement of the same name was there already:
+        # another table's (leases granted in the wrong table) or another version's,
+        # or the same (and every step failed with "already exists").
+        digest = hashlib.sha256(f"{sql}\0{types}".encode()).hexdigest()[:12]
+        return cls(f"keymutex_{name}_{digest}".encode(), sql.encode(), tuple(order), types)
 
 
 def _quoted(name: str) -> str:
@@ -982,6 +992,14 @@ def _rows(result: pq.abc.PGresult) -> list[list[bytes | None]]:
     return [[result.get_value(row, column) for column in columns] for row in range(result.ntuples)]
 
 
+def _prepared(results: list[pq.abc.PGresult]) -> None:
+    """Check a prepare's reply: one that says a statement of that name exists already
+    is the same statement (its name hashes its text), prepared in this server session
+    by an earlier client of a pooler (``_Statement.compile``)."""
+    with contextlib.suppress(psycopg.errors.DuplicatePreparedStatement):
+        _checked(results)
+
+
 def _reusable(pgconn: pq.abc.PGconn, exc: BaseException) -> bool:
     """Whether a connection is fine after a step raised ``exc``: only after the server's
     own error reply, read to the end (the connection idle again), and not one that says
@@ -1027,7 +1045,7 @@ class _Session:
         pgconn = self.pgconn
         if statement.name not in self.prepared:
             pgconn.send_prepare(statement.name, statement.sql, statement.types)
-            _checked(self._results(deadline, timeout))
+            _prepared(self._results(deadline, timeout))
             self.prepared.add(statement.name)
         pgconn.send_query_prepared(statement.name, params)
         return _checked(self._results(deadline, timeout))
@@ -1222,7 +1240,7 @@ class _AsyncSession:
         pgconn = self.pgconn
         if statement.name not in self.prepared:
             pgconn.send_prepare(statement.name, statement.sql, statement.types)
-            _checked(await self._results(deadline, timeout))
+            _prepared(await self._results(deadline, timeout))
             self.prepared.add(statement.name)
         pgconn.send_query_prepared(statement.name, params)
         return _checked(await self._results(deadline, timeout))
@@ -1413,6 +1431,14 @@ def _backoff(failures: int) -> float:
     return float(min(2.0, 0.05 * 2**failures))
 
 
+# The listener connection idles by design: a role's idle_session_timeout (PostgreSQL 14
+# and later; no row before) would end it every few moments, each time ringing every
+# waiter and logging a warning (found by review).
+_LISTENER_SETUP = (
+    b"SELECT set_config(name, '0', false) FROM pg_settings WHERE name = 'idle_session_timeout'"
+)
+
+
 class _Listener:
     """One ``LISTEN`` connection per sync store, read by one daemon thread.
 
@@ -1499,6 +1525,7 @@ class _Listener:
             session: _Session | None = None
             try:
                 session = _Session(self._connect())
+                session.simple(_LISTENER_SETUP, self._timeout)
                 session.simple(f"LISTEN {self._channel}".encode(), self._timeout)
                 self._listening.set()
                 if failures:
@@ -1639,6 +1666,7 @@ class _AsyncListener:
             try:
                 conn = await self._connect()
                 async with asyncio.timeout(self._timeout):
+                    await conn.execute(_LISTENER_SETUP.decode())
                     await conn.execute(f"LISTEN {self._channel}")
                 self._listening.set()
                 if failures:  # hand-overs during the outage were not heard
@@ -1684,7 +1712,11 @@ class _Target:
         time its client does (a step waits ``timeout`` for the reply), a little earlier,
         so that a statement held up in the server (waiting for a lock) ends with an
         error that reaches the client in time, and the connection stays usable."""
-        return f"SET statement_timeout = {math.ceil(self.timeout * 900)}".encode()
+        # lock_timeout: found by review, a role's (1 ms) failed steps waiting for the
+        # key's gate, releases and give-backs among them; statement_timeout bounds them.
+        return (
+            f"SET statement_timeout = {math.ceil(self.timeout * 900)}; SET lock_timeout = 0"
+        ).encode()
 
 
 class PostgresStore:
