@@ -12,6 +12,8 @@ Exit statuses (``sysexits.h`` where one fits):
     2       bad usage or arguments (click's usage errors); nothing touched the store
     69      EX_UNAVAILABLE: the store failed or could not be reached
     70      EX_SOFTWARE: run: the lease was lost while COMMAND ran
+    74      EX_IOERR: ls, show, release: the output could not be written (a full disk,
+            a closed stdout); release may have released the key all the same
     75      EX_TEMPFAIL: run: the lock was not acquired within --timeout
     126     run: COMMAND was found but could not be executed
     127     run: COMMAND was not found
@@ -34,6 +36,7 @@ import getpass
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -129,11 +132,25 @@ class _NotAcquired(_Failure):
 
 @contextlib.contextmanager
 def _store_errors(url: str) -> Iterator[None]:
-    """Turn ``StoreError`` into exit status 69 with the store named."""
+    """Turn ``StoreError`` into exit status 69 with the store named; and ``ValueError``:
+    the arguments were checked when parsed, so one raised by a store call is the
+    store's refusal (a lock server's 400, as from another version of keymutex). Found
+    by review: a traceback and exit 1."""
     try:
         yield
     except StoreError as exc:
         raise _Unavailable(f"store {redacted(url)} failed: {scrubbed(str(exc), url)}") from exc
+    except ValueError as exc:
+        raise _Unavailable(f"store {redacted(url)} refused: {scrubbed(str(exc), url)}") from exc
+
+
+def _echo(line: str) -> None:
+    """A line of ``ls``, ``show`` or ``release`` output. With standard output closed
+    (``>&-``), click writes nothing and says nothing: found by review, such a command
+    exited 0 having shown nothing; it is the 74 of any output that cannot be written."""
+    if sys.stdout is None:
+        raise OSError(errno.EBADF, "standard output is closed")
+    click.echo(line)
 
 
 # -- argument types ------------------------------------------------------------------
@@ -174,6 +191,17 @@ def _not_utf8_hint(value: object) -> str:
             return ""
         return " (the argument's bytes are not UTF-8 text)"
     return ""
+
+
+class _FiniteRange(click.FloatRange):
+    """``click.FloatRange`` that refuses NaN, which passes its comparisons (found by
+    review: ``serve --request-timeout nan`` answered 400 to every request)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if math.isnan(number):
+            self.fail(f"{value!r} is not a number of seconds.", param, ctx)
+        return number
 
 
 class _Seconds(_SecondsParam):
@@ -496,7 +524,8 @@ def _width(text: str) -> int:
     name="keymutex",
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit statuses: 2 bad usage, 69 store unavailable, 70 lease lost (run),"
-    " 75 not acquired in time (run), 126/127 COMMAND not executable/not found (run).",
+    " 74 output not written, 75 not acquired in time (run), 126/127 COMMAND not"
+    " executable/not found (run).",
 )
 @click.version_option(__version__, prog_name="keymutex")
 def cli() -> None:
@@ -534,13 +563,13 @@ def ls_command(
         with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
             holders = locks.holders(prefix)
     if as_json:
-        click.echo(json.dumps([_as_json(holder) for holder in holders], indent=2))
+        _echo(json.dumps([_as_json(holder) for holder in holders], indent=2))
     elif not holders:
         under = f" under prefix {prefix!r}" if prefix else ""
-        click.echo(f"no locks are held{under}")
+        _echo(f"no locks are held{under}")
     else:
         for line in _table(holders):
-            click.echo(line)
+            _echo(line)
 
 
 @cli.command(name="show")
@@ -562,10 +591,10 @@ def show_command(
         with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
             holder = locks.holder(key)
     if as_json:
-        click.echo(json.dumps(_as_json(holder), indent=2))
+        _echo(json.dumps(_as_json(holder), indent=2))
         return
     if holder is None:
-        click.echo(f"{_shown(key)} is free")
+        _echo(f"{_shown(key)} is free")
         return
     now = time.time()
     fields = [
@@ -580,7 +609,7 @@ def show_command(
         ("info", _info_text(holder.info)),
     ]
     for name, value in fields:
-        click.echo(f"{name + ':':<10}{value}".rstrip())
+        _echo(f"{name + ':':<10}{value}".rstrip())
 
 
 @cli.command(name="release")
@@ -628,7 +657,7 @@ def release_command(
     url = _store_url(store)
     info = {"cmd": "keymutex release --force", "host": socket.gethostname(), "pid": os.getpid()}
     if _no_sqlite_file(url):
-        click.echo(f"{_shown(key)} is free; nothing to release")
+        _echo(f"{_shown(key)} is free; nothing to release")
         return
     with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
         force_release = getattr(locks._store, "force_release", None)
@@ -647,10 +676,10 @@ def release_command(
                 lease.release()
                 fence = lease.fence
     if holder is None:
-        click.echo(f"{_shown(key)} is free; nothing to release")
+        _echo(f"{_shown(key)} is free; nothing to release")
         return
-    click.echo(f"released {_shown(key)}: displaced {_describe(holder)}")
-    click.echo(f"{_shown(key)} is free; its next holder gets a fence above {fence}")
+    _echo(f"released {_shown(key)}: displaced {_describe(holder)}")
+    _echo(f"{_shown(key)} is free; its next holder gets a fence above {fence}")
 
 
 def _user() -> str | None:
@@ -733,7 +762,7 @@ def _listen(host: str, port: int) -> socket.socket:
 )
 @click.option(
     "--request-timeout",
-    type=click.FloatRange(0.1, 3600),
+    type=_FiniteRange(0.1, 3600),
     default=10.0,
     show_default=True,
     metavar="SECONDS",
@@ -838,12 +867,15 @@ def serve_command(
 # -- run -----------------------------------------------------------------------------
 
 
-def _terminal_delivered_to_child(signum: int) -> bool:
+def _terminal_delivered_to_child(signum: int, child: int) -> bool:
     """Whether the terminal already sent ``signum`` to the child (Ctrl-C, Ctrl-\\).
 
-    The child runs in keymutex's process group. When that group is the foreground
+    The child starts in keymutex's process group. When its group is the foreground
     group of the controlling terminal, the terminal delivers SIGINT and SIGQUIT to
-    every process of it, the child included: forwarding would deliver them twice.
+    every process of it, the child included: forwarding would deliver them twice. A
+    child that left for a group of its own (GNU ``timeout``, ``setsid``) is not sent
+    them by the terminal: found by review, Ctrl-C then reached keymutex alone, which
+    forwarded nothing, and the command ran on holding the lock.
     """
     if signum not in TERMINAL_SIGNALS:
         return False
@@ -852,7 +884,7 @@ def _terminal_delivered_to_child(signum: int) -> bool:
     except OSError:
         return False  # no controlling terminal: the signal was sent by kill(2)
     try:
-        return os.tcgetpgrp(fd) == os.getpgrp()
+        return os.tcgetpgrp(fd) == os.getpgid(child)
     except OSError:
         return False
     finally:
@@ -1010,7 +1042,7 @@ class _Run:
 
     def _forward(self, signum: int) -> None:
         assert self.process is not None
-        if not _terminal_delivered_to_child(signum):
+        if not _terminal_delivered_to_child(signum, self.process.pid):
             _signal(self.process, signum, descendants=signum in ENDING_SIGNALS)
 
     def on_lost(self, lease: object) -> None:
@@ -1340,7 +1372,8 @@ def run_command(
     are forwarded to COMMAND, and keymutex exits once COMMAND has; the first four also
     reach the processes COMMAND started (a script's own commands), as a terminal's
     would. Ctrl-C and Ctrl-\\ at a terminal already reach COMMAND (it is in the
-    terminal's foreground process group), so they are not forwarded twice; keymutex
+    terminal's foreground process group), so they are not forwarded twice (a COMMAND
+    that left that group, as GNU timeout and setsid do, is sent them); keymutex
     cannot tell them from a SIGINT or SIGQUIT sent to it with kill while it runs in a
     terminal's foreground, which is therefore not forwarded either (send SIGTERM, or
     signal COMMAND itself). A signal keymutex was started ignoring (nohup, a script's

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import http.server
 import json
 import os
+import pty
+import select
 import shlex
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -314,6 +318,47 @@ def test_a_ctrl_c_stops_the_shell_loop_that_runs_keymutex(store: str, env: dict[
     assert shell.returncode == -signal.SIGINT
     assert out == ""
     assert holder_json("job", store, env) is None
+
+
+@pytest.mark.parametrize(
+    ("program", "key"),
+    [
+        pytest.param(["timeout", "60"], b"\x03", id="timeout-Ctrl-C"),
+        pytest.param(["timeout", "60"], b"\x1c", id="timeout-Ctrl-backslash"),
+        pytest.param(["setsid"], b"\x03", id="setsid-Ctrl-C"),
+    ],
+)
+def test_ctrl_c_at_a_terminal_reaches_a_command_in_a_process_group_of_its_own(
+    store: str, env: dict[str, str], program: list[str], key: bytes
+) -> None:
+    """Found by review: GNU timeout and setsid leave keymutex's process group, so the
+    terminal's SIGINT (SIGQUIT) reached keymutex alone, which forwarded nothing: the
+    command ran on holding the lock, and the terminal hung."""
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: keymutex, in a terminal of its own
+        try:
+            command = [*KEYMUTEX, "run", "--store", store, "job", "--", *program, "sleep", "60"]
+            os.execve(command[0], command, env)
+        finally:
+            os._exit(127)
+    try:
+        deadline = time.monotonic() + WAIT
+        while holder_json("job", store, env) is None:
+            assert time.monotonic() < deadline, "keymutex never held the key"
+            time.sleep(0.05)
+        time.sleep(0.3)  # the command has left the group by now
+        os.write(terminal, key)
+        while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            assert time.monotonic() < deadline + WAIT, "the command ran on after Ctrl-C"
+            with contextlib.suppress(OSError):
+                select.select([terminal], [], [], 0.05) and os.read(terminal, 4096)
+        assert os.WIFSIGNALED(ended[1])
+        assert holder_json("job", store, env) is None
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(terminal)
 
 
 @pytest.mark.parametrize(
@@ -957,3 +1002,63 @@ def test_version_and_help(env: dict[str, str]) -> None:
     help_text = keymutex("run", "--help", env=env).stdout
     assert "KEYMUTEX_FENCE" in help_text
     assert "Lost lease" in help_text
+
+
+# -- found by review: what is not the lock server, and output that cannot be written -----
+
+
+class _Gateway(http.server.BaseHTTPRequestHandler):
+    """An API gateway in front of nothing: 400 with a JSON body of its own."""
+
+    def _answer(self) -> None:
+        body = b'{"message": "Bad Request"}'
+        self.send_response(400)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "args", [["ls"], ["show", "k"], ["release", "k", "--force"], ["run", "k", "--", "true"]]
+)
+def test_a_400_from_something_else_than_the_lock_server_is_one_line_and_69(
+    env: dict[str, str], args: list[str]
+) -> None:
+    """Found by review: a JSON 400 (an API gateway, a proxy) became ValueError: a
+    traceback and exit 1, on every subcommand."""
+    gateway = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Gateway)
+    threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{gateway.server_address[1]}"
+        result = keymutex(args[0], "--store", url, *args[1:], env=env, check=69)
+        assert result.stderr.count("\n") == 1
+        assert "answered" in result.stderr
+        assert "Bad Request" in result.stderr
+    finally:
+        gateway.shutdown()
+        gateway.server_close()
+
+
+def test_a_closed_stdout_is_exit_74_not_silence(store: str, env: dict[str, str]) -> None:
+    """Found by review: `keymutex ls >&-` showed nothing and exited 0."""
+    keymutex("run", "k", "--store", store, "--", "true", env=env)
+    closed = subprocess.run(
+        [*KEYMUTEX, "ls", "--store", store], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, timeout=WAIT, check=False,
+        preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert closed.returncode == 74, closed.stderr
+    assert "standard output is closed" in closed.stderr
+
+
+def test_serve_refuses_a_request_timeout_that_is_not_a_number(env: dict[str, str]) -> None:
+    """Found by review: --request-timeout nan passed the range check, and the server
+    answered 400 to every request."""
+    result = keymutex("serve", "--port", "0", "--request-timeout", "nan", env=env, check=2)
+    assert "--request-timeout" in result.stderr

@@ -170,11 +170,12 @@ def _expect(what: str, status: int, payload: JSONDict, conflict: str | None = No
         # Not one of the server's errors, which all say what happened: found by review,
         # a proxy's {"error": "bad gateway"} ended the message with an empty tail.
         message = f"{_json_text(payload)} (not the lock server's answer: a proxy in between?)"
-    if status == 400:
+    if status == 400 and error == "invalid_argument":
         raise ValueError(f"the lock server refused {what}: {message}")
     if status == 401:
         message += f" (this client sends the API token of api_token=… or ${TOKEN_ENVVAR})"
-    raise StoreError(f"the lock server answered {what} with {status} {error}: {message}")
+    code = f" {error}" if isinstance(error, str) and error else ""
+    raise StoreError(f"the lock server answered {what} with {status}{code}: {message}")
 
 
 class _Protocol:
