@@ -308,6 +308,67 @@ def test_force_release_names_the_lease_and_spares_one_that_took_the_key_meanwhil
                 bob.renew()
 
 
+def test_a_key_that_turns_text_around_does_not_turn_the_message_around(
+    server: Server, store: str, windows: Windows
+) -> None:
+    """Found by review: a right-to-left override in a key (U+202E) reversed the rest of
+    the sentence it was shown in ("Released invoice/,yp yb dleh…"), its holder and
+    fence among them. It is shown as an escape, as the command line shows it."""
+    key = "invoice/\u202e1gp.exe"
+    page = windows.open("dashboard")
+    page.goto(server.url)
+    with keymutex.Locks(store, owner="py") as locks:
+        lease = locks.acquire(key, ttl=60)
+        page.get_by_role("button", name=f"Force release {key}").click()
+        page.fill("#reason", "spoofing test")
+        page.get_by_role("button", name="Force release", exact=True).click()
+        expect(page.locator("#message")).to_have_text(
+            f"Released invoice/\\u202e1gp.exe (held by py, fence {lease.fence})."
+        )
+
+
+def test_focus_returns_to_the_rows_button_after_the_dialog_though_rows_were_redrawn(
+    server: Server, store: str, windows: Windows
+) -> None:
+    """Found by review: a snapshot while the force-release dialog was open rebuilt the
+    rows, and Escape left the keyboard's focus on <body>, its place lost."""
+    page = windows.open("dashboard")
+    page.goto(server.url)
+    with keymutex.Locks(store) as locks:
+        lease = locks.acquire("kb/1", ttl=60)
+        button = page.get_by_role("button", name="Force release kb/1")
+        button.focus()
+        page.keyboard.press("Enter")
+        expect(page.locator("#force-dialog")).to_be_visible()
+        other = locks.acquire("kb/2", ttl=60)  # a change: a new snapshot, rows redrawn
+        expect(page.locator("tr[data-key='kb/2']")).to_have_count(1)
+        page.keyboard.press("Escape")
+        expect(page.get_by_role("button", name="Force release kb/1")).to_be_focused()
+        other.release()
+        lease.release()
+
+
+def test_a_long_key_and_owner_wrap_rather_than_widen_the_pages(
+    server: Server, store: str, windows: Windows
+) -> None:
+    """Found by review: a key in the edit page's heading, and an owner without spaces on
+    the dashboard, never wrapped: the pages scrolled sideways (2,663 px for 1,200)."""
+    key = "documents/5f3c9a7e8b2d4c1fa6e09b7d3c2f1a48"
+    with keymutex.Locks(store, owner="worker-" + "x" * 200) as locks:
+        lease = locks.acquire(key, ttl=60)
+        page = windows.open("dashboard")
+        page.set_viewport_size({"width": 1200, "height": 800})
+        page.goto(server.url)
+        expect(page.locator(f"tr[data-key='{key}']")).to_have_count(1)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1200
+        phone = windows.open("phone")
+        phone.set_viewport_size({"width": 375, "height": 800})
+        phone.goto(f"{server.url}/demo/edit/{key}")
+        expect(phone.locator("h1 code")).to_have_text(key)
+        assert phone.evaluate("document.documentElement.scrollWidth") <= 375
+        lease.release()
+
+
 def test_force_release_refuses_a_reason_of_spaces(
     server: Server, store: str, windows: Windows
 ) -> None:

@@ -206,6 +206,33 @@ def test_event_snapshots_list_the_first_rows_and_count_them_all(
     assert "total" not in everything
 
 
+def test_a_held_key_past_the_first_rows_is_not_shown_free(
+    live: Live, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: holders and waiting counts were cut to STREAM_ROWS each, so a
+    held key past the holders' cut, waited for, came with its waiting count alone, and
+    the dashboard showed it free, without its holder or a force release."""
+    from keymutex.server import _app
+
+    monkeypatch.setattr(_app, "STREAM_ROWS", 5)
+    for n in range(7):
+        _acquire(http, f"row:{n}", ttl=60)
+    with httpx.Client(base_url=live.url, timeout=PATIENCE) as other:
+        thread, _ = _in_thread(
+            lambda: other.post("/v1/acquire", json={"key": "row:6", "timeout": 2})
+        )
+        deadline = time.monotonic() + PATIENCE
+        while http.get("/v1/holders", params={"prefix": "row:"}).json()["waiting"] != {"row:6": 1}:
+            assert time.monotonic() < deadline, "the waiter never queued"
+            time.sleep(0.01)
+        with http.stream("GET", "/v1/events", params={"prefix": "row:"}) as stream:
+            snapshot = _next_event(stream.iter_lines())
+        thread.join()
+    shown = {h["key"] for h in snapshot["holders"]}
+    assert set(snapshot["waiting"]) <= shown, "a waited-for key shown without its holder"
+    assert snapshot["total"] == 7
+
+
 def test_pages_may_not_be_framed_by_other_sites(http: httpx.Client) -> None:
     """Found by review: the dashboard (force release) and the edit page (take over) are
     one click from acting, and any site could show them in a frame (clickjacking)."""

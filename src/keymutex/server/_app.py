@@ -791,7 +791,9 @@ class _Server:
         self, namespace: str, prefix: str, visible: Sequence[str], rows: int | None = None
     ) -> dict[str, Any]:
         """What ``holders`` answers: the holders and waiting counts the caller may see;
-        with ``rows``, the first ``rows`` of each by key, and ``total`` (holders)."""
+        with ``rows``, those of the first ``rows`` keys, held or waited for, and
+        ``total`` (holders). Found by review: cut to ``rows`` each, a held key past the
+        holders' cut but within the waiting counts' was shown free on the dashboard."""
         async with self.namespaces.using(namespace) as locks:
             holders = await locks.holders(prefix)
         now = time.time()
@@ -805,12 +807,17 @@ class _Server:
             for key, count in sorted(self.changes.waiting_in(namespace).items())
             if shown(key)
         ]
+        total = len(held)
+        if rows is not None:
+            first = set(sorted({h.key for h in held} | {key for key, _ in waiting})[:rows])
+            held = [h for h in held if h.key in first]
+            waiting = [(key, count) for key, count in waiting if key in first]
         snapshot: dict[str, Any] = {
-            "holders": [holder_json(h, now=now) for h in held[:rows]],
-            "waiting": dict(waiting[:rows]),
+            "holders": [holder_json(h, now=now) for h in held],
+            "waiting": dict(waiting),
         }
         if rows is not None:
-            snapshot["total"] = len(held)
+            snapshot["total"] = total
         return snapshot
 
     async def stream_snapshot(self, view: View) -> str:

@@ -386,10 +386,20 @@ function tick() {
  * the request carries the fence, so a lease that took the key meanwhile is not released.
  * @param {{key: string, owner: string, fence: number, acquired_at: number}} holder
  */
+/**
+ * A key or name inside a sentence, its bidirectional controls shown as escapes (as the
+ * command line shows them): found by review, a right-to-left override in a key
+ * (U+202E) turned the rest of the sentence around ("Released invoice/,yp yb dleh…").
+ * @param {string} text
+ */
+function isolated(text) {
+  return text.replace(/[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
+}
+
 function openForceRelease(holder) {
   state.force = {key: holder.key, owner: holder.owner, fence: holder.fence};
   view.forceKey.textContent = holder.key;
-  view.forceHolder.textContent = `Held by ${holder.owner} (fence ${holder.fence}) since ${clock(holder.acquired_at)}.`;
+  view.forceHolder.textContent = `Held by ${isolated(holder.owner)} (fence ${holder.fence}) since ${clock(holder.acquired_at)}.`;
   view.reason.value = '';
   showForceError('');
   view.dialog.showModal();
@@ -419,7 +429,7 @@ view.forceForm.addEventListener('submit', async (/** @type {SubmitEvent} */ even
   try {
     const {released, holder} = await client().forceRelease(key, reason, {fence});
     view.dialog.close();
-    showMessage(released ? `Released ${key} (held by ${holder?.owner ?? owner}, fence ${holder?.fence ?? fence}).` : `${key} was not held any more.`);
+    showMessage(released ? `Released ${isolated(key)} (held by ${isolated(holder?.owner ?? owner)}, fence ${holder?.fence ?? fence}).` : `${isolated(key)} was not held any more.`);
   } catch (error) {
     if (error instanceof Unauthorized) {
       view.dialog.close();
@@ -435,6 +445,13 @@ view.forceForm.addEventListener('submit', async (/** @type {SubmitEvent} */ even
   }
 });
 $('force-cancel').addEventListener('click', () => view.dialog.close());
+// Back to the row's button: found by review, a snapshot while the dialog was open
+// rebuilt the rows, and the button focus would return to was gone (focus on <body>).
+view.dialog.addEventListener('close', () => {
+  const key = state.force?.key;
+  if (key === undefined) return;
+  /** @type {HTMLElement | null} */ (view.rows.querySelector(`tr[data-key="${CSS.escape(key)}"] button`) ?? view.rows.closest('table'))?.focus();
+});
 
 // ---------------------------------------------------------------------------------
 // Filter, token, messages

@@ -103,7 +103,17 @@ function setEditable(editable) {
 /** @param {import('./keymutex.js').Holder} holder */
 function who(holder) {
   const display = holder.info?.name;
-  return typeof display === 'string' && display ? display : holder.owner;
+  return isolated(typeof display === 'string' && display ? display : holder.owner);
+}
+
+/**
+ * A key or name inside a sentence, its bidirectional controls shown as escapes (as the
+ * command line shows them): found by review, a right-to-left override in a key
+ * (U+202E) turned the rest of the sentence around ("Released invoice/,yp yb dleh…").
+ * @param {string} text
+ */
+function isolated(text) {
+  return text.replace(/[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
 }
 
 /** @param {import('./keymutex.js').Holder} holder */
@@ -183,7 +193,7 @@ function showEditing() {
     const detail = heartbeatTrouble
       ? `${unreachable(heartbeatTrouble)}; retrying…`
       : 'Others who open this document see that you are editing it.';
-    show('editing', `Editing as ${name}`, detail, {stop: true});
+    show('editing', `Editing as ${isolated(name)}`, detail, {stop: true});
     view.text.readOnly = false;
     return;
   }
