@@ -142,13 +142,17 @@ class LeaseState:
 
     @property
     def remaining(self) -> float:
-        """Seconds left by this process's monotonic clock (0 once past)."""
+        """Seconds left by this process's monotonic clock (0 once past, and once the
+        lease is known to be lost: found by review, a lease taken over went on showing
+        the seconds to its old deadline, to code that checks ``remaining``)."""
+        if self._lost:
+            return 0.0
         return max(0.0, self._deadline - _clock.monotonic())
 
     @property
     def lost(self) -> bool:
         """``True`` once the lease is known to be gone, or its deadline has passed."""
-        return self._lost or (not self._released and self.remaining <= 0)
+        return self._lost or (not self._released and self._deadline <= _clock.monotonic())
 
     def _check_process(self) -> None:
         """A lease is renewed and released only by the process it was granted to."""

@@ -435,6 +435,19 @@ async def test_an_on_lost_coroutine_may_close_its_own_client(
         await locks.holder("k")
 
 
+def test_a_lost_lease_has_no_time_remaining(url: str) -> None:
+    """Found by review: a lease taken over went on counting down to its old deadline,
+    and code that checks ``remaining`` rather than ``lost`` went on writing."""
+    lost = threading.Event()
+    with keymutex.Locks(url, ttl=6) as locks, keymutex.Locks(url) as thief:
+        lease = locks.acquire("k", renew=True, on_lost=lambda _: lost.set())
+        assert lease.remaining > 0  # renewed every 2 s: found lost with 4 s or more left
+        thief.acquire("k", steal=True, timeout=0)
+        assert lost.wait(PATIENCE)
+        assert lease.lost
+        assert lease.remaining == 0
+
+
 # --- LockLost.holder after a loss at the deadline ----------------------------------------
 
 
