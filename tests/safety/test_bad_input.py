@@ -862,7 +862,7 @@ BAD_URLS: list[tuple[str, object, dict[str, object], type[Exception], str, str |
     ("redis-bad-query-value", "redis://127.0.0.1:6379/0?socket_timeout=soon", {}, ValueError, "is not a Redis URL: Invalid value for 'socket_timeout' in connection URL.", None),
     ("redis-unknown-option", "redis://127.0.0.1:6379/0", {"pool": 3}, TypeError, "unknown Redis store options ['pool']; accepted: ['client_name',", None),
     ("redis-query-socket-timeout-negative", "redis://127.0.0.1:6379/0?socket_timeout=-1", {}, ValueError, "'redis://127.0.0.1:6379/0?socket_timeout=-1' is not a Redis URL: Redis option socket_timeout must be seconds > 0 and at most 2147483, not -1.0", None),
-    ("redis-query-max-connections-huge", "redis://127.0.0.1:6379/0?max_connections=100000000", {}, ValueError, "is not a Redis URL: Redis option max_connections must be an int from 1 to 10000, not 100000000", None),
+    ("redis-query-max-connections-huge", "redis://127.0.0.1:6379/0?max_connections=100000000", {}, ValueError, "is not a Redis URL: Redis option max_connections must be an int from 2 to 10000, not 100000000", None),
     ("redis-unknown-query", "redis://127.0.0.1:6379/0?colour=blue", {}, ValueError, "'redis://127.0.0.1:6379/0?colour=blue' is not a Redis URL: unknown query option(s) ['colour']; accepted: ['client_name', 'db',", None),
     ("redis-repeated-query", "redis://127.0.0.1:6379/0?db=1&db=2", {}, ValueError, "is not a Redis URL: query option(s) ['db'] given twice", None),
     ("redis-query-timeout", "redis://127.0.0.1:6379/0?timeout=1", {}, ValueError, "is not a Redis URL: unknown query option(s) ['timeout']", None),
@@ -940,7 +940,7 @@ BAD_URLS: list[tuple[str, object, dict[str, object], type[Exception], str, str |
     ("redis-socket-timeout-negative", "redis://127.0.0.1:1/0", {"socket_timeout": -1}, ValueError, "Redis option socket_timeout must be seconds > 0 and at most 2147483, not -1", None),
     ("redis-health-check-list", "redis://127.0.0.1:1/0", {"health_check_interval": [1]}, TypeError, "Redis option health_check_interval must be seconds (a number), not [1]", None),
     ("redis-health-check-negative", "redis://127.0.0.1:1/0", {"health_check_interval": -1}, ValueError, "Redis option health_check_interval must be seconds >= 0 (0: never) and at most 2147483, not -1", None),
-    ("redis-max-connections-zero", "redis://127.0.0.1:1/0", {"max_connections": 0}, ValueError, "Redis option max_connections must be an int from 1 to 10000, not 0", None),
+    ("redis-max-connections-zero", "redis://127.0.0.1:1/0", {"max_connections": 0}, ValueError, "Redis option max_connections must be an int from 2 to 10000, not 0", None),
     ("redis-password-not-text", "redis://127.0.0.1:1/0", {"password": 1234}, TypeError, "Redis store option password must be a str, not a value", None),
     # The lock server's range of ttl, refused before anything is sent
     ("http-ttl-above-a-day", "http://127.0.0.1:1", {"ttl": 86401}, ValueError, "ttl must be greater than 0 and at most 86400 s, not 86401", None),

@@ -100,6 +100,8 @@ class Model:
         return view.lost or (not view.released and self.clock() >= view.deadline)
 
     def remaining(self, view: LeaseView) -> float:
+        if view.lost:  # known lost: no time left, whatever the deadline
+            return 0.0
         return max(0.0, view.deadline - self.clock())
 
     def describe(self) -> str:
