@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 import keymutex
+from keymutex._store import RenewRequest
 
-from ._support import PATIENCE, assert_is_holder_of
+from ._support import PATIENCE, assert_is_holder_of, wait_until
 
 # A renewal reply that comes after the lease's local deadline no longer saves it (the
 # holder was told at the deadline): a TTL that leaves a busy host (or a lock server on
@@ -139,6 +140,36 @@ def test_on_lost_fires_once_when_a_renewing_lease_is_stolen(
     assert_is_holder_of(lost.value.holder, stolen)
     assert lease.lost is True
     assert_is_holder_of(thief.holder("job"), stolen)
+    stolen.release()
+
+
+def test_a_batch_renewal_refuses_stale_tokens_and_leaves_the_new_holders_alone(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    """The renewer sends the leases due together in one batch (the store's
+    ``renew_many``). Found by a mutation audit: nothing checked that a batch refuses a
+    token whose lease was stolen or has expired (PostgreSQL's would have renewed the
+    thief's lease to the old holder's TTL, and told the old holder it still held it)."""
+    holder, thief = make_locks(), make_locks(owner="thief")
+    kept = holder.acquire("kept", ttl=60)
+    taken = holder.acquire("taken", ttl=60)
+    ended = holder.acquire("ended", ttl=SHORT_TTL)
+    stolen = thief.acquire("taken", ttl=60, steal=True, timeout=0)
+    wait_until(lambda: thief.holder("ended") is None, "the store sees the lease expired")
+    outcomes = holder._store.renew_many(
+        [
+            RenewRequest("kept", kept.token, 30.0),
+            RenewRequest("taken", taken.token, 2.0),
+            RenewRequest("ended", ended.token, 30.0),
+        ]
+    )
+    assert [outcome.ok for outcome in outcomes] == [True, False, False]
+    seen = thief.holder("taken")
+    assert_is_holder_of(seen, stolen)
+    assert seen is not None
+    assert seen.expires_at - time.time() > 30, "a stale token renewed the thief's lease"
+    assert thief.holder("ended") is None, "a batch revived an expired lease"
+    kept.release()
     stolen.release()
 
 
