@@ -303,6 +303,36 @@ def test_a_process_in_a_time_namespace_judges_expiry_as_the_host_does(tmp_path: 
             shifted.kill()
 
 
+def test_a_process_that_makes_a_time_namespace_for_its_children_keeps_the_hosts_clock() -> None:
+    """Found by review of the fix above: /proc/self/timens_offsets describes the
+    namespace of a process's children; one that had unshared a time namespace for them
+    (and stayed in its own) read its clock 50,000 s off. Its child, forked afterwards,
+    is in the new namespace and must read the host's clock too."""
+    if not _time_namespaces():
+        pytest.skip("cannot make a time namespace here (needs root)")
+    code = """if True:
+        import ctypes, os, time
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.unshare(0x80) == 0  # CLONE_NEWTIME, for the children
+        with open("/proc/self/timens_offsets", "w") as file:
+            file.write("boottime 50000 0")
+        from keymutex import _clock
+        print(round(_clock.monotonic() - time.clock_gettime(time.CLOCK_BOOTTIME)), flush=True)
+        reader, writer = os.pipe()
+        if os.fork() == 0:
+            os.write(writer, b"%d" % round(_clock.monotonic()))
+            os._exit(0)
+        os.wait()
+        print(round(float(os.read(reader, 64)) - time.clock_gettime(time.CLOCK_BOOTTIME)))
+    """
+    ran = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
+    parent, child = (int(line) for line in ran.stdout.split())
+    assert parent == 0, "the process that made the namespace read its clock off"
+    assert abs(child) <= 1, "its child, in the namespace, read its clock off"
+
+
 def test_leases_of_an_earlier_boot_are_dropped(tmp_path: Path) -> None:
     db = tmp_path / "locks.db"
     with keymutex.Locks(f"sqlite:///{db}") as locks:

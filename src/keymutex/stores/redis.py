@@ -775,10 +775,17 @@ def _refused_subscription(channel: str, refusal: Exception) -> StoreError:
     (``acl-pubsub-default resetchannels``); the refused SUBSCRIBE was only logged, and
     every waiting acquire waited 5 s, whatever its timeout, for a confirmation that
     never came, then said nothing of why."""
+    permission = isinstance(refusal, redis.exceptions.NoPermissionError) or "permission" in str(
+        refusal
+    )
+    hint = (
+        ". An ACL user needs the channels km:* (ACL SETUSER … '&km:*'), or allchannels"
+        if permission
+        else ""
+    )
     error = StoreError(
         f"Redis refused the subscription to {channel!r}, on which this client waits to hear"
-        f" of releases: {refusal}. An ACL user needs the channels km:* (ACL SETUSER"
-        " … '&km:*'), or allchannels"
+        f" of releases: {refusal}{hint}"
     )
     error.__cause__ = refusal
     return error
