@@ -100,6 +100,35 @@ def test_releasing_a_lease_lost_by_its_deadline_frees_the_key_the_store_still_sh
         assert locks.holder("k") is None, "the key stays held until the store's TTL"
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_release_past_the_deadline_of_a_lease_not_renewed_is_lock_lost(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
+) -> None:
+    """No renewer marks it lost: the release itself finds its deadline passed by this
+    client's clock, though the store (its own clock) still shows it. Found by a mutation
+    audit: a release that ignored the deadline, and said it released a lease that may
+    have been another's by then, survived every test."""
+    namespace = f"ran-out-unrenewed-{asynchronous}"
+    if asynchronous:
+
+        async def main() -> None:
+            async with keymutex.AsyncLocks(redis_url, namespace=namespace, ttl=30) as locks:
+                lease = await locks.acquire("k", renew=False)
+                _run_out(monkeypatch, 40)
+                with pytest.raises(keymutex.LockLost):
+                    await lease.release()
+                assert await locks.holder("k") is None
+
+        asyncio.run(main())
+        return
+    with keymutex.Locks(redis_url, namespace=namespace, ttl=30) as locks:
+        lease = locks.acquire("k", renew=False)
+        _run_out(monkeypatch, 40)
+        with pytest.raises(keymutex.LockLost):
+            lease.release()
+        assert locks.holder("k") is None, "the key stays held until the store's TTL"
+
+
 @pytest.mark.asyncio
 async def test_releasing_an_async_lease_lost_by_its_deadline_frees_the_key(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
