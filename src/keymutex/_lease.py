@@ -218,7 +218,8 @@ class Lease(LeaseState):
         self._renewing = threading.Lock()
 
     def renew(self, ttl: float | None = None) -> Lease:
-        """Renew the lease to ``ttl`` seconds from now (default: its current TTL); ``LockLost`` if gone."""
+        """Renew the lease to ``ttl`` seconds from now (default: its current TTL);
+        ``LockLost`` if gone."""
         self._locks._renew_lease(self, ttl)
         return self
 
@@ -263,7 +264,8 @@ class AsyncLease(LeaseState):
         self._renewing = asyncio.Lock()  # as Lease._renewing
 
     async def renew(self, ttl: float | None = None) -> AsyncLease:
-        """Renew the lease to ``ttl`` seconds from now (default: its current TTL); ``LockLost`` if gone."""
+        """Renew the lease to ``ttl`` seconds from now (default: its current TTL);
+        ``LockLost`` if gone."""
         await self._locks._renew_lease(self, ttl)
         return self
 
