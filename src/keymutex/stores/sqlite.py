@@ -155,29 +155,30 @@ _GRANT_IF_FREE = (
     " FROM keymutex_waiters WHERE namespace = ?1 AND key = ?2 AND expires > ?8)"
     " RETURNING fence"
 )
-# Grant to the first live waiter that can be woken, if it can be rung from here (its
-# address is of our network namespace: see _elsewhere): ? = acquired_at, now,
-# namespace, key, now, len(_HERE), _HERE. Returns the lease and where to send the news.
-# Found by review: a waiter of another namespace (a container sharing the file) was
-# handed the key too, unheard; dead (its container stopped), it held the key for its
-# whole TTL, not the WAITER_TTL its row lapses after. The key now stays free for it,
-# the queue's head, and it takes it at its next recheck.
+# Grant to the first live waiter that can be woken: ? = acquired_at, now, namespace, key,
+# now. Returns the lease and where to send the news. Run only once that waiter is known
+# to be of our network namespace (``_hand_off``).
 _HAND_OFF = (
     "INSERT OR REPLACE INTO keymutex_leases"
     + _LEASE_COLUMNS
     + " SELECT namespace, key, token, owner, info,"
     " (SELECT value + 1 FROM keymutex_meta WHERE name = 'fence'), ?, ? + ttl, address"
-    " FROM (SELECT * FROM keymutex_waiters WHERE namespace = ? AND key = ? AND expires > ?"
-    " AND address IS NOT NULL ORDER BY seq LIMIT 1) WHERE substr(address, 1, ?) = ?"
+    " FROM keymutex_waiters WHERE namespace = ? AND key = ? AND expires > ?"
+    " AND address IS NOT NULL ORDER BY seq LIMIT 1"
     " RETURNING token, owner, info, fence, acquired_at, expires, wake"
 )
+# The address of the waiter _HAND_OFF would grant the key to: ? = namespace, key, now.
+_FIRST_WAITER = (
+    "SELECT address FROM keymutex_waiters WHERE namespace = ?1 AND key = ?2 AND expires > ?3"
+    " AND address IS NOT NULL ORDER BY seq LIMIT 1"
+)
 # Release: only the token's own lease (an expired one is deleted too, and reported lost).
-# ? = namespace, key, token, now. Returns its expiry, and whether a waiter that can be
-# handed the key is queued (what _HAND_OFF would find): if none, there is nothing to do.
+# ? = namespace, key, token, now. Returns its expiry, and the address of the waiter that
+# _HAND_OFF would grant the key to, if any (none: there is nothing to do).
 _RELEASE = (
     "DELETE FROM keymutex_leases WHERE namespace = ?1 AND key = ?2 AND token = ?3"
-    " RETURNING expires, EXISTS (SELECT 1 FROM keymutex_waiters WHERE namespace = ?1"
-    " AND key = ?2 AND expires > ?4 AND address IS NOT NULL)"
+    " RETURNING expires, (SELECT address FROM keymutex_waiters WHERE namespace = ?1"
+    " AND key = ?2 AND expires > ?4 AND address IS NOT NULL ORDER BY seq LIMIT 1)"
 )
 # Renew: only the token's own live lease; returns the renewed lease.
 _RENEW = (
@@ -711,14 +712,27 @@ class SqliteStore:
                     return tuple(row)
                 conn.execute(_DELETE_WAITER, (self._namespace, key, row[0]))
 
-    def _hand_off(self, conn: sqlite3.Connection, key: str, now: float) -> _Handoff | None:
-        """Grant a free ``key`` to its first waiter, in the caller's transaction.
+    def _hand_off(
+        self, conn: sqlite3.Connection, key: str, now: float, first: bytes | None = None
+    ) -> _Handoff | None:
+        """Grant a free ``key`` to its first waiter, in the caller's transaction; ``first``
+        is its address when the caller knows it (a release reads it as it deletes).
 
-        Returns what to send it once the transaction has committed.
+        Returns what to send it once the transaction has committed. A first waiter of
+        another network namespace is not handed the key: it cannot be rung, nor seen to
+        be gone, so the key stays free for it, the queue's head, and it takes it at its
+        next recheck. Found by review: handed over, the key of such a waiter that had
+        died (its container stopped) was held for its whole TTL, not the WAITER_TTL its
+        row lapses after.
         """
-        row = conn.execute(
-            _HAND_OFF, (time.time(), now, self._namespace, key, now, len(_HERE), _HERE)
-        ).fetchone()
+        if first is None:
+            found = conn.execute(_FIRST_WAITER, (self._namespace, key, now)).fetchone()
+            if found is None:
+                return None
+            (first,) = found
+        if _elsewhere(first):
+            return None
+        row = conn.execute(_HAND_OFF, (time.time(), now, self._namespace, key, now)).fetchone()
         if row is None:
             return None
         token, _, _, fence, acquired_at, expires, address = row
@@ -936,9 +950,10 @@ class SqliteStore:
             if deleted is None:
                 row = conn.execute(_SELECT_LEASE, (namespace, key)).fetchone()
                 return _outcome(False, key, row, now), None
-            expires, queued = deleted
+            expires, first = deleted
             # A lease past its expiry was no longer ours: report it lost.
-            return Outcome(expires > now), self._hand_off(conn, key, now) if queued else None
+            handoff = None if first is None else self._hand_off(conn, key, now, first)
+            return Outcome(expires > now), handoff
 
         with self._mutex:
             outcome, handoff = self._write_locked(step)
