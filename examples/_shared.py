@@ -15,15 +15,21 @@ import keymutex
 
 @contextlib.contextmanager
 def ctrl_c_ignored() -> Iterator[None]:
-    """Ctrl-C (SIGINT) is ignored in the block, and for good in the processes started in
-    it, which inherit that: a Ctrl-C at the terminal, sent to every process of the group,
-    interrupts this one alone, which stops them. (One pressed in the few milliseconds
-    that starting them takes is lost.)"""
+    """Ctrl-C (SIGINT) is ignored for good in the processes started in the block, which
+    inherit that: a Ctrl-C at the terminal, sent to every process of the group,
+    interrupts this one alone, which stops them. Here it is held back until the block
+    ends (blocked as well as ignored: Linux keeps a blocked signal pending), so one
+    pressed while they start is not lost (it was, and the example ran to its end)."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    masks = hasattr(signal, "pthread_sigmask")
+    if masks:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        if masks:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def check_shared_store(parser: argparse.ArgumentParser, url: str, example: str) -> None:
