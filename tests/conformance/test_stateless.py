@@ -15,14 +15,7 @@ import pytest
 
 import keymutex
 
-from ._support import (
-    PATIENCE,
-    assert_is_holder_of,
-    await_out,
-    await_until,
-    wait_out,
-    wait_until,
-)
+from ._support import PATIENCE, assert_is_holder_of, await_out, wait_out
 
 SHORT_TTL = 1.0  # the heartbeat comes from a client made after the grant: room for that
 
@@ -391,54 +384,3 @@ def test_a_waiting_acquire_with_the_token_that_holds_the_key_is_answered_that_le
     other = make_locks(owner="bob").acquire("retried", timeout=0)
     assert other.fence > lease.fence
     other.release()
-
-
-# A mutation audit found no test of the store's own expiry check in renew and release:
-# a renew by token could revive an expired lease (SQLite, PostgreSQL), and a release of
-# one be told it released. ``Lease.renew()`` checks its own deadline first; the
-# stateless calls of a web heartbeat rely on the store alone.
-
-
-# Redis Sentinel: once, in a clean-clone CI run (-n 3), a renew by token succeeded just
-# after holder() had shown the expired lease gone; not reproduced alone, and not yet
-# understood (the session's note). Skipped there, visibly, until it is.
-SENTINEL_OPEN = "redis+sentinel: a renew by token after expiry succeeded once in CI (open)"
-
-
-def test_a_token_whose_lease_expired_is_refused_by_renew_and_release(
-    make_locks: Callable[..., keymutex.Locks], store_url: str
-) -> None:
-    if store_url.startswith("redis+sentinel"):
-        pytest.skip(SENTINEL_OPEN)
-    lease = make_locks().acquire("k", ttl=SHORT_TTL)
-    heartbeat = make_locks()
-    wait_out(lease)
-    wait_until(lambda: heartbeat.holder("k") is None, "the store sees the lease expired")
-    with pytest.raises(keymutex.LockLost):
-        heartbeat.renew("k", lease.token, ttl=60)
-    assert heartbeat.holder("k") is None, "the renewal revived an expired lease"
-    with pytest.raises(keymutex.LockLost):
-        heartbeat.release("k", lease.token)
-    make_locks().acquire("k", timeout=0).release()
-
-
-@pytest.mark.asyncio
-async def test_a_token_whose_lease_expired_is_refused_by_renew_and_release_async(
-    make_alocks: Callable[..., keymutex.AsyncLocks], store_url: str
-) -> None:
-    if store_url.startswith("redis+sentinel"):
-        pytest.skip(SENTINEL_OPEN)
-    lease = await make_alocks().acquire("k", ttl=SHORT_TTL)
-    heartbeat = make_alocks()
-    await await_out(lease)
-
-    async def gone() -> bool:
-        return await heartbeat.holder("k") is None
-
-    await await_until(gone, "the store sees the lease expired")
-    with pytest.raises(keymutex.LockLost):
-        await heartbeat.renew("k", lease.token, ttl=60)
-    assert await heartbeat.holder("k") is None, "the renewal revived an expired lease"
-    with pytest.raises(keymutex.LockLost):
-        await heartbeat.release("k", lease.token)
-    await (await make_alocks().acquire("k", timeout=0)).release()
