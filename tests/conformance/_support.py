@@ -29,23 +29,29 @@ def default_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def wait_until(condition: Callable[[], bool], what: str, patience: float = PATIENCE) -> None:
-    """Poll ``condition`` until it holds; fail after ``patience`` seconds."""
+def wait_until(
+    condition: Callable[[], bool], what: str, patience: float = PATIENCE, every: float = 0.01
+) -> None:
+    """Poll ``condition`` until it holds, every ``every`` seconds (0: at once again);
+    fail after ``patience`` seconds."""
     deadline = time.monotonic() + patience
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {patience} s waiting until {what}")
-        time.sleep(0.01)
+        time.sleep(every)
 
 
 async def await_until(
-    condition: Callable[[], Awaitable[bool]], what: str, patience: float = PATIENCE
+    condition: Callable[[], Awaitable[bool]],
+    what: str,
+    patience: float = PATIENCE,
+    every: float = 0.01,
 ) -> None:
     deadline = time.monotonic() + patience
     while not await condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {patience} s waiting until {what}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(every)
 
 
 def wait_out(lease: Any) -> None:

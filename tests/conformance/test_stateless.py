@@ -6,7 +6,9 @@ the store's URL and calls ``renew(key, token)`` or ``release(key, token)``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import secrets
 import time
 from collections.abc import Callable
@@ -15,7 +17,14 @@ import pytest
 
 import keymutex
 
-from ._support import PATIENCE, assert_is_holder_of, await_out, wait_out
+from ._support import (
+    PATIENCE,
+    assert_is_holder_of,
+    await_out,
+    await_until,
+    wait_out,
+    wait_until,
+)
 
 SHORT_TTL = 1.0  # the heartbeat comes from a client made after the grant: room for that
 
@@ -384,3 +393,66 @@ def test_a_waiting_acquire_with_the_token_that_holds_the_key_is_answered_that_le
     other = make_locks(owner="bob").acquire("retried", timeout=0)
     assert other.fence > lease.fence
     other.release()
+
+
+# A mutation audit found no test of the store's own expiry check in renew and release:
+# a renew by token could revive an expired lease (SQLite, PostgreSQL), and a release of
+# one be told it released. ``Lease.renew()`` checks its own deadline first; the
+# stateless calls of a web heartbeat rely on the store alone.
+#
+# The store is asked again at once (no pause between reads), and the renewal follows
+# the first read that shows the key free without a pause either: a store whose
+# ``holder()`` calls a lease gone while its renew still finds it is caught in that
+# instant. (Redis did so for the millisecond in which PTTL is 0: 47 times in 60.)
+# Three leases, a third of a TTL apart, are three tries at that instant.
+EXPIRY_TRIES = 3
+
+
+def _free(locks: keymutex.Locks, key: str) -> bool:
+    return locks.holder(key) is None
+
+
+async def _afree(locks: keymutex.AsyncLocks, key: str) -> bool:
+    return await locks.holder(key) is None
+
+
+def test_a_token_whose_lease_expired_is_refused_by_renew_and_release(
+    make_locks: Callable[..., keymutex.Locks],
+) -> None:
+    locks, heartbeat = make_locks(), make_locks()
+    leases = []
+    for number in range(EXPIRY_TRIES):
+        leases.append(locks.acquire(f"expired:{number}", ttl=SHORT_TTL))
+        time.sleep(SHORT_TTL / EXPIRY_TRIES)
+    for lease in leases:
+        key = lease.key
+        wait_out(lease)
+        wait_until(functools.partial(_free, heartbeat, key), f"{key!r} is seen free", every=0)
+        with pytest.raises(keymutex.LockLost):
+            heartbeat.renew(key, lease.token, ttl=60)
+        assert heartbeat.holder(key) is None, "the renewal revived an expired lease"
+        with pytest.raises(keymutex.LockLost):
+            heartbeat.release(key, lease.token)
+        make_locks().acquire(key, timeout=0).release()
+
+
+@pytest.mark.asyncio
+async def test_a_token_whose_lease_expired_is_refused_by_renew_and_release_async(
+    make_alocks: Callable[..., keymutex.AsyncLocks],
+) -> None:
+    locks, heartbeat = make_alocks(), make_alocks()
+    leases = []
+    for number in range(EXPIRY_TRIES):
+        leases.append(await locks.acquire(f"expired:{number}", ttl=SHORT_TTL))
+        await asyncio.sleep(SHORT_TTL / EXPIRY_TRIES)
+    for lease in leases:
+        key = lease.key
+        await await_out(lease)
+        free = functools.partial(_afree, heartbeat, key)
+        await await_until(free, f"{key!r} is seen free", every=0)
+        with pytest.raises(keymutex.LockLost):
+            await heartbeat.renew(key, lease.token, ttl=60)
+        assert await heartbeat.holder(key) is None, "the renewal revived an expired lease"
+        with pytest.raises(keymutex.LockLost):
+            await heartbeat.release(key, lease.token)
+        await (await make_alocks().acquire(key, timeout=0)).release()

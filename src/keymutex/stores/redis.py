@@ -407,8 +407,12 @@ def _release_outcome(key: str, reply: Sequence[Any]) -> Outcome:
 
 
 def _hash_reply(key: str, fields: Sequence[Any], pttl: Any) -> Holder | None:
-    if fields[0] is None or pttl is None or int(pttl) <= 0:
-        return None  # gone between SCAN and read, or expiring this instant
+    # PTTL 0 is a lease in its last millisecond: Redis expires a key only once its
+    # clock has passed the expiry time, and till then the lease's token still renews
+    # it, and an acquire is still refused. Calling it free was wrong for that instant:
+    # a heartbeat sent just after holder() said "free" renewed it (47 times in 60).
+    if fields[0] is None or pttl is None or int(pttl) < 0:
+        return None  # gone between SCAN and read (-2), or not a lease of ours (-1)
     return _holder(key, [0, *fields, pttl], time.time())
 
 
