@@ -275,9 +275,12 @@ TIMEOUT = _Seconds("timeout", check_timeout)
 # -- the store -----------------------------------------------------------------------
 
 
-def default_store_url() -> str:
-    """``sqlite:///`` a ``locks.db`` in the user's data directory (created if missing)."""
+def default_store_url(*, create: bool = True) -> str:
+    """``sqlite:///`` a ``locks.db`` in the user's data directory (created if missing,
+    unless not ``create``: a command that only looks makes nothing)."""
     directory = Path(platformdirs.user_data_dir("keymutex", appauthor=False))
+    if not create:
+        return "sqlite://" + quote(str((directory / "locks.db").absolute()))
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -288,8 +291,8 @@ def default_store_url() -> str:
     return "sqlite://" + quote(str((directory / "locks.db").absolute()))
 
 
-def _store_url(store: str | None) -> str:
-    return default_store_url() if store is None else store
+def _store_url(store: str | None, *, create: bool = True) -> str:
+    return default_store_url(create=create) if store is None else store
 
 
 def _bad_store(ctx: click.Context, exc: Exception) -> NoReturn:
@@ -353,12 +356,14 @@ def _open(ctx: click.Context, kind: type[AnyLocks], url: str, namespace: str) ->
             raise _Unavailable(str(exc)) from exc
 
 
-def _no_sqlite_file(url: str) -> bool:
+def _no_sqlite_file(url: str, *, default: bool = False) -> bool:
     """Whether ``url`` is a SQLite store whose file does not exist (yet).
 
     Opening it would create the file: a command that only looks (``ls``, ``show``,
     ``release``) says instead that nothing is held there, and creates nothing, so a
-    mistyped path does not leave an empty database behind.
+    mistyped path does not leave an empty database behind. The ``default`` store's
+    directory may be missing too (a new user's first ``keymutex ls``): nothing was
+    locked there either.
     """
     if _scheme(url) != "sqlite":
         return False
@@ -373,7 +378,7 @@ def _no_sqlite_file(url: str) -> bool:
         pass
     except OSError:
         return False  # there but out of reach (EACCES, a symlink loop): opening it says so
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+    if not default and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         return False  # a directory missing: opening it says so (exit 69)
     click.echo(
         f"note: there is no SQLite database at {path!r}: nothing has been locked in it"
@@ -557,9 +562,9 @@ def ls_command(
     expires unless renewed. --json prints a list of objects with key, owner, info,
     fence, acquired_at and expires_at (UNIX seconds).
     """
-    url = _store_url(store)
+    url = _store_url(store, create=False)
     holders: list[Holder] = []
-    if not _no_sqlite_file(url):
+    if not _no_sqlite_file(url, default=store is None):
         with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
             holders = locks.holders(prefix)
     if as_json:
@@ -585,9 +590,9 @@ def show_command(
     Prints "KEY is free" (--json: null) when nobody holds it. The exit status is 0
     in both cases: test the JSON output to tell them apart.
     """
-    url = _store_url(store)
+    url = _store_url(store, create=False)
     holder: Holder | None = None
-    if not _no_sqlite_file(url):
+    if not _no_sqlite_file(url, default=store is None):
         with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:
             holder = locks.holder(key)
     if as_json:
@@ -654,9 +659,9 @@ def release_command(
             " the lock while they may still be working",
             ctx,
         )
-    url = _store_url(store)
+    url = _store_url(store, create=False)
     info = {"cmd": "keymutex release --force", "host": socket.gethostname(), "pid": os.getpid()}
-    if _no_sqlite_file(url):
+    if _no_sqlite_file(url, default=store is None):
         _echo(f"{_shown(key)} is free; nothing to release")
         return
     with _store_errors(url), _open(ctx, Locks, url, namespace) as locks:

@@ -819,6 +819,25 @@ def test_looking_at_a_sqlite_store_that_does_not_exist_creates_nothing(
     assert keymutex("ls", "--store", store, env=env).stderr == ""
 
 
+def test_looking_at_the_default_store_of_a_new_user_creates_nothing(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """Before: a new user's first ``ls``, ``show`` or ``release --force`` made the
+    default store's directory (in the user's data directory) to look into it."""
+    data = tmp_path / "xdg-data"
+    note = f"no SQLite database at '{data}/keymutex/locks.db'"
+    listed = keymutex("ls", env=env)
+    assert (listed.stdout, note in listed.stderr) == ("no locks are held\n", True)
+    shown = keymutex("show", "k", "--json", env=env)
+    assert (shown.stdout, note in shown.stderr) == ("null\n", True)
+    released = keymutex("release", "k", "--force", env=env)
+    assert (released.stdout, note in released.stderr) == ("k is free; nothing to release\n", True)
+    assert not data.exists()
+    keymutex("run", "k", "--", sys.executable, "-c", "pass", env=env)
+    assert (data / "keymutex" / "locks.db").exists()
+    assert keymutex("ls", env=env).stderr == ""
+
+
 def test_a_sqlite_file_out_of_reach_is_not_taken_for_a_missing_one(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
