@@ -1617,9 +1617,15 @@ export class LockClient {
       if (!isObject(reply)) throw malformed(`reply to ${method} ${path}`, reply, response.status);
       return read(reply, response.status);
     }
-    const code = typeof reply?.error === 'string' ? reply.error : null;
-    const message = typeof reply?.message === 'string' ? reply.message : `HTTP ${response.status} from ${method} ${path}`;
+    const code = typeof reply?.error === 'string' && reply.error ? reply.error : null;
+    const message =
+      typeof reply?.message === 'string' && reply.message.trim()
+        ? reply.message
+        : `HTTP ${response.status} from ${method} ${path}: ${JSON.stringify(reply).slice(0, 200)} (not the lock server's answer: a proxy in between?)`;
     const details = {status: response.status, code};
+    // Only the server's own errors (an error code) are typed: a proxy's JSON 401 or 403
+    // is not an Unauthorized or Forbidden of the lock server (found by review).
+    if (code === null) throw new StoreError(message, details);
     if (response.status === 409 && code === 'locked') {
       throw new Locked(key, toHolderOrNull(reply.holder, response.status), message);
     }

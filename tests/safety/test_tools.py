@@ -139,6 +139,19 @@ def test_proxy_fail_reply_answers_matched_requests_with_the_answer(
             assert _round_trip(third) == b"ping"
 
 
+def test_proxy_close_on_request_closes_instead_of_forwarding_once(
+    echo: tuple[str, int],
+) -> None:
+    with Proxy(echo) as proxy, _connect(proxy) as sock:
+        assert _round_trip(sock, b"pong") == b"pong"  # kept alive, not matched: passes
+        proxy.set_mode("close_on_request", after_request=b"ping")
+        assert _round_trip(sock) == b"", "closed (a FIN) instead of an answer"
+        assert (proxy.dropped_bytes, proxy.closed_on_request) == (len(b"ping"), 1)
+        assert proxy.mode == "pass"
+        with _connect(proxy) as again:
+            assert _round_trip(again) == b"ping"
+
+
 def test_proxy_reset_breaks_open_and_new_connections(echo: tuple[str, int]) -> None:
     with Proxy(echo) as proxy, _connect(proxy) as sock:
         assert _round_trip(sock) == b"ping"

@@ -104,6 +104,24 @@ describe('replies without the shape the API promises (200s, and 409 refusals)', 
 
   const holder = {key: 'k', owner: 'o', info: null, fence: 1, acquired_at: 1, expires_at: 31, expires_in: 30};
 
+  test("a proxy's JSON error is a plain StoreError, whatever its status", async () => {
+    for (const status of [400, 401, 403, 409, 413, 502]) {
+      for (const body of ['{"detail": "proxy auth"}', '{"error": "", "message": ""}', '[]']) {
+        reply = {status, body};
+        await assert.rejects(
+          () => locks.holder('k'),
+          (error) => {
+            assert.equal(error.constructor, StoreError, `${status} ${body}: ${error}`);
+            assert.equal(error.code, null);
+            assert.equal(error.status, status);
+            assert.match(error.message, /not the lock server's answer: a proxy in between\?/);
+            return true;
+          },
+        );
+      }
+    }
+  });
+
   test('holder', async () => {
     await refused('null', () => locks.holder('k'));
     await refused('[]', () => locks.holder('k'));

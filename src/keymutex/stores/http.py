@@ -33,6 +33,13 @@
   raises: a lease granted to nobody would block the key for its whole TTL. Not after a
   timeout: a server that does not answer would make each of those wait as long again;
   ``Locks`` gives back a grant it made later, in the background (``_giveback``).
+- A kept-alive connection is dropped after ``KEEPALIVE_EXPIRY`` idle, before the lock
+  server closes it (after 5 s): a request sent just as the server closes it is lost.
+  A renewal, a read or a release whose connection closes or breaks before an answer
+  comes (not a timeout) is sent once more, on a new connection: a renewal by token and
+  a read can be repeated; a release sent again that finds the lease gone raises
+  ``StoreError`` (the first may have released it, or it was lost before: unknown),
+  not ``LockLost``.
 - Errors: an unreachable server, a 5xx or a reply that does not parse raise
   ``StoreError``, as do 401/403 (a missing or insufficient API token); a 400 raises
   ``ValueError`` with the server's message (e.g. a ``ttl`` over the server's limit).
@@ -83,6 +90,34 @@ DEFAULT_TIMEOUT = 10.0
 MAX_RENEWALS = 1000  # leases per renew-many request (the server's limit)
 MAX_BODY_BYTES = 16 * 1024  # per request body (the server's limit)
 HTTP_ERRORS = (httpx.HTTPError, httpx.StreamError, httpx.InvalidURL)
+
+# How long a kept-alive connection may sit idle before it is closed here: below the
+# lock server's 5 s (uvicorn's default). With both at 5 s, a request sent as the server
+# closed the connection was lost (found by review: 5 renewals in 160, each after 5 s
+# idle, failed against a healthy server).
+KEEPALIVE_EXPIRY = 2.0
+
+# A connection that closed or broke before any answer came: the request may not have
+# reached the server (see _sent_again). Not a timeout: a silent server would make the
+# second try wait as long again.
+_DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+def _dropped(exc: StoreError) -> bool:
+    return isinstance(exc.__cause__, _DROPPED)
+
+
+def _released_again(outcome: Outcome, key: str) -> Outcome:
+    """A release sent again after its first try's connection broke: one that finds the
+    lease gone cannot tell whether the first released it or it was lost before."""
+    if not outcome.ok:
+        raise StoreError(
+            f"release of {key!r}: the connection broke before the answer came; sent again,"
+            " it found the lease gone: released by the first, or lost before it (outcome"
+            " unknown)"
+        )
+    return outcome
+
 
 JSONDict = dict[str, Any]
 
@@ -491,7 +526,20 @@ class HttpStore:
         self._asked_capabilities = False
 
     def _new_transport(self) -> httpx.HTTPTransport:
-        return httpx.HTTPTransport(proxy=_environment_proxy(self._base_url))
+        return httpx.HTTPTransport(
+            proxy=_environment_proxy(self._base_url),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY),
+        )
+
+    def _sent_again(self, call: _Call) -> tuple[tuple[int, JSONDict], bool]:
+        """``call``'s answer, sent once more if its connection dropped before an answer
+        came (a kept-alive one closed by the server as it went out); and whether it was."""
+        try:
+            return self._send(call), False
+        except StoreError as exc:
+            if not _dropped(exc):
+                raise
+        return self._send(call), True
 
     def _send(self, call: _Call) -> tuple[int, JSONDict]:
         if self._pid != os.getpid():  # a forked child must not share the parent's sockets
@@ -562,22 +610,28 @@ class HttpStore:
             raise
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
-        return _Protocol.renewed(*self._send(self._protocol.renew(key, token, ttl)))
+        answer, _ = self._sent_again(self._protocol.renew(key, token, ttl))
+        return _Protocol.renewed(*answer)
 
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
         outcomes: list[Outcome] = []
         for call, count in self._protocol.renew_many(requests):
-            outcomes += _Protocol.renewed_many(*self._send(call), count)
+            answer, _ = self._sent_again(call)
+            outcomes += _Protocol.renewed_many(*answer, count)
         return outcomes
 
     def release(self, key: str, token: str) -> Outcome:
-        return _Protocol.released(*self._send(self._protocol.release(key, token)))
+        answer, again = self._sent_again(self._protocol.release(key, token))
+        outcome = _Protocol.released(*answer)
+        return _released_again(outcome, key) if again else outcome
 
     def holder(self, key: str) -> Holder | None:
-        return _Protocol.held(*self._send(self._protocol.holder(key)))
+        answer, _ = self._sent_again(self._protocol.holder(key))
+        return _Protocol.held(*answer)
 
     def holders(self, prefix: str) -> list[Holder]:
-        return _Protocol.listed(*self._send(self._protocol.holders(prefix)))
+        answer, _ = self._sent_again(self._protocol.holders(prefix))
+        return _Protocol.listed(*answer)
 
     def force_release(self, key: str, reason: str) -> Holder | None:
         """The server's admin force-release (``keymutex release --force``): the key is
@@ -632,7 +686,19 @@ class AsyncHttpStore:
         self._asked_capabilities = False
 
     def _new_transport(self) -> httpx.AsyncHTTPTransport:
-        return httpx.AsyncHTTPTransport(proxy=_environment_proxy(self._base_url))
+        return httpx.AsyncHTTPTransport(
+            proxy=_environment_proxy(self._base_url),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY),
+        )
+
+    async def _sent_again(self, call: _Call) -> tuple[tuple[int, JSONDict], bool]:
+        """As ``HttpStore._sent_again``."""
+        try:
+            return await self._send(call), False
+        except StoreError as exc:
+            if not _dropped(exc):
+                raise
+        return await self._send(call), True
 
     async def _send(self, call: _Call) -> tuple[int, JSONDict]:
         if self._pid != os.getpid():  # a forked child must not share the parent's sockets
@@ -702,22 +768,28 @@ class AsyncHttpStore:
             raise
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
-        return _Protocol.renewed(*await self._send(self._protocol.renew(key, token, ttl)))
+        answer, _ = await self._sent_again(self._protocol.renew(key, token, ttl))
+        return _Protocol.renewed(*answer)
 
     async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
         outcomes: list[Outcome] = []
         for call, count in self._protocol.renew_many(requests):
-            outcomes += _Protocol.renewed_many(*await self._send(call), count)
+            answer, _ = await self._sent_again(call)
+            outcomes += _Protocol.renewed_many(*answer, count)
         return outcomes
 
     async def release(self, key: str, token: str) -> Outcome:
-        return _Protocol.released(*await self._send(self._protocol.release(key, token)))
+        answer, again = await self._sent_again(self._protocol.release(key, token))
+        outcome = _Protocol.released(*answer)
+        return _released_again(outcome, key) if again else outcome
 
     async def holder(self, key: str) -> Holder | None:
-        return _Protocol.held(*await self._send(self._protocol.holder(key)))
+        answer, _ = await self._sent_again(self._protocol.holder(key))
+        return _Protocol.held(*answer)
 
     async def holders(self, prefix: str) -> list[Holder]:
-        return _Protocol.listed(*await self._send(self._protocol.holders(prefix)))
+        answer, _ = await self._sent_again(self._protocol.holders(prefix))
+        return _Protocol.listed(*answer)
 
     async def waiter(self, key: str) -> _AsyncHttpWaiter:
         return _AsyncHttpWaiter(self, key)

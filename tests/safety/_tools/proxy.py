@@ -26,6 +26,10 @@ bytes from then on, on every connection, old and new:
   store's reply goes nowhere). Then back to ``pass``. Each request is matched within
   one read, as for ``drop_replies``: an HTTP request's head (its request line) comes
   whole;
+- ``close_on_request``: the next request containing ``after_request`` is not
+  forwarded: the client's connection is closed instead (a FIN), as a server closes a
+  kept-alive connection that sat idle too long just as a request comes on it. The store
+  never sees that request. Then back to ``pass``;
 - ``reset``: every connection is closed with a TCP RST, and so is each new one.
 """
 
@@ -37,21 +41,23 @@ import gc
 import socket
 import struct
 import threading
+import typing
 from types import TracebackType
 from typing import Literal, Self
 
 __all__ = ["MODES", "Proxy"]
 
-Mode = Literal["pass", "latency", "blackhole", "drop_replies", "lose_reply", "fail_reply", "reset"]
-MODES: tuple[Mode, ...] = (
+Mode = Literal[
     "pass",
     "latency",
     "blackhole",
     "drop_replies",
     "lose_reply",
     "fail_reply",
+    "close_on_request",
     "reset",
-)
+]
+MODES: tuple[Mode, ...] = typing.get_args(Mode)
 HOST = "127.0.0.1"
 SERVER_ERROR = (
     b"HTTP/1.1 500 Internal Server Error\r\n"
@@ -102,6 +108,7 @@ class Proxy:
         self.connections = 0  # accepted so far
         self.dropped_bytes = 0
         self.failed_replies = 0  # replies replaced by ``answer`` so far
+        self.closed_on_request = 0  # connections closed instead of forwarding a request
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._server: asyncio.Server | None = None
@@ -137,12 +144,17 @@ class Proxy:
 
         ``after_request``, ``times``, ``answer`` (``fail_reply``): the replies to the
         next ``times`` requests containing ``after_request`` become ``answer``.
+
+        ``after_request`` (``close_on_request``): the request not forwarded.
         """
         assert mode in MODES, mode
-        assert mode in ("drop_replies", "fail_reply") or not after_request, mode
+        assert mode in ("drop_replies", "fail_reply", "close_on_request") or not after_request, (
+            mode
+        )
         assert mode in ("drop_replies", "lose_reply") or not from_reply, mode
         assert mode != "lose_reply" or from_reply, "lose_reply needs from_reply"
         assert mode != "fail_reply" or (after_request and times > 0), "fail_reply needs both"
+        assert mode != "close_on_request" or after_request, "close_on_request needs after_request"
         assert not (after_request and from_reply), "one trigger at a time"
         self._call(self._switch(mode, latency, after_request, from_reply, times, answer))
 
@@ -294,6 +306,13 @@ class Proxy:
                     await self._fail(link, data)
                     return
                 mode = self.mode
+                if mode == "close_on_request" and not reply and self.after_request in data:
+                    self.mode, self.after_request = "pass", b""
+                    self.dropped_bytes += len(data)
+                    self.closed_on_request += 1
+                    link.upstream.transport.abort()
+                    link.client.close()
+                    return
                 if mode == "fail_reply" and not reply and self.after_request in data:
                     # Armed before the request leaves, so that its reply is the one.
                     link.failing = True
