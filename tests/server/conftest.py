@@ -123,7 +123,7 @@ def _run(server: uvicorn.Server, sock: socket.socket) -> None:
         loop.close()
 
 
-def _serve(app: Starlette) -> Iterator[Live]:
+def _serve(app: Starlette, **config: Any) -> Iterator[Live]:
     # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so, and
     # without it every answer waits ~40 ms for the client's delayed ACK (Nagle).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -137,6 +137,7 @@ def _serve(app: Starlette) -> Iterator[Live]:
             lifespan="on",
             timeout_graceful_shutdown=1,
             http=http_protocol(),  # as keymutex serve runs it
+            **config,  # e.g. TLS: ssl_certfile=…
         )
     )
     thread = threading.Thread(target=_run, args=(server, sock), daemon=True)
@@ -146,8 +147,9 @@ def _serve(app: Starlette) -> Iterator[Live]:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
+    scheme = "https" if "ssl_certfile" in config else "http"
     try:
-        yield Live(f"http://127.0.0.1:{port}", app)
+        yield Live(f"{scheme}://127.0.0.1:{port}", app)
     finally:
         server.should_exit = True
         thread.join(20)
@@ -156,13 +158,14 @@ def _serve(app: Starlette) -> Iterator[Live]:
 
 @pytest.fixture
 def make_live(tmp_path: Path) -> Iterator[Callable[..., Live]]:
-    """Start servers (closed after the test): ``make_live(token_file=…, max_wait=…)``."""
+    """Start servers (closed after the test): ``make_live(token_file=…, max_wait=…)``;
+    ``uvicorn_config`` goes to uvicorn (TLS: ``ssl_certfile``, …)."""
     running: list[Iterator[Live]] = []
 
-    def make(**options: Any) -> Live:
+    def make(*, uvicorn_config: dict[str, Any] | None = None, **options: Any) -> Live:
         options.setdefault("max_wait", 5.0)
         store = options.pop("store", f"sqlite:///{tmp_path}/locks-{len(running)}.db")
-        serving = _serve(create_app(store, **options))
+        serving = _serve(create_app(store, **options), **(uvicorn_config or {}))
         running.append(serving)
         return next(serving)
 

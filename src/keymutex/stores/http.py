@@ -47,7 +47,10 @@
 Options: ``api_token`` (default ``$KEYMUTEX_API_TOKEN``), ``timeout`` (seconds for
 each phase of a request: connect, send, wait for each part of the reply, beyond the
 time a long poll may wait; default 10). A request, its reply read to the end, takes
-twice ``timeout`` (plus its long poll) at most, however slowly the reply comes.
+twice ``timeout`` (plus its long poll) at most, however slowly the reply comes. For
+``https://``, as for the other stores' TLS: ``ca_file`` (the CAs the server's
+certificate is checked against, instead of certifi's bundle), ``cert_file`` and
+``key_file`` (a client certificate, for a TLS front that asks for one).
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ import contextlib
 import dataclasses
 import json
 import os
+import ssl
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 from urllib.request import getproxies_environment, proxy_bypass
 
@@ -73,7 +77,7 @@ from keymutex._store import Capabilities, RenewRequest, translate_errors
 from keymutex._urls import redacted, scrubbed, split_url
 from keymutex._validate import LOCK_SERVER_MAX_TTL
 from keymutex._version import __version__
-from keymutex.stores._settings import seconds
+from keymutex.stores._settings import TLS_OPTIONS, seconds, tls_files
 
 __all__ = ["AsyncHttpStore", "HttpStore", "driver"]
 
@@ -415,6 +419,12 @@ class _WaiterState:
         return token
 
 
+def _verify(tls: ssl.SSLContext | None) -> ssl.SSLContext | bool:
+    """httpx's ``verify`` for the store's TLS options; none given: httpx's default (certifi's
+    bundle, or ``SSL_CERT_FILE``/``SSL_CERT_DIR``)."""
+    return True if tls is None else tls
+
+
 def _environment_proxy(base_url: str) -> str | None:
     """The proxy ``httpx.Client`` would take from the environment for ``base_url``, if any."""
     parts = urlsplit(base_url)
@@ -516,9 +526,18 @@ class _HttpWaiter(_WaiterState):
 class HttpStore:
     """The ``http://`` store for one namespace, on one pooled ``httpx.HTTPTransport``."""
 
-    def __init__(self, base_url: str, namespace: str, *, api_token: str | None, timeout: float):
+    def __init__(
+        self,
+        base_url: str,
+        namespace: str,
+        *,
+        api_token: str | None,
+        timeout: float,
+        tls: ssl.SSLContext | None = None,
+    ):
         self.capabilities = CAPABILITIES
         self._base_url = base_url
+        self._tls = tls
         self._requests = _Requests(base_url, api_token, timeout)
         self._protocol = _Protocol(namespace)
         self._pid = os.getpid()
@@ -529,6 +548,7 @@ class HttpStore:
         return httpx.HTTPTransport(
             proxy=_environment_proxy(self._base_url),
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY),
+            verify=_verify(self._tls),
         )
 
     def _sent_again(self, call: _Call) -> tuple[tuple[int, JSONDict], bool]:
@@ -676,9 +696,18 @@ class AsyncHttpStore:
     # one loop after another opens a store of its own in each (_store.StoreOfTheLoop).
     loop_bound = True
 
-    def __init__(self, base_url: str, namespace: str, *, api_token: str | None, timeout: float):
+    def __init__(
+        self,
+        base_url: str,
+        namespace: str,
+        *,
+        api_token: str | None,
+        timeout: float,
+        tls: ssl.SSLContext | None = None,
+    ):
         self.capabilities = CAPABILITIES
         self._base_url = base_url
+        self._tls = tls
         self._requests = _Requests(base_url, api_token, timeout)
         self._protocol = _Protocol(namespace)
         self._pid = os.getpid()
@@ -689,6 +718,7 @@ class AsyncHttpStore:
         return httpx.AsyncHTTPTransport(
             proxy=_environment_proxy(self._base_url),
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY),
+            verify=_verify(self._tls),
         )
 
     async def _sent_again(self, call: _Call) -> tuple[tuple[int, JSONDict], bool]:
@@ -801,8 +831,15 @@ class AsyncHttpStore:
 # -- the driver --------------------------------------------------------------------------
 
 
-def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, float]:
-    """(base URL, API token, timeout) from the URL and the store options."""
+class _Options(NamedTuple):
+    base_url: str
+    api_token: str | None
+    timeout: float
+    tls: ssl.SSLContext | None
+
+
+def _options(url: str, options: Mapping[str, object]) -> _Options:
+    """The base URL, API token, timeout and TLS context from the URL and the options."""
     parts = split_url(url, "lock server", "http://host:port[/base] or https://…")
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise ValueError(
@@ -845,25 +882,32 @@ def _options(url: str, options: Mapping[str, object]) -> tuple[str, str | None, 
                 " characters, without spaces or line breaks"
             )
     timeout = seconds("http store", "timeout", merged.pop("timeout", DEFAULT_TIMEOUT), text=False)
+    files = {name: merged.pop(name) for name in TLS_OPTIONS if name in merged}
     if merged:
         raise TypeError(
-            f"unknown http store option(s) {sorted(merged)}; accepted: api_token, timeout"
+            f"unknown http store option(s) {sorted(merged)}; accepted: api_token, timeout,"
+            f" {', '.join(TLS_OPTIONS)}"
         )
-    return base, api_token, timeout
+    tls = None
+    if files:
+        if not base.startswith("https:"):
+            raise ValueError(f"{redacted(url)!r}: {', '.join(TLS_OPTIONS)} are for https:// (TLS)")
+        tls = tls_files("http store", files)[1]
+    return _Options(base, api_token, timeout, tls)
 
 
 class HttpDriver:
     max_ttl = LOCK_SERVER_MAX_TTL  # the lock server's range
 
     def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> HttpStore:
-        base, api_token, timeout = _options(url, options)
-        return HttpStore(base, namespace, api_token=api_token, timeout=timeout)
+        base, api_token, timeout, tls = _options(url, options)
+        return HttpStore(base, namespace, api_token=api_token, timeout=timeout, tls=tls)
 
     def open_async(
         self, url: str, *, namespace: str, options: Mapping[str, object]
     ) -> AsyncHttpStore:
-        base, api_token, timeout = _options(url, options)
-        return AsyncHttpStore(base, namespace, api_token=api_token, timeout=timeout)
+        base, api_token, timeout, tls = _options(url, options)
+        return AsyncHttpStore(base, namespace, api_token=api_token, timeout=timeout, tls=tls)
 
 
 driver = HttpDriver()
