@@ -1180,7 +1180,8 @@ export class LockClient {
     try {
       parsed = new URL(url, globalThis.location?.href);
     } catch {
-      throw new RangeError(`url does not parse as a URL: ${show(String(url))}`);
+      // Credentials left out of the message (found by review: a password reached it).
+      throw new RangeError(`url does not parse as a URL: ${show(String(url).replace(/\/\/[^/]*@/, '//…@'))}`);
     }
     if (parsed.protocol !== 'http:' && parsed.protocol !== 'https:') {
       throw new RangeError(`url must start with http:// or https://, not ${show(parsed.protocol)}`);

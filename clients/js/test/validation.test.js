@@ -175,6 +175,10 @@ describe('other arguments', () => {
     assert.throws(() => new LockClient(), TypeError, /url must be a string or URL/);
     assert.throws(() => new LockClient({url: 'ftp://host'}), /url must start with http:\/\/ or https:\/\//);
     assert.throws(() => new LockClient({url: 'not a url'}), /url does not parse/);
+    assert.throws(
+      () => new LockClient({url: 'http://alice:s3cret@host:port'}),
+      (error) => error instanceof RangeError && /does not parse/.test(error.message) && !error.message.includes('s3cret'),
+    );
     assert.throws(() => new LockClient({url: 'http://h/?x=1'}), /must not contain credentials, a query/);
     assert.throws(() => new LockClient({url: 'http://h', namespace: 'n'.repeat(257)}), /namespace is 257 bytes/);
     assert.throws(() => new LockClient({url: 'http://h', token: 'x'}), /unknown option "token"; accepted: url, namespace, apiToken/);
