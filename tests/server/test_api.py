@@ -232,6 +232,37 @@ async def test_wait_times_out_unchanged(api: httpx.AsyncClient) -> None:
     assert reply["holder"]["fence"] == lease["fence"]
 
 
+async def test_wait_waits_at_most_max_wait(api: httpx.AsyncClient) -> None:
+    """As an acquire's (a mutation that dropped the cap on ``wait`` survived)."""
+    lease = await acquire(api)
+    body = {"key": "doc:1", "fence": lease["fence"], "timeout": 3600}
+    started = time.monotonic()
+    reply = (await api.post("/v1/wait", json=body)).json()
+    assert reply["changed"] is False
+    assert 1.5 < time.monotonic() - started < 20  # the fixture's max_wait is 2 s
+
+
+async def test_a_holders_own_wait_is_not_counted_among_the_waiters(
+    api: httpx.AsyncClient,
+) -> None:
+    """``holding: true`` (the holder watching its own lease) is not a waiter: only the
+    other client's waiting acquire is counted (a mutation counting both survived)."""
+    lease = await acquire(api)
+    watch = {"key": "doc:1", "fence": lease["fence"], "timeout": 10, "holding": True}
+    watching = asyncio.create_task(api.post("/v1/wait", json=watch))
+    waiting = asyncio.create_task(api.post("/v1/acquire", json={"key": "doc:1", "timeout": 10}))
+    for _ in range(200):
+        counts = (await api.get("/v1/holders")).json()["waiting"]
+        if counts:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # the watch, sent first, has had every chance to count
+    assert (await api.get("/v1/holders")).json()["waiting"] == {"doc:1": 1}
+    await api.post("/v1/release", json={"key": "doc:1", "token": lease["token"]})
+    assert (await watching).json()["changed"] is True
+    assert (await waiting).json()["fence"] > lease["fence"]
+
+
 async def test_wait_returns_when_the_holder_expires(api: httpx.AsyncClient) -> None:
     lease = await acquire(api, ttl=0.3)
     body = {"key": "doc:1", "fence": lease["fence"], "timeout": 10}

@@ -80,6 +80,36 @@ async def test_grants_are_per_namespace_prefix_and_permission(
     assert (await secured.get("/metrics", headers=bearer(ADMIN_TOKEN))).status_code == 200
 
 
+async def test_a_key_is_read_and_released_only_with_its_grant(
+    secured: httpx.AsyncClient,
+) -> None:
+    """A mutation audit found neither check tested: any token could read any key's
+    holder (its owner and info), or release a lease (given its token) on a key it has
+    no ``lock`` grant for, such as a read-only dashboard's token."""
+    admin, editor, reader = bearer(ADMIN_TOKEN), bearer(EDITOR_TOKEN), bearer(READER_TOKEN)
+    place = {"namespace": "cms", "key": "img:1"}
+    lease = (await secured.post("/v1/acquire", json=place, headers=admin)).json()
+    for params in (place, {"namespace": "shop", "key": "doc:1"}):
+        looked = await secured.get("/v1/holder", params=params, headers=editor)
+        assert (looked.status_code, looked.json()["error"]) == (403, "forbidden")
+    for who in (editor, reader):
+        released = await secured.post(
+            "/v1/release", json={**place, "token": lease["token"]}, headers=who
+        )
+        assert (released.status_code, released.json()["error"]) == (403, "forbidden")
+    held = (await secured.get("/v1/holder", params=place, headers=admin)).json()
+    assert held["holder"]["fence"] == lease["fence"]
+
+
+async def test_a_token_that_differs_anywhere_is_unknown(secured: httpx.AsyncClient) -> None:
+    """The whole secret is compared: one that differs in its last character, or is
+    one longer or shorter, is refused (a mutation comparing a prefix survived)."""
+    last = "b" if ADMIN_TOKEN[-1] != "b" else "c"
+    for near in (ADMIN_TOKEN[:-1] + last, ADMIN_TOKEN + "a", ADMIN_TOKEN[:-1]):
+        reply = await secured.post("/v1/acquire", json={"key": "a"}, headers=bearer(near))
+        assert reply.status_code == 401, near
+
+
 async def test_listings_show_only_the_keys_a_token_may_read(secured: httpx.AsyncClient) -> None:
     admin, editor = bearer(ADMIN_TOKEN), bearer(EDITOR_TOKEN)
     for key in ("doc:1", "img:1"):

@@ -1165,3 +1165,22 @@ def test_redis_on_a_unix_socket(tmp_path: Path) -> None:
             assert redis.Redis(unix_socket_path=str(socket), db=3).keys("*") != []
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
+
+
+def test_a_lease_in_its_last_millisecond_is_read_as_held() -> None:
+    """PTTL 0: Redis expires a key only once its clock has passed the expiry time, and
+    till then the lease's token renews it and an acquire is refused. ``holder()`` called
+    it free: a heartbeat sent right after renewed it (47 times in 60 against a real
+    server; the conformance suite's expired-token test catches it now and then, this
+    reading of the reply always)."""
+    from keymutex.stores.redis import _hash_reply
+
+    fields = ["alice", None, "7", "1700000000000"]
+    before = time.time()
+    held = _hash_reply("k", fields, 0)
+    assert held is not None
+    assert (held.owner, held.fence) == ("alice", 7)
+    assert before <= held.expires_at <= time.time()
+    assert _hash_reply("k", fields, 1500) is not None
+    assert _hash_reply("k", fields, -2) is None  # gone between the two reads
+    assert _hash_reply("k", [None, None, None, None], -2) is None
