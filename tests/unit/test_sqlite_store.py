@@ -273,10 +273,14 @@ def _time_namespaces() -> bool:
 
 def test_a_process_in_a_time_namespace_judges_expiry_as_the_host_does(tmp_path: Path) -> None:
     """Found by review: CLOCK_BOOTTIME is shifted per time namespace (unshare --time,
-    CRIU): a holder in one, 50,000 s behind, wrote an expiry long past for the host's
+    CRIU): a holder in one, 50,000 s behind (here: up to that), wrote an expiry long past for the host's
     processes, and another was granted the key it held."""
     if not _time_namespaces():
         pytest.skip("cannot start a process in a time namespace here (needs root)")
+    # Behind by more than the TTL, as far as the host's uptime allows (a namespace's
+    # clock cannot go below 0: found on a machine up for less than 50,000 s).
+    behind = int(min(50_000, time.clock_gettime(time.CLOCK_BOOTTIME) - 10))
+    assert behind > 120, f"the host has been up for too short a time ({behind + 10} s)"
     url = f"sqlite:///{tmp_path / 'locks.db'}"
     code = f"""if True:
         import sys, keymutex
@@ -285,7 +289,7 @@ def test_a_process_in_a_time_namespace_judges_expiry_as_the_host_does(tmp_path: 
         sys.stdin.read()
     """
     with subprocess.Popen(  # the with closes its pipes
-        ["unshare", "--time", "--boottime", "-50000", sys.executable, "-c", code],
+        ["unshare", "--time", "--boottime", f"-{behind}", sys.executable, "-c", code],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
