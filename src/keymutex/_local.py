@@ -18,7 +18,8 @@ A free key costs one dict entry and nothing else: no lock, no future, no queue. 
 primitives (a ``threading.Lock`` or an ``asyncio.Future`` per waiter) are allocated only
 when a caller has to wait, and dropped as soon as it stops waiting. A dict never shrinks
 its table when entries are deleted, so the table is dropped (``clear()``) whenever the
-last entry goes: a burst of 100,000 keys held at once leaves no memory behind. That
+last entry goes: a burst of 100,000 keys held at once leaves no memory behind once no
+key is held (while one stays held, the table keeps its size). That
 costs nothing measurable for ``str`` keys (CPython recycles small tables).
 
 The context managers returned by ``kl(key)`` / ``akl(key)`` repeat a few lines of
@@ -33,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Hashable, Iterator
 from types import TracebackType
@@ -46,7 +49,7 @@ from keymutex._validate import check_timeout
 __all__ = ["AsyncKeyedLock", "KeyedLock"]
 
 # How often a thread yields the GIL to the holder of a KeyedLock's guard before it
-# blocks (see _take_guard).
+# blocks (see _yield_to_holder).
 _GUARD_SPINS = 100
 
 
@@ -87,32 +90,62 @@ def _timed_out(key: Hashable, timeout: float) -> Locked:
     return Locked(key, None, message)
 
 
-def _take_guard(guard: threading.Lock) -> None:
-    """Take a ``KeyedLock``'s guard after a first non-blocking try failed.
+def _yield_to_holder(guard: threading.Lock) -> None:
+    """Let the holder of a ``KeyedLock``'s guard finish before taking it (``with guard``).
 
     The guarded sections never block (unless a key's ``__hash__`` or ``__eq__`` does), so
-    a guard that is taken belongs to a thread that lost the GIL inside one. Blocking in the kernel here would have that thread wait for
-    the GIL and every later one queue behind it: a convoy that cuts throughput by up to
-    ten times (``benchmarks/bench_local.py``, the ref-counted dict). Yielding the GIL
-    lets the holder finish its few operations; if that does not happen soon (a
-    free-threaded build, a holder stopped in a debugger), we block after all.
+    a guard that is taken belongs to a thread that lost the GIL inside one. Blocking in
+    the kernel at once would have that thread wait for the GIL and every later one
+    queue behind it: a convoy that cuts throughput by up to ten times
+    (``benchmarks/bench_local.py``, the ref-counted dict). Yielding the GIL lets the
+    holder finish its few operations; if that does not happen soon (a free-threaded
+    build, a holder stopped in a debugger), the caller blocks after all.
+
+    The guard itself is always taken by ``with guard:``, never by ``acquire()`` followed
+    by ``try``: Python runs signal handlers after a call returns, and an exception
+    raised there (``KeyboardInterrupt``, a ``SystemExit`` from a SIGTERM handler), after
+    ``acquire()`` but before the ``try``, left the guard taken for good. Found by review:
+    every later call on every key of that ``KeyedLock`` hung, ``timeout=0`` included.
     """
     for _ in range(_GUARD_SPINS):
         time.sleep(0)  # releases the GIL, if only for an instant
-        if guard.acquire(False):
+        if not guard.locked():
             return
-    guard.acquire()
 
 
 @contextlib.contextmanager
 def _guarded(guard: threading.Lock) -> Iterator[None]:
     """``with _guarded(guard):`` for the cold paths; the hot paths spell it out (cheaper)."""
-    if not guard.acquire(False):
-        _take_guard(guard)
-    try:
+    if guard.locked():
+        _yield_to_holder(guard)
+    with guard:
         yield
-    finally:
-        guard.release()
+
+
+# Every KeyedLock, for the fork hooks below (registered under _KEYED_LOCKS_MUTEX).
+_KEYED_LOCKS: weakref.WeakSet[KeyedLock] = weakref.WeakSet()
+_KEYED_LOCKS_MUTEX = threading.Lock()
+_HELD_OVER_FORK: list[threading.Lock] = []
+
+
+def _before_fork() -> None:
+    """Take every KeyedLock's guard, so that no fork copies one taken by a thread that
+    the child will not have. Found by review: in children forked while other threads
+    used a KeyedLock, even ``acquire(key, timeout=0)`` on a key nobody held hung (31
+    in 60). Each guard is held only for a few dict operations, never while waiting."""
+    _KEYED_LOCKS_MUTEX.acquire()
+    _HELD_OVER_FORK.append(_KEYED_LOCKS_MUTEX)
+    for lock in list(_KEYED_LOCKS):
+        lock._guard.acquire()
+        _HELD_OVER_FORK.append(lock._guard)
+
+
+def _after_fork() -> None:
+    while _HELD_OVER_FORK:
+        _HELD_OVER_FORK.pop().release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
 
 
 class KeyedLock:
@@ -133,10 +166,14 @@ class KeyedLock:
       ever with ``timeout=None``); pass a ``timeout`` to fail with ``Locked`` instead;
     - ownership: like ``threading.Lock``, any thread may release a held key, not only
       the one that acquired it;
-    - anything across processes: that is what ``keymutex.Locks`` is for.
+    - anything across processes: that is what ``keymutex.Locks`` is for. A child
+      forked while other threads hold or wait for keys sees those keys held (by threads
+      it does not have) for good; its own use of other keys works.
 
     ``KeyboardInterrupt`` and other exceptions raised while waiting leave no trace: a key
-    handed over at that moment is passed on to the next waiter. First come, first served
+    handed over at that moment is passed on to the next waiter. One raised (by a signal
+    handler) as ``release`` or the ``with`` block's exit begins can leave the key held,
+    as with any lock written in Python; never the whole table. First come, first served
     has a price on a hot key: every hand-off wakes a parked thread, where
     ``threading.Lock`` lets the releasing thread take the lock again at once (more
     acquires per second, but a waiter can starve).
@@ -146,10 +183,12 @@ class KeyedLock:
 
     def __init__(self) -> None:
         # One guard for the whole table: held only for a few dict and deque operations,
-        # never while anyone waits, so it is cheaper than a lock object per key. It is
-        # taken with a non-blocking try first (see _take_guard for why).
+        # never while anyone waits, so it is cheaper than a lock object per key. A
+        # thread finding it taken yields to its holder first (see _yield_to_holder).
         self._guard = threading.Lock()
         self._entries: dict[Hashable, deque[threading.Lock] | None] = {}
+        with _KEYED_LOCKS_MUTEX:
+            _KEYED_LOCKS.add(self)
 
     def __call__(self, key: Hashable, timeout: float | None = None) -> _Held:
         """A context manager that holds ``key``; entering raises ``Locked`` after ``timeout``.
@@ -171,9 +210,9 @@ class KeyedLock:
         if timeout is not None:
             timeout = check_timeout(timeout)
         guard = self._guard
-        if not guard.acquire(False):
-            _take_guard(guard)
-        try:
+        if guard.locked():
+            _yield_to_holder(guard)
+        with guard:
             entries = self._entries
             try:
                 waiters = entries.get(key, _FREE)
@@ -191,8 +230,6 @@ class KeyedLock:
             parker = threading.Lock()
             parker.acquire()
             waiters.append(parker)
-        finally:
-            guard.release()
         return self._park(key, waiters, parker, timeout)
 
     def _park(
@@ -231,9 +268,9 @@ class KeyedLock:
         Raises ``RuntimeError`` if ``key`` is not held. Any thread may release.
         """
         guard = self._guard
-        if not guard.acquire(False):
-            _take_guard(guard)
-        try:
+        if guard.locked():
+            _yield_to_holder(guard)
+        with guard:
             entries = self._entries
             try:
                 waiters = entries.get(key, _FREE)
@@ -249,8 +286,6 @@ class KeyedLock:
                 del entries[key]
                 if not entries:
                     entries.clear()  # drop the table too (see the module docstring)
-        finally:
-            guard.release()
 
     def locked(self, key: Hashable) -> bool:
         """Whether ``key`` is held right now (by anyone); stale as soon as it returns."""
@@ -290,9 +325,9 @@ class _Held:
         lock = self._lock
         key = self._key
         guard = lock._guard
-        if not guard.acquire(False):
-            _take_guard(guard)
-        try:
+        if guard.locked():
+            _yield_to_holder(guard)
+        with guard:
             entries = lock._entries
             try:
                 waiters = entries.get(key, _FREE)
@@ -302,8 +337,6 @@ class _Held:
             if waiters is _FREE:
                 entries[key] = None
                 return
-        finally:
-            guard.release()
         if not lock.acquire(key, self._timeout):
             assert self._timeout is not None  # only a timeout can refuse
             raise _timed_out(key, self._timeout)
@@ -318,17 +351,15 @@ class _Held:
         lock = self._lock
         key = self._key
         guard = lock._guard
-        if not guard.acquire(False):
-            _take_guard(guard)
-        try:
+        if guard.locked():
+            _yield_to_holder(guard)
+        with guard:
             entries = lock._entries
             if entries.get(key, _FREE) is None:
                 del entries[key]
                 if not entries:
                     entries.clear()  # drop the table too (see the module docstring)
                 return
-        finally:
-            guard.release()
         lock.release(key)
 
 
@@ -442,7 +473,9 @@ class AsyncKeyedLock:
         if waiters:
             with contextlib.suppress(ValueError):
                 waiters.remove(waiter)
-        if not waiter.done():  # the coroutine was closed or thrown into, not cancelled
+        if not waiter.done() and not waiter.get_loop().is_closed():
+            # The coroutine was closed or thrown into, not cancelled (a closed loop's
+            # waiter is left as it is: cancelling would call into that loop).
             waiter.cancel()  # also cancels the timer (see _enqueue)
 
     def release(self, key: Hashable) -> None:
@@ -537,6 +570,11 @@ def _release(entries: dict[Hashable, deque[asyncio.Future[bool]] | None], key: H
         # Skip waiters cancelled since they queued (their task removes them too, but
         # may not have run yet).
         if not waiter.done():
+            if waiter.get_loop().is_closed():
+                # Its event loop was closed with the waiting task in it: that task will
+                # never run. Found by review: the release raised "Event loop is closed"
+                # and the key stayed held. Skipped, as a cancelled one.
+                continue
             waiter.set_result(True)  # direct hand-off: the entry stays
             return
     del entries[key]

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import gc
 import math
+import os
 import random
 import signal
 import sys
@@ -357,6 +358,148 @@ def test_threads_interrupted_wait_leaves_no_trace() -> None:
     assert kl._waiting("k") == 0
     kl.release("k")
     assert len(kl) == 0
+
+
+class _Interrupt(BaseException):
+    """What a signal handler may raise (as KeyboardInterrupt is)."""
+
+
+def _interrupted_after_c_call(number: int, action: Callable[[], object]) -> bool:
+    """Run ``action``, with ``_Interrupt`` raised as its ``number``-th call of a C
+    function returns, in place of the result: where Python runs a signal handler. A
+    profile function that raises at a ``c_return`` does that. ``True`` if it did."""
+    seen = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal seen
+        if event == "c_return":
+            seen += 1
+            if seen == number:
+                raise _Interrupt
+
+    sys.setprofile(profile)
+    try:
+        action()
+    except _Interrupt:
+        return True
+    finally:
+        sys.setprofile(None)
+    return False
+
+
+def _usable(kl: KeyedLock) -> bool:
+    """Whether a call on another key of ``kl`` completes (it hung for good when an
+    interrupt left the table's guard taken)."""
+    done = threading.Event()
+
+    def other_key() -> None:
+        if kl.acquire("other", timeout=0):
+            kl.release("other")
+        done.set()
+
+    threading.Thread(target=other_key, daemon=True).start()
+    return done.wait(5)
+
+
+THREAD_STEPS: list[tuple[str, Callable[[KeyedLock], None], Callable[[KeyedLock], object]]] = [
+    ("acquire", lambda kl: None, lambda kl: kl.acquire("k")),
+    ("release", lambda kl: kl.acquire("k") and None, lambda kl: kl.release("k")),
+    ("with", lambda kl: None, lambda kl: kl("k").__enter__()),
+    ("exit", lambda kl: kl("k").__enter__(), lambda kl: kl("k").__exit__(None, None, None)),
+    ("locked", lambda kl: None, lambda kl: kl.locked("k")),
+]
+
+
+@pytest.mark.parametrize(
+    ("setup", "step"), [pytest.param(s, t, id=name) for name, s, t in THREAD_STEPS]
+)
+def test_threads_an_interrupt_after_any_call_never_leaves_the_table_stuck(
+    setup: Callable[[KeyedLock], None], step: Callable[[KeyedLock], object]
+) -> None:
+    """Found by review: a ``KeyboardInterrupt`` (or a signal handler's ``SystemExit``)
+    raised just after the guard was taken and before the ``try`` that gives it back
+    left it taken: every later call on every key of that ``KeyedLock`` hung,
+    ``timeout=0`` included. Here the interrupt comes after each C call of the step in
+    turn. The key itself may be left held (as with any lock written in Python); the
+    table must stay usable."""
+    number = 1
+    while True:
+        kl = KeyedLock()
+        setup(kl)
+        if not _interrupted_after_c_call(number, functools.partial(step, kl)):
+            break  # the step made fewer C calls: every one was tried
+        assert _usable(kl), f"the table hung after an interrupt at C call {number}"
+        number += 1
+    assert number > 1, "the step made no C call"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_threads_a_child_forked_while_threads_use_the_table_can_use_it() -> None:
+    """Found by review: a child forked while another thread held the table's guard got
+    it taken for good, and even ``acquire(key, timeout=0)`` on a key nobody held hung
+    (31 children in 60). The keys other threads held at the fork stay held in the
+    child (by threads it does not have); its own keys work."""
+    kl = KeyedLock()
+    stop = threading.Event()
+
+    def churn(worker: int) -> None:
+        number = 0
+        while not stop.is_set():
+            with kl((worker, number)):
+                number += 1
+
+    workers = [threading.Thread(target=churn, args=(n,), daemon=True) for n in range(3)]
+    for worker in workers:
+        worker.start()
+    try:
+        for _ in range(30):
+            child = os.fork()
+            if child == 0:  # pragma: no cover - the child's status says what happened
+                code = 0 if kl.acquire("fresh", timeout=0) else 1
+                kl.release("fresh")
+                os._exit(code)
+            deadline = time.monotonic() + 10
+            while (done := os.waitpid(child, os.WNOHANG))[0] == 0:
+                if time.monotonic() > deadline:
+                    os.kill(child, signal.SIGKILL)
+                    os.waitpid(child, 0)
+                    pytest.fail("a forked child's acquire(timeout=0) hung")
+                time.sleep(0.005)
+            assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+    assert len(kl) == 0
+
+
+def test_async_a_waiter_left_in_a_closed_event_loop_is_skipped() -> None:
+    """An event loop closed with a task still waiting in it (as some runners do); the
+    key released from another loop. Before: the release raised ``RuntimeError: Event
+    loop is closed`` and the key stayed held by a task that would never run."""
+    akl = AsyncKeyedLock()
+
+    async def wait_for_it() -> None:
+        async with akl("k"):
+            pass  # pragma: no cover - never granted: its loop is closed first
+
+    first = asyncio.new_event_loop()
+    first.run_until_complete(akl.acquire("k"))
+    stranded = first.create_task(wait_for_it())
+    first.run_until_complete(asyncio.sleep(0.01))
+    assert akl._waiting("k") == 1
+    first.close()
+
+    async def release_and_take() -> bool:
+        akl.release("k")
+        return await akl.acquire("k", timeout=0)
+
+    assert asyncio.run(release_and_take())
+    akl.release("k")
+    assert len(akl) == 0
+    stranded.get_coro().close()  # as the garbage collector would: it had not the key
+    assert len(akl) == 0
+    stranded._log_destroy_pending = False  # type: ignore[attr-defined]
 
 
 BAD_TIMEOUTS = [
