@@ -22,7 +22,7 @@ Thread figures of designs with one global guard that blocks (the ref-counted dic
 between two levels from one round to the next, up to ten times apart: when a thread
 loses the GIL while it holds the guard, the others block on it in the kernel and a
 convoy forms. The slowest-fastest column shows it; KeyedLock avoids it (see
-``_yield_to_holder`` in ``src/keymutex/_local.py``).
+``_take_guard`` in ``src/keymutex/_local.py``).
 
 Rounds interleave the contenders (rotating their order); the tables show medians, and
 ratios are medians of the per-round ratios. Results go to benchmarks/results/local.md.

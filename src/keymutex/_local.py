@@ -49,7 +49,7 @@ from keymutex._validate import check_timeout
 __all__ = ["AsyncKeyedLock", "KeyedLock"]
 
 # How often a thread yields the GIL to the holder of a KeyedLock's guard before it
-# blocks (see _yield_to_holder).
+# blocks (see _take_guard).
 _GUARD_SPINS = 100
 
 
@@ -90,42 +90,50 @@ def _timed_out(key: Hashable, timeout: float) -> Locked:
     return Locked(key, None, message)
 
 
-def _yield_to_holder(guard: threading.Lock) -> None:
-    """Let the holder of a ``KeyedLock``'s guard finish before taking it (``with guard``).
+def _take_guard(guard: threading.RLock) -> None:
+    """Take a ``KeyedLock``'s guard after a first non-blocking try failed.
 
     The guarded sections never block (unless a key's ``__hash__`` or ``__eq__`` does), so
     a guard that is taken belongs to a thread that lost the GIL inside one. Blocking in
-    the kernel at once would have that thread wait for the GIL and every later one
-    queue behind it: a convoy that cuts throughput by up to ten times
+    the kernel here would have that thread wait for the GIL and every later one queue
+    behind it: a convoy that cuts throughput by up to ten times
     (``benchmarks/bench_local.py``, the ref-counted dict). Yielding the GIL lets the
     holder finish its few operations; if that does not happen soon (a free-threaded
-    build, a holder stopped in a debugger), the caller blocks after all.
-
-    The guard itself is always taken by ``with guard:``, never by ``acquire()`` followed
-    by ``try``: Python runs signal handlers after a call returns, and an exception
-    raised there (``KeyboardInterrupt``, a ``SystemExit`` from a SIGTERM handler), after
-    ``acquire()`` but before the ``try``, left the guard taken for good. Found by review:
-    every later call on every key of that ``KeyedLock`` hung, ``timeout=0`` included.
+    build, a holder stopped in a debugger), we block after all.
     """
     for _ in range(_GUARD_SPINS):
         time.sleep(0)  # releases the GIL, if only for an instant
-        if not guard.locked():
+        if guard.acquire(False):
             return
+    guard.acquire()
 
 
 @contextlib.contextmanager
-def _guarded(guard: threading.Lock) -> Iterator[None]:
-    """``with _guarded(guard):`` for the cold paths; the hot paths spell it out (cheaper)."""
-    if guard.locked():
-        _yield_to_holder(guard)
-    with guard:
+def _guarded(guard: threading.RLock) -> Iterator[None]:
+    """``with _guarded(guard):`` for the cold paths; the hot paths spell it out (cheaper).
+
+    The guard is an RLock for one reason: it knows its owner. Each guarded section
+    takes it *inside* its ``try`` and gives it back in ``finally`` only if this thread
+    has it (``release`` refuses otherwise). Found by review: taken before the ``try``,
+    an exception that a signal handler raised just after ``acquire()`` returned (Python
+    runs handlers there: KeyboardInterrupt, a SIGTERM handler's SystemExit) left it
+    taken for good, and every later call on every key of that KeyedLock hung,
+    ``timeout=0`` included. (``with guard:`` is safe too, but cost 10-20 % of the
+    thread benchmark.)
+    """
+    try:
+        if not guard.acquire(False):
+            _take_guard(guard)
         yield
+    finally:
+        with contextlib.suppress(RuntimeError):  # never taken: interrupted before
+            guard.release()
 
 
 # Every KeyedLock, for the fork hooks below (registered under _KEYED_LOCKS_MUTEX).
 _KEYED_LOCKS: weakref.WeakSet[KeyedLock] = weakref.WeakSet()
 _KEYED_LOCKS_MUTEX = threading.Lock()
-_HELD_OVER_FORK: list[threading.Lock] = []
+_HELD_OVER_FORK: list[threading.Lock | threading.RLock] = []
 
 
 def _before_fork() -> None:
@@ -184,8 +192,8 @@ class KeyedLock:
     def __init__(self) -> None:
         # One guard for the whole table: held only for a few dict and deque operations,
         # never while anyone waits, so it is cheaper than a lock object per key. A
-        # thread finding it taken yields to its holder first (see _yield_to_holder).
-        self._guard = threading.Lock()
+        # thread finding it taken yields to its holder first (see _take_guard).
+        self._guard = threading.RLock()
         self._entries: dict[Hashable, deque[threading.Lock] | None] = {}
         with _KEYED_LOCKS_MUTEX:
             _KEYED_LOCKS.add(self)
@@ -210,9 +218,9 @@ class KeyedLock:
         if timeout is not None:
             timeout = check_timeout(timeout)
         guard = self._guard
-        if guard.locked():
-            _yield_to_holder(guard)
-        with guard:
+        try:
+            if not guard.acquire(False):
+                _take_guard(guard)
             entries = self._entries
             try:
                 waiters = entries.get(key, _FREE)
@@ -230,6 +238,11 @@ class KeyedLock:
             parker = threading.Lock()
             parker.acquire()
             waiters.append(parker)
+        finally:
+            try:  # noqa: SIM105 - contextlib.suppress costs a call on the hot path
+                guard.release()
+            except RuntimeError:  # never taken: interrupted before (see _guarded)
+                pass
         return self._park(key, waiters, parker, timeout)
 
     def _park(
@@ -268,9 +281,9 @@ class KeyedLock:
         Raises ``RuntimeError`` if ``key`` is not held. Any thread may release.
         """
         guard = self._guard
-        if guard.locked():
-            _yield_to_holder(guard)
-        with guard:
+        try:
+            if not guard.acquire(False):
+                _take_guard(guard)
             entries = self._entries
             try:
                 waiters = entries.get(key, _FREE)
@@ -286,6 +299,11 @@ class KeyedLock:
                 del entries[key]
                 if not entries:
                     entries.clear()  # drop the table too (see the module docstring)
+        finally:
+            try:  # noqa: SIM105 - contextlib.suppress costs a call on the hot path
+                guard.release()
+            except RuntimeError:  # never taken: interrupted before (see _guarded)
+                pass
 
     def locked(self, key: Hashable) -> bool:
         """Whether ``key`` is held right now (by anyone); stale as soon as it returns."""
@@ -325,9 +343,9 @@ class _Held:
         lock = self._lock
         key = self._key
         guard = lock._guard
-        if guard.locked():
-            _yield_to_holder(guard)
-        with guard:
+        try:
+            if not guard.acquire(False):
+                _take_guard(guard)
             entries = lock._entries
             try:
                 waiters = entries.get(key, _FREE)
@@ -337,6 +355,11 @@ class _Held:
             if waiters is _FREE:
                 entries[key] = None
                 return
+        finally:
+            try:  # noqa: SIM105 - contextlib.suppress costs a call on the hot path
+                guard.release()
+            except RuntimeError:  # never taken: interrupted before (see _guarded)
+                pass
         if not lock.acquire(key, self._timeout):
             assert self._timeout is not None  # only a timeout can refuse
             raise _timed_out(key, self._timeout)
@@ -351,15 +374,20 @@ class _Held:
         lock = self._lock
         key = self._key
         guard = lock._guard
-        if guard.locked():
-            _yield_to_holder(guard)
-        with guard:
+        try:
+            if not guard.acquire(False):
+                _take_guard(guard)
             entries = lock._entries
             if entries.get(key, _FREE) is None:
                 del entries[key]
                 if not entries:
                     entries.clear()  # drop the table too (see the module docstring)
                 return
+        finally:
+            try:  # noqa: SIM105 - contextlib.suppress costs a call on the hot path
+                guard.release()
+            except RuntimeError:  # never taken: interrupted before (see _guarded)
+                pass
         lock.release(key)
 
 
