@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
+    ExitStack,
     asynccontextmanager,
     contextmanager,
 )
@@ -330,33 +331,96 @@ def test_threads_not_reentrant(hold: Hold) -> None:
     assert len(kl) == 0
 
 
-def test_threads_interrupted_wait_leaves_no_trace() -> None:
+class _Interrupted(Exception):
+    pass
+
+
+@contextmanager
+def _signalled_soon(handler: Callable[[int, object], None]) -> Iterator[None]:
+    """``handler`` runs in the main thread (where Python runs signal handlers) 50 ms
+    from now, while the block waits."""
     if not hasattr(signal, "pthread_kill"):  # pragma: no cover - Windows
         pytest.skip("needs POSIX signals")
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("Python runs signal handlers in the main thread only")
-
-    class Interrupted(Exception):
-        pass
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise Interrupted
-
-    kl = KeyedLock()
-    kl.acquire("k")
-    previous = signal.signal(signal.SIGUSR1, interrupt)
+    previous = signal.signal(signal.SIGUSR1, handler)
     main = threading.main_thread().ident
     assert main is not None
     timer = threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGUSR1))
     try:
         timer.start()
-        with pytest.raises(Interrupted):
-            kl.acquire("k")  # waits for itself until the signal arrives
+        yield
     finally:
         timer.cancel()
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_threads_interrupted_wait_leaves_no_trace() -> None:
+    def interrupt(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    kl = KeyedLock()
+    kl.acquire("k")
+    with _signalled_soon(interrupt), pytest.raises(_Interrupted):
+        kl.acquire("k")  # waits for itself until the signal arrives
     assert kl._waiting("k") == 0
     kl.release("k")
+    assert len(kl) == 0
+
+
+@pytest.mark.parametrize("how", ["acquire", "with"])
+def test_threads_interrupt_as_the_key_is_handed_over_passes_it_on(how: str) -> None:
+    """Found by a mutation audit: the only interrupted wait above is handed nothing;
+    with the pass-on removed (``_park``'s ``self.release``) the suite passed, and such
+    an interrupt left the key held by nobody, for ever. The interleaving is exact: the
+    signal handler itself releases the key (handing it to the waiting main thread),
+    then raises."""
+    kl = KeyedLock()
+    kl.acquire("k")
+    handed: list[bool] = []
+
+    def hand_over_then_interrupt(signum: int, frame: object) -> None:
+        kl.release("k")  # the holder lets go: the key is the waiting main thread's
+        handed.append(kl.locked("k") and kl._waiting("k") == 0)
+        raise _Interrupted
+
+    wait = (lambda: kl.acquire("k")) if how == "acquire" else kl("k").__enter__
+    with _signalled_soon(hand_over_then_interrupt), pytest.raises(_Interrupted):
+        wait()
+    assert handed == [True], "the key was not handed to the waiter"
+    assert not kl.locked("k"), "the interrupted waiter kept the key it was handed"
+    assert len(kl) == 0
+    assert kl.acquire("k", timeout=0)
+    kl.release("k")
+
+
+@pytest.mark.parametrize("how", ["acquire", "with"])
+def test_threads_a_timeout_beyond_timeout_max_waits_for_the_key(how: str) -> None:
+    """A finite timeout past ``threading.TIMEOUT_MAX`` (about 292 years) waits: a
+    mutation audit found the cap in ``_park`` untested (``OverflowError`` without it)."""
+    timeout = threading.TIMEOUT_MAX * 100
+    kl = KeyedLock()
+    kl.acquire("k")
+    got: list[object] = []
+
+    def wait() -> None:
+        try:
+            if how == "acquire":
+                got.append(kl.acquire("k", timeout=timeout))
+                kl.release("k")
+            else:
+                with kl("k", timeout=timeout):
+                    got.append(True)
+        except BaseException as exc:
+            got.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    while kl._waiting("k") == 0 and waiter.is_alive():
+        time.sleep(0.005)
+    kl.release("k")
+    waiter.join(10)
+    assert got == [True]
     assert len(kl) == 0
 
 
@@ -570,19 +634,28 @@ def test_threads_context_manager_can_be_reused() -> None:
         assert not kl.locked("k")
 
 
-def test_threads_burst_of_keys_leaves_no_memory() -> None:
+@pytest.mark.parametrize("how", ["acquire", "with"])
+def test_threads_burst_of_keys_leaves_no_memory(how: str) -> None:
+    """Both ways: ``with``'s exit repeats ``release``'s fast path, and a mutation audit
+    found that copy's ``clear()`` untested (a 20,000-key burst kept ~1 MB)."""
     kl = KeyedLock()
     keys = [f"key:{index}" for index in range(20_000)]
     kl.acquire("warm-up")
     kl.release("warm-up")
+    holds = [kl(key) for key in keys]
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        for key in keys:
-            kl.acquire(key)
-        for key in keys:
-            kl.release(key)
+        if how == "acquire":
+            for key in keys:
+                kl.acquire(key)
+            for key in keys:
+                kl.release(key)
+        else:
+            with ExitStack() as stack:
+                for hold in holds:
+                    stack.enter_context(hold)
         gc.collect()
         retained = tracemalloc.get_traced_memory()[0] - before
     finally:
