@@ -41,7 +41,7 @@ import weakref
 from collections import deque
 from collections.abc import Hashable, Iterator
 from types import TracebackType
-from typing import Final
+from typing import Final, Protocol
 
 from keymutex._errors import Locked
 from keymutex._validate import check_timeout
@@ -90,7 +90,23 @@ def _timed_out(key: Hashable, timeout: float) -> Locked:
     return Locked(key, None, message)
 
 
-def _take_guard(guard: threading.RLock) -> None:
+class _Guard(Protocol):
+    """A KeyedLock's guard: a ``threading.RLock`` (typeshed lacks ``_recursion_count``,
+    which ``_thread.RLock`` has had since Python 3.11)."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+    def release(self) -> None: ...
+    def _recursion_count(self) -> int: ...
+
+
+def _reentered() -> RuntimeError:
+    return RuntimeError(
+        "a KeyedLock was called from a signal handler while the thread it interrupted"
+        " was inside the same KeyedLock: refused (it would have corrupted the table)"
+    )
+
+
+def _take_guard(guard: _Guard) -> None:
     """Take a ``KeyedLock``'s guard after a first non-blocking try failed.
 
     The guarded sections never block (unless a key's ``__hash__`` or ``__eq__`` does), so
@@ -109,7 +125,7 @@ def _take_guard(guard: threading.RLock) -> None:
 
 
 @contextlib.contextmanager
-def _guarded(guard: threading.RLock) -> Iterator[None]:
+def _guarded(guard: _Guard) -> Iterator[None]:
     """``with _guarded(guard):`` for the cold paths; the hot paths spell it out (cheaper).
 
     The guard is an RLock for one reason: it knows its owner. Each guarded section
@@ -119,11 +135,15 @@ def _guarded(guard: threading.RLock) -> Iterator[None]:
     runs handlers there: KeyboardInterrupt, a SIGTERM handler's SystemExit) left it
     taken for good, and every later call on every key of that KeyedLock hung,
     ``timeout=0`` included. (``with guard:`` is safe too, but cost 10-20 % of the
-    thread benchmark.)
+    thread benchmark.) Being reentrant, it would let a signal handler that calls into
+    the KeyedLock it interrupted change the table in the middle of a section (two
+    holders of one key): that is refused (``_reentered``), where a plain lock hung.
     """
     try:
         if not guard.acquire(False):
             _take_guard(guard)
+        if guard._recursion_count() > 1:
+            raise _reentered()
         yield
     finally:
         with contextlib.suppress(RuntimeError):  # never taken: interrupted before
@@ -133,7 +153,7 @@ def _guarded(guard: threading.RLock) -> Iterator[None]:
 # Every KeyedLock, for the fork hooks below (registered under _KEYED_LOCKS_MUTEX).
 _KEYED_LOCKS: weakref.WeakSet[KeyedLock] = weakref.WeakSet()
 _KEYED_LOCKS_MUTEX = threading.Lock()
-_HELD_OVER_FORK: list[threading.Lock | threading.RLock] = []
+_HELD_OVER_FORK: list[threading.Lock | _Guard] = []
 
 
 def _before_fork() -> None:
@@ -193,7 +213,7 @@ class KeyedLock:
         # One guard for the whole table: held only for a few dict and deque operations,
         # never while anyone waits, so it is cheaper than a lock object per key. A
         # thread finding it taken yields to its holder first (see _take_guard).
-        self._guard = threading.RLock()
+        self._guard: _Guard = threading.RLock()  # type: ignore[assignment]
         self._entries: dict[Hashable, deque[threading.Lock] | None] = {}
         with _KEYED_LOCKS_MUTEX:
             _KEYED_LOCKS.add(self)
@@ -221,6 +241,8 @@ class KeyedLock:
         try:
             if not guard.acquire(False):
                 _take_guard(guard)
+            if guard._recursion_count() > 1:
+                raise _reentered()
             entries = self._entries
             try:
                 waiters = entries.get(key, _FREE)
@@ -284,6 +306,8 @@ class KeyedLock:
         try:
             if not guard.acquire(False):
                 _take_guard(guard)
+            if guard._recursion_count() > 1:
+                raise _reentered()
             entries = self._entries
             try:
                 waiters = entries.get(key, _FREE)
@@ -346,6 +370,8 @@ class _Held:
         try:
             if not guard.acquire(False):
                 _take_guard(guard)
+            if guard._recursion_count() > 1:
+                raise _reentered()
             entries = lock._entries
             try:
                 waiters = entries.get(key, _FREE)
@@ -377,6 +403,8 @@ class _Held:
         try:
             if not guard.acquire(False):
                 _take_guard(guard)
+            if guard._recursion_count() > 1:
+                raise _reentered()
             entries = lock._entries
             if entries.get(key, _FREE) is None:
                 del entries[key]

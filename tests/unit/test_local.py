@@ -497,6 +497,59 @@ def test_threads_an_interrupt_after_any_call_never_leaves_the_table_stuck(
     assert number > 1, "the step made no C call"
 
 
+def _acquire_called_into_at(number: int) -> tuple[KeyedLock, dict[str, object], bool]:
+    """``kl.acquire("k", timeout=0)``, with the same call made again, in the same
+    thread, at the return of its ``number``-th C call (by a profile function: as a
+    signal handler would). In a thread of its own: whether that thread hung."""
+    kl = KeyedLock()
+    outcome: dict[str, object] = {}
+
+    def inner() -> None:
+        try:
+            outcome["inner"] = kl.acquire("k", timeout=0)
+        except RuntimeError as exc:
+            outcome["inner"] = exc
+
+    def run() -> None:
+        seen = 0
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            nonlocal seen
+            if event == "c_return":
+                seen += 1
+                if seen == number:
+                    inner()
+
+        sys.setprofile(profile)
+        try:
+            outcome["outer"] = kl.acquire("k", timeout=0)
+        finally:
+            sys.setprofile(None)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(5)
+    return kl, outcome, worker.is_alive()
+
+
+def test_threads_a_call_from_a_handler_that_interrupted_a_section_is_refused() -> None:
+    """A signal handler that calls into the KeyedLock whose section it interrupted
+    (here at each C call's return in turn): refused with ``RuntimeError``, never both
+    calls holding the key (the guard is reentrant), never hung (as with a plain
+    lock)."""
+    number = 1
+    while True:
+        kl, outcome, hung = _acquire_called_into_at(number)
+        assert not hung, f"hung: a call from C call {number} of acquire"
+        if "inner" not in outcome:
+            break  # acquire made fewer C calls: every one was tried
+        granted = [outcome["outer"], outcome["inner"]].count(True)
+        assert granted <= 1, f"two holders of one key (a call from C call {number})"
+        assert granted == len(kl), outcome
+        number += 1
+    assert number > 1
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_threads_a_child_forked_while_threads_use_the_table_can_use_it() -> None:
     """Found by review: a child forked while another thread held the table's guard got
