@@ -428,10 +428,11 @@ class _Interrupt(BaseException):
     """What a signal handler may raise (as KeyboardInterrupt is)."""
 
 
-def _interrupted_after_c_call(number: int, action: Callable[[], object]) -> bool:
-    """Run ``action``, with ``_Interrupt`` raised as its ``number``-th call of a C
-    function returns, in place of the result: where Python runs a signal handler. A
-    profile function that raises at a ``c_return`` does that. ``True`` if it did."""
+@contextmanager
+def _at_c_return(number: int, handler: Callable[[], None]) -> Iterator[None]:
+    """In the block, ``handler`` runs in this thread as the ``number``-th call of a C
+    function returns: where Python runs a signal handler (a profile function at
+    ``c_return``; what it raises replaces the call's result)."""
     seen = 0
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -439,15 +440,28 @@ def _interrupted_after_c_call(number: int, action: Callable[[], object]) -> bool
         if event == "c_return":
             seen += 1
             if seen == number:
-                raise _Interrupt
+                handler()
 
     sys.setprofile(profile)
     try:
-        action()
-    except _Interrupt:
-        return True
+        yield
     finally:
         sys.setprofile(None)
+
+
+def _raise_interrupt() -> None:
+    raise _Interrupt
+
+
+def _interrupted_after_c_call(number: int, action: Callable[[], object]) -> bool:
+    """Run ``action``, with ``_Interrupt`` raised as its ``number``-th C call returns.
+    ``True`` if it was."""
+    try:
+        with _at_c_return(number, _raise_interrupt):
+            action()
+    except _Interrupt:
+        return True
+    return False
     return False
 
 
@@ -511,20 +525,8 @@ def _acquire_called_into_at(number: int) -> tuple[KeyedLock, dict[str, object], 
             outcome["inner"] = exc
 
     def run() -> None:
-        seen = 0
-
-        def profile(frame: Any, event: str, arg: Any) -> None:
-            nonlocal seen
-            if event == "c_return":
-                seen += 1
-                if seen == number:
-                    inner()
-
-        sys.setprofile(profile)
-        try:
+        with _at_c_return(number, inner):
             outcome["outer"] = kl.acquire("k", timeout=0)
-        finally:
-            sys.setprofile(None)
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
