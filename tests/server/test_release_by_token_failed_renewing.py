@@ -39,14 +39,16 @@ def test_a_released_lease_is_not_renewed_after_its_release_failed(live: Live) ->
     ):
         lease = locks.acquire("k", renew=True, on_lost=lost.append)
         proxy.set_mode("fail_reply", after_request=b"POST /v1/release ", answer=STORE_FAILED)
-        before = live.metric("keymutex_renewals_total")
         with keymutex.Locks(live.url) as other:
             with pytest.raises(keymutex.StoreError):
                 locks.release("k", lease.token)
+            before = live.metric("keymutex_renewals_total")
             assert proxy.failed_replies == 1
             assert other.holder("k") is None  # the server did release it
             time.sleep(1.5)  # several renewal periods (ttl / 3)
             renewals = live.metric("keymutex_renewals_total") - before
         assert lost == [], "a lease released by its owner was reported lost"
         assert not lease.lost
-        assert renewals == 0, f"{renewals} renewal(s) of a released lease"
+        # One renewal may have been on its way as the release went out (seen in CI);
+        # a renewer that goes on renews every 0.2 s: 7 in these 1.5 s.
+        assert renewals <= 1, f"{renewals} renewals of a released lease"
