@@ -18,7 +18,7 @@ import time
 import httpx
 
 import keymutex
-from keymutex._giveback import GiveBacks
+from keymutex._giveback import JOIN_GRACE, GiveBacks
 from safety._tools.proxy import Proxy
 
 from .conftest import Live
@@ -100,7 +100,9 @@ def test_closing_makes_one_last_round_and_stops(live: Live) -> None:
             time.sleep(0.01)
         started = time.monotonic()
         give_backs.close()
-        assert time.monotonic() - started < 2.0, "close() waited for a round that never ended"
+        assert time.monotonic() - started < JOIN_GRACE - 1, (
+            "close() waited for a round that never ended"
+        )
         count = len(tried)
         time.sleep(0.3)
         assert len(tried) == count, "releases went on after close()"

@@ -53,12 +53,9 @@ def test_an_acquire_that_times_out_is_not_sent_again(live: Live) -> None:
         try:
             # The acquire reaches the server (granted); no reply comes back.
             proxy.set_mode("drop_replies", after_request=b"POST /v1/acquire ")
-            started = time.monotonic()
             with pytest.raises(keymutex.StoreError, match=r"[Tt]ime[do]|took more than"):
                 locks.acquire("k", ttl=60, timeout=0)
-            elapsed = time.monotonic() - started
             assert _acquires(live) - before == 1, "the timed-out acquire was sent again"
-            assert elapsed < 0.5 * 2 + 0.4, elapsed
             proxy.set_mode("pass")
         finally:
             locks.close()  # the give-back's last round frees the key
@@ -134,11 +131,8 @@ def test_a_renewal_that_times_out_is_not_sent_again(live: Live) -> None:
         lease = locks.acquire("k", timeout=0)
         before = live.metric("keymutex_renewals_total")
         proxy.set_mode("drop_replies", after_request=b"POST /v1/renew ")
-        started = time.monotonic()
         with pytest.raises(keymutex.StoreError, match=r"[Tt]ime[do]|took more than"):
             locks.renew("k", lease.token, ttl=60)
-        elapsed = time.monotonic() - started
         assert live.metric("keymutex_renewals_total") - before == 1, "sent again"
-        assert elapsed < 0.5 * 2 + 0.4, elapsed
         proxy.set_mode("pass")
         lease.release()
