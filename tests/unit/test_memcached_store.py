@@ -1155,13 +1155,13 @@ def test_places_are_kept_refreshed_and_dropped_when_gone(monkeypatch: pytest.Mon
 @pytest.mark.parametrize(
     ("seconds", "expected"),
     [
-        (0.001, 2),
-        (0.3, 2),
-        (1.0, 2),
-        (1.01, 3),
-        (30.0, 31),
-        (30 * 86400 - 1, 30 * 86400),
-        (30 * 86400, 0),
+        (0.001, 4),
+        (0.3, 4),
+        (1.0, 4),
+        (1.01, 5),
+        (30.0, 33),
+        (30 * 86400 - 3, 30 * 86400),
+        (30 * 86400 - 2, 0),
     ],
 )
 def test_exptime_never_cuts_a_lease_short(seconds: float, expected: int) -> None:

@@ -20,8 +20,8 @@ namespace fit memcached's 250-byte limit and ``("a", "b:c")`` never meets ``("a:
 - ``km2:l:<digest of namespace and key>``: the lease, one compact JSON record (key,
   token, owner, info, fence, acquired-at, expires-at, and the queue of waiters when
   there is one). The record is the truth; the item's own exptime is only garbage
-  collection, set to ``ceil(ttl) + 1`` seconds so that memcached (1-second
-  granularity) never drops a live lease early.
+  collection, set to ``ceil(ttl) + EXPTIME_MARGIN`` seconds so that memcached never
+  drops a live lease early (see ``exptime``).
 - a released lease is deleted by compare-and-delete (``md <item> C<cas>``), or, when
   waiters are queued, replaced by compare-and-swap with a *tombstone* that keeps the
   key for the first of them (see *Waiting*).
@@ -241,6 +241,7 @@ _WAITER_ID_BYTES = 9  # 12 characters: a waiter's id only has to be unique per k
 # memcached reads an exptime above 30 days as an absolute UNIX time (by the server's
 # clock); longer leases get 0 ("no expiry": only eviction or a release removes them).
 MAX_RELATIVE_EXPTIME = 30 * 24 * 3600
+EXPTIME_MARGIN = 3  # seconds an item outlives its lease, at least (see exptime)
 INDEX_BUCKETS = 16
 COMPACT_EVERY = 64  # grants by one store between two compactions (of the granted one's bucket)
 READ_BATCH = 1000  # items per pipelined multi-read
@@ -407,8 +408,17 @@ def live(record: Record | Tombstone | None, now: float) -> Record | None:
 
 
 def exptime(seconds: float) -> int:
-    """The item exptime for a lease with ``seconds`` left: never shorter than the lease."""
-    whole = math.ceil(seconds) + 1
+    """The item exptime for a lease with ``seconds`` left: never shorter than the lease.
+
+    memcached counts time in whole seconds, by a clock a timer moves once a second: an
+    item set with exptime N lives at least N - 1 s when the timer is on time, and less
+    when it is late (a starved memcached catches up by two at once). Found in a
+    clean-clone CI run, both cores busy: with N = ceil(ttl) + 1 a holder's lease
+    (TTL 1 s, renewed) vanished 0.54 s after its grant, and another process was
+    granted the key. ``EXPTIME_MARGIN`` leaves room for a timer up to 2 s late; a
+    lease's end is still the record's ``expires_at``, so an item outliving it costs
+    only its memory for those seconds."""
+    whole = math.ceil(seconds) + EXPTIME_MARGIN
     return 0 if whole > MAX_RELATIVE_EXPTIME else whole
 
 
