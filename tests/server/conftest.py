@@ -12,6 +12,7 @@ see each other's locks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -30,6 +31,7 @@ from starlette.applications import Starlette
 
 from keymutex.server import create_app
 from keymutex.server._protocol import http_protocol
+from safety._tools.proxy import Proxy
 
 ADMIN_TOKEN = "admin-" + "a" * 40
 EDITOR_TOKEN = "editor-" + "e" * 40
@@ -92,6 +94,13 @@ async def secured(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
 class Live:
     url: str
     app: Starlette
+
+    @contextlib.contextmanager
+    def proxied(self) -> Iterator[tuple[Proxy, str]]:
+        """A fault-injecting proxy in front of this server, and the URL through it."""
+        upstream = httpx.URL(self.url)
+        with Proxy((upstream.host, upstream.port)) as proxy:
+            yield proxy, f"http://127.0.0.1:{proxy.port}"
 
     def metric(self, name: str) -> float:
         """The server's counter ``name`` from ``/metrics``, summed over its labels."""

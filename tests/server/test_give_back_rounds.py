@@ -15,11 +15,8 @@ from __future__ import annotations
 import threading
 import time
 
-import httpx
-
 import keymutex
 from keymutex._giveback import JOIN_GRACE, GiveBacks
-from safety._tools.proxy import Proxy
 
 from .conftest import Live
 
@@ -39,11 +36,10 @@ class _Counted:
 
 
 def test_a_round_whose_first_release_fails_gives_back_the_others_later(live: Live) -> None:
-    upstream = httpx.URL(live.url)
     with (
         keymutex.Locks(live.url) as granting,
-        Proxy((upstream.host, upstream.port)) as proxy,
-        keymutex.Locks(f"http://127.0.0.1:{proxy.port}") as releasing,
+        live.proxied() as (proxy, url),
+        keymutex.Locks(url) as releasing,
     ):
         # Two grants whose tokens only the give-back has (as after two lost answers).
         a = granting.acquire("a", ttl=60, timeout=0)

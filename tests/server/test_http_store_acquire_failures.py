@@ -13,16 +13,12 @@ Found by the third mutation audit (each test kills a mutant the suite let throug
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from collections.abc import Iterator
 
-import httpx
 import pytest
 
 import keymutex
-from safety._tools.proxy import Proxy
 
 from .conftest import Live
 
@@ -39,16 +35,9 @@ def _http(status: str, payload: dict[str, str]) -> bytes:
     )
 
 
-@contextlib.contextmanager
-def _proxied(live: Live) -> Iterator[tuple[Proxy, str]]:
-    upstream = httpx.URL(live.url)
-    with Proxy((upstream.host, upstream.port)) as proxy:
-        yield proxy, f"http://127.0.0.1:{proxy.port}"
-
-
 def test_an_acquire_that_times_out_is_not_sent_again(live: Live) -> None:
     before = _acquires(live)
-    with _proxied(live) as (proxy, url):
+    with live.proxied() as (proxy, url):
         locks = keymutex.Locks(url, timeout=0.5)
         try:
             # The acquire reaches the server (granted); no reply comes back.
@@ -66,7 +55,7 @@ def test_an_acquire_that_times_out_is_not_sent_again(live: Live) -> None:
 @pytest.mark.asyncio
 async def test_async_an_acquire_that_times_out_is_not_sent_again(live: Live) -> None:
     before = _acquires(live)
-    with _proxied(live) as (proxy, url):
+    with live.proxied() as (proxy, url):
         locks = keymutex.AsyncLocks(url, timeout=0.5)
         try:
             proxy.set_mode("drop_replies", after_request=b"POST /v1/acquire ")
@@ -81,7 +70,7 @@ async def test_async_an_acquire_that_times_out_is_not_sent_again(live: Live) -> 
 def test_an_acquire_answered_500_with_json_gets_the_lease_it_was_granted(live: Live) -> None:
     answer = _http("500 Internal Server Error", {"error": "internal", "message": "oops"})
     before = _acquires(live)
-    with _proxied(live) as (proxy, url), keymutex.Locks(url, ttl=60) as locks:
+    with live.proxied() as (proxy, url), keymutex.Locks(url, ttl=60) as locks:
         proxy.set_mode("fail_reply", after_request=b"POST /v1/acquire ", answer=answer)
         lease = locks.acquire("k", timeout=0)
         assert proxy.failed_replies == 1
@@ -95,7 +84,7 @@ def test_an_acquire_answered_500_with_json_gets_the_lease_it_was_granted(live: L
 @pytest.mark.asyncio
 async def test_async_an_acquire_answered_500_with_json_gets_the_lease(live: Live) -> None:
     answer = _http("500 Internal Server Error", {"error": "internal", "message": "oops"})
-    with _proxied(live) as (proxy, url):
+    with live.proxied() as (proxy, url):
         async with keymutex.AsyncLocks(url, ttl=60) as locks:
             proxy.set_mode("fail_reply", after_request=b"POST /v1/acquire ", answer=answer)
             lease = await locks.acquire("k", timeout=0)
@@ -108,7 +97,7 @@ async def test_async_an_acquire_answered_500_with_json_gets_the_lease(live: Live
 
 def test_a_400_that_is_not_the_lock_servers_is_a_store_error(live: Live) -> None:
     answer = _http("400 Bad Request", {"error": "bad_request", "message": "header too large"})
-    with _proxied(live) as (proxy, url), keymutex.Locks(url, ttl=60) as locks:
+    with live.proxied() as (proxy, url), keymutex.Locks(url, ttl=60) as locks:
         proxy.set_mode("fail_reply", after_request=b"POST /v1/acquire ", answer=answer)
         with pytest.raises(keymutex.StoreError, match="answered acquire with 400") as failed:
             locks.acquire("k", timeout=0)
@@ -127,7 +116,7 @@ def test_a_renewal_that_times_out_is_not_sent_again(live: Live) -> None:
     not a timeout: found by the same audit, resending after any ``StoreError`` passed
     the suite; a silent server then made every renewal, read and release wait twice
     ``timeout`` (and renewed twice)."""
-    with _proxied(live) as (proxy, url), keymutex.Locks(url, ttl=60, timeout=0.5) as locks:
+    with live.proxied() as (proxy, url), keymutex.Locks(url, ttl=60, timeout=0.5) as locks:
         lease = locks.acquire("k", timeout=0)
         before = live.metric("keymutex_renewals_total")
         proxy.set_mode("drop_replies", after_request=b"POST /v1/renew ")

@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 import keymutex
-from safety._tools.proxy import Proxy
 
 from .conftest import Live
 
@@ -35,11 +34,10 @@ def _waiting(live: Live) -> int:
 async def test_async_a_wait_cancelled_after_its_grant_was_lost_gives_it_back(
     live: Live,
 ) -> None:
-    upstream = httpx.URL(live.url)
-    with Proxy((upstream.host, upstream.port)) as proxy:
+    with live.proxied() as (proxy, url):
         async with (
             keymutex.AsyncLocks(live.url) as other,
-            keymutex.AsyncLocks(f"http://127.0.0.1:{proxy.port}", timeout=0.5) as locks,
+            keymutex.AsyncLocks(url, timeout=0.5) as locks,
         ):
             lease = await other.acquire("k", timeout=0)
             waiting = asyncio.create_task(locks.acquire("k", ttl=60, timeout=20))

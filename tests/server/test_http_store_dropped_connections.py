@@ -15,11 +15,8 @@ matched request is not forwarded, and the client's connection is closed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterator
 
-import httpx
 import pytest
 
 import keymutex
@@ -36,13 +33,6 @@ STEPS = [
 ]
 
 
-@contextlib.contextmanager
-def _proxied(live: Live) -> Iterator[tuple[Proxy, str]]:
-    upstream = httpx.URL(live.url)
-    with Proxy((upstream.host, upstream.port)) as proxy:
-        yield proxy, f"http://127.0.0.1:{proxy.port}"
-
-
 def _closing(proxy: Proxy, request: bytes) -> None:
     proxy.set_mode("close_on_request", after_request=request)
 
@@ -56,7 +46,7 @@ def test_a_step_whose_connection_the_server_closes_as_it_goes_out_is_sent_again(
     live: Live, request_line: bytes
 ) -> None:
     """Before: ``StoreError: … Server disconnected without sending a response``."""
-    with _proxied(live) as (proxy, url), keymutex.Locks(url, ttl=60) as locks:
+    with live.proxied() as (proxy, url), keymutex.Locks(url, ttl=60) as locks:
         lease = locks.acquire("k", timeout=0)
         _closing(proxy, request_line)
         if request_line.startswith(b"POST /v1/renew"):
@@ -81,7 +71,7 @@ def test_a_step_whose_connection_the_server_closes_as_it_goes_out_is_sent_again(
 async def test_async_a_step_whose_connection_the_server_closes_as_it_goes_out_is_sent_again(
     live: Live, request_line: bytes
 ) -> None:
-    with _proxied(live) as (proxy, url):
+    with live.proxied() as (proxy, url):
         async with keymutex.AsyncLocks(url, ttl=60) as locks:
             lease = await locks.acquire("k", timeout=0)
             _closing(proxy, request_line)
@@ -105,7 +95,7 @@ def test_a_release_whose_answer_is_lost_is_not_called_lost(live: Live) -> None:
     """The server released, and the answer was lost (the connection cut): sent again,
     the release finds the lease gone. It cannot tell "released by the first" from "lost
     before it": a ``StoreError`` saying so, not ``LockLost``. The key is free."""
-    with _proxied(live) as (proxy, url), keymutex.Locks(url, ttl=60) as locks:
+    with live.proxied() as (proxy, url), keymutex.Locks(url, ttl=60) as locks:
         lease = locks.acquire("k", timeout=0)
         proxy.set_mode("lose_reply", from_reply=b'"released"')
         with pytest.raises(keymutex.StoreError, match="outcome unknown") as failed:
@@ -116,7 +106,7 @@ def test_a_release_whose_answer_is_lost_is_not_called_lost(live: Live) -> None:
 
 @pytest.mark.asyncio
 async def test_async_a_release_whose_answer_is_lost_is_not_called_lost(live: Live) -> None:
-    with _proxied(live) as (proxy, url):
+    with live.proxied() as (proxy, url):
         async with keymutex.AsyncLocks(url, ttl=60) as locks:
             lease = await locks.acquire("k", timeout=0)
             proxy.set_mode("lose_reply", from_reply=b'"released"')
@@ -130,7 +120,7 @@ def test_an_idle_connection_is_not_used_after_the_keepalive_expiry(live: Live) -
     """The client closes an idle connection before the lock server would (5 s): the
     request after a pause longer than ``KEEPALIVE_EXPIRY`` goes on a new one."""
     assert KEEPALIVE_EXPIRY < 5
-    with _proxied(live) as (proxy, url), keymutex.Locks(url, ttl=60) as locks:
+    with live.proxied() as (proxy, url), keymutex.Locks(url, ttl=60) as locks:
         locks.holder("k")
         locks.holder("k")
         assert proxy.connections == 1, "kept alive between steps close together"
@@ -143,7 +133,7 @@ def test_an_idle_connection_is_not_used_after_the_keepalive_expiry(live: Live) -
 async def test_async_an_idle_connection_is_not_used_after_the_keepalive_expiry(
     live: Live,
 ) -> None:
-    with _proxied(live) as (proxy, url):
+    with live.proxied() as (proxy, url):
         async with keymutex.AsyncLocks(url, ttl=60) as locks:
             await locks.holder("k")
             await locks.holder("k")

@@ -16,12 +16,10 @@ from __future__ import annotations
 import time
 from http import HTTPStatus
 
-import httpx
 import pytest
 
 import keymutex
 from keymutex.server._protocol import error_response
-from safety._tools.proxy import Proxy
 
 from .conftest import Live
 
@@ -31,12 +29,8 @@ STORE_FAILED = error_response(
 
 
 def test_a_released_lease_is_not_renewed_after_its_release_failed(live: Live) -> None:
-    upstream = httpx.URL(live.url)
     lost: list[keymutex.Lease] = []
-    with (
-        Proxy((upstream.host, upstream.port)) as proxy,
-        keymutex.Locks(f"http://127.0.0.1:{proxy.port}", ttl=0.6) as locks,
-    ):
+    with live.proxied() as (proxy, url), keymutex.Locks(url, ttl=0.6) as locks:
         lease = locks.acquire("k", renew=True, on_lost=lost.append)
         proxy.set_mode("fail_reply", after_request=b"POST /v1/release ", answer=STORE_FAILED)
         with keymutex.Locks(live.url) as other:
