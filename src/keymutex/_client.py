@@ -49,6 +49,7 @@ from keymutex._local import AsyncKeyedLock, KeyedLock
 from keymutex._store import (
     AsyncStore,
     AsyncWaiter,
+    NotSent,
     PartialRenewal,
     RenewRequest,
     Store,
@@ -1260,14 +1261,18 @@ class Locks:
         leaves the store open until it has left; the last to leave closes it.
 
         A ``StoreError`` may hide a grant (an answer that came too late, or was lost):
-        it is given back in the background (``_giveback``), if the token is ours.
+        it is given back in the background (``_giveback``), if the token is ours. Not
+        after ``NotSent``: no step with the token reached the store (found by review: a
+        ZooKeeper client that never connected then spent another ``timeout`` giving
+        back, and ``keymutex run`` took twice as long to say the store was down).
         """
         if not self._at_store.enter():
             raise RuntimeError(_closed_while_waiting(self, request.key, waited=waits))
         try:
             yield
-        except StoreError:
-            if request.token is None:  # drawn here: nobody else holds it
+        except StoreError as exc:
+            # Drawn here: nobody else holds it. Unless no step with it reached the store.
+            if request.token is None and not isinstance(exc, NotSent):
                 self._give_backs.add(request.key, token, request.ttl)
             raise
         finally:
@@ -2020,8 +2025,8 @@ class AsyncLocks:
             raise RuntimeError(_closed_while_waiting(self, request.key, waited=waits))
         try:
             yield
-        except StoreError:
-            if request.token is None:
+        except StoreError as exc:
+            if request.token is None and not isinstance(exc, NotSent):
                 self._give_backs.add(request.key, token, request.ttl)
             raise
         finally:

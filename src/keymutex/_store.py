@@ -273,6 +273,13 @@ class PartialRenewal(StoreError):
         self.outcomes = list(outcomes)
 
 
+class NotSent(StoreError):
+    """An acquire's step that failed before any step with its token could reach the
+    store: nothing can have been granted to that token, so there is nothing to give
+    back. A store raises it only when that is certain (ZooKeeper: this client never had
+    a session, so it never created a node); otherwise a plain ``StoreError``."""
+
+
 class WouldBlock(Exception):
     """An inline attempt (``ThreadedAsyncStore``'s ``attempt``) would have to wait: it
     was given up before it changed anything, and the step runs in a thread instead."""

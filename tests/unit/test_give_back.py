@@ -22,6 +22,7 @@ import keymutex
 from keymutex import _client, _giveback
 from keymutex._giveback import _Plan
 from keymutex._lease import Outcome
+from keymutex._store import NotSent
 
 GHOST_TTL = 600.0  # a grant nobody gives back would hold the key this long
 WAIT = 10.0
@@ -39,10 +40,13 @@ class AnswerLost:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.lose = False
+        self.unsent = False  # tries fail before they reach the store (NotSent)
         self.down = 0  # the next this many releases fail
         self.releases: list[tuple[str, str]] = []
 
     def try_acquire(self, key: str, **kwargs: Any) -> Outcome:
+        if self.unsent:
+            raise NotSent(f"try of {key!r}: no connection to send it on")
         outcome: Outcome = self._inner.try_acquire(key, **kwargs)
         if self.lose:
             raise keymutex.StoreError(
@@ -64,6 +68,8 @@ class AnswerLost:
 
 class AsyncAnswerLost(AnswerLost):
     async def try_acquire(self, key: str, **kwargs: Any) -> Outcome:  # type: ignore[override]
+        if self.unsent:
+            raise NotSent(f"try of {key!r}: no connection to send it on")
         outcome: Outcome = await self._inner.try_acquire(key, **kwargs)
         if self.lose:
             raise keymutex.StoreError(
@@ -223,6 +229,36 @@ def test_closing_gives_back_what_is_waiting(
         failing.close()
         assert len(store.releases) == 2
         assert other.holder("k") is None
+
+
+@pytest.mark.parametrize("timeout", [0, 0.2])
+def test_a_try_that_never_reached_the_store_is_not_given_back(
+    namespace: str, timeout: float
+) -> None:
+    """``NotSent``: no step with the token reached the store, so nothing was granted
+    to it. A give-back would only wait for a store that is out of reach: found by
+    review, ``keymutex run`` on a ZooKeeper that refused every connection waited its
+    ``timeout`` once more for it before it could exit."""
+    failing = keymutex.Locks(namespace=namespace)
+    store = losing(failing)
+    store.unsent = True
+    with pytest.raises(NotSent, match="no connection"):
+        failing.acquire("k", ttl=GHOST_TTL, timeout=timeout)
+    failing.close()  # would have made the last round
+    assert store.releases == []
+
+
+@pytest.mark.asyncio
+async def test_async_a_try_that_never_reached_the_store_is_not_given_back(
+    namespace: str,
+) -> None:
+    failing = keymutex.AsyncLocks(namespace=namespace)
+    store = losing_async(failing)
+    store.unsent = True
+    with pytest.raises(NotSent, match="no connection"):
+        await failing.acquire("k", ttl=GHOST_TTL, timeout=0.2)
+    await failing.aclose()
+    assert store.releases == []
 
 
 def test_a_token_the_caller_named_is_not_given_back(namespace: str) -> None:

@@ -375,6 +375,28 @@ def test_chroot(zookeeper_url: str, raw: Any, namespace: str) -> None:
 # -- a server that does not answer, after a review: each wait bounded by one timeout --
 
 
+def test_a_try_made_while_disconnected_from_a_session_is_given_back(
+    own_server: Any, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once it has had a session, a client that finds itself disconnected may have
+    left a node behind with an earlier try (a queued place, a create whose reply was
+    lost): its failure is a plain ``StoreError``, and the try is given back."""
+    from keymutex._store import NotSent
+
+    releases = releases_made(monkeypatch)
+    with keymutex.Locks(own_server.url, namespace=namespace, timeout=0.5) as locks:
+        locks.acquire("warm-up", timeout=0).release()  # a session
+        own_server.stop()
+        try:
+            wait_until(lambda: not locks._store._connected.is_set(), "the disconnection")
+            with pytest.raises(keymutex.StoreError, match="not connected") as e:
+                locks.acquire("job", timeout=0)
+            assert not isinstance(e.value, NotSent)
+            wait_until(lambda: "job" in releases, "the give-back of the try")
+        finally:
+            own_server.start()
+
+
 def test_a_waiter_whose_try_went_unanswered_leaves_without_waiting_again(
     own_server: Any, namespace: str
 ) -> None:
@@ -514,25 +536,49 @@ def test_settings_may_be_in_the_url() -> None:
     assert "p@ss" not in repr(target)
 
 
+def releases_made(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys of every release the ZooKeeper stores made from now on."""
+    from keymutex.stores import zookeeper
+
+    made: list[str] = []
+    release = zookeeper.ZooKeeperStore.release
+
+    def counted(self: Any, key: str, token: str) -> Any:
+        made.append(key)
+        return release(self, key, token)
+
+    monkeypatch.setattr(zookeeper.ZooKeeperStore, "release", counted)
+    return made
+
+
 def test_unreachable_server_is_a_store_error(
-    namespace: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    namespace: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import _zk_servers
+    from keymutex._store import NotSent
 
     port = _zk_servers._free_port()  # nobody listens there
     caplog.set_level(logging.DEBUG)
+    releases = releases_made(monkeypatch)
     with keymutex.Locks(
         f"zookeeper://127.0.0.1:{port}", namespace=namespace, timeout=0.3
     ) as locks:
         started = time.monotonic()
         # Why, in the error itself: kazoo's last warning.
-        with pytest.raises(keymutex.StoreError, match=r"not connected .* \(kazoo: Connection"):
+        with pytest.raises(
+            keymutex.StoreError, match=r"not connected .* \(kazoo: Connection"
+        ) as e:
             locks.acquire("job", timeout=0)
         assert time.monotonic() - started < 5
+    # A client that never had a session created no node: nothing to give back (before,
+    # a give-back waited ``timeout`` more for the connection, at once and at close).
+    assert isinstance(e.value, NotSent)
+    assert releases == []
     # kazoo's line per failed attempt is kept out of the warnings (a CLI would print
     # each), at DEBUG under keymutex.zookeeper.
-    # (Not the client's own line on the error, under keymutex: the give-back of the
-    # failed try, keymutex._giveback, which failed as well.)
     retries = [
         r
         for r in caplog.records

@@ -80,7 +80,9 @@ checked against ``ca_file`` (else the system's CAs) and the host name; ``cert_fi
 **Failures.** Every ZooKeeper error and every request that gets no reply within
 ``timeout`` (10 s by default) becomes ``StoreError``. A create whose reply was lost may
 still have made its node: the client remembers the token digest and deletes such
-orphans as soon as the connection is back (or the session's end removes them). Watches
+orphans as soon as the connection is back (or the session's end removes them). A
+client that never had a session fails its steps with ``NotSent``: it never created a
+node, so its failed acquires leave nothing to give back. Watches
 do not survive a reconnection: every waiter is woken to look again, and waiters look
 again every second anyway. A connection attempt whose handshake gets no answer within a
 third of ``timeout`` (at least 2 s) is given up and made again: kazoo waits up to the
@@ -131,6 +133,7 @@ from keymutex._lease import Holder, Outcome
 from keymutex._store import (
     AsyncStore,
     Capabilities,
+    NotSent,
     RenewRequest,
     ThreadedAsyncStore,
     translate_errors,
@@ -326,10 +329,12 @@ class ZooKeeperStore:
         # session lost, set again when kazoo has reconnected. A step waits for it (up
         # to ``timeout``) rather than go into a connection kazoo is replacing.
         self._connected = threading.Event()
+        self._had_session = False  # set for good at the first connection
         client.add_listener(self._on_state)
         # Connecting goes on in kazoo's thread; the first step waits for it.
         started = client.start_async()
         if started.is_set() and client.connected:  # connected before the listener saw it
+            self._had_session = True
             self._connected.set()
 
     # -- the session ---------------------------------------------------------------
@@ -384,6 +389,7 @@ class ZooKeeperStore:
     def _on_state(self, state: Any) -> None:
         """kazoo's connection thread: never block here."""
         if state == KazooState.CONNECTED:
+            self._had_session = True  # before a step can see it connected
             self._connected.set()
             # Our watches died with the old connection: every waiter looks again.
             for waiter in list(self._waiters):
@@ -560,7 +566,10 @@ class ZooKeeperStore:
                 # kazoo only logs why it cannot connect: its connection-loss error,
                 # with that warning, stands as the driver's exception (found by review:
                 # this StoreError had no __cause__, unlike every other store's).
-                raise StoreError(
+                # A client that never had a session never created a node: an acquire
+                # that fails here was granted nothing (NotSent), wherever it was.
+                error = StoreError if self._had_session else NotSent
+                raise error(
                     f"ZooKeeper: {what}: not connected to {self._client.hosts!r}"
                     f" after {self._timeout:g} s" + (f" (kazoo: {last})" if last else "")
                 ) from ConnectionLoss(last or f"not connected after {self._timeout:g} s")
