@@ -2,9 +2,10 @@
 
 No MongoDB server can be installed where these tests were written, and nothing here
 pretends to be one: these tests check the documents the store sends (their structure,
-and that user values are always literals) and decode replies shaped as pymongo
-returns them. Whether MongoDB evaluates the pipelines as intended is checked only by
-the conformance suite, which runs the store against a real server when
+that user values are always literals, and what they do to a lease document by
+MongoDB's documented semantics, ``tests/_mongo_semantics.py``) and decode replies shaped
+as pymongo returns them. Whether MongoDB evaluates the pipelines as documented is
+checked only by the conformance suite, which runs the store against a real server when
 ``KEYMUTEX_TEST_MONGODB_URL`` is set (``test_conformance_server_is_usable`` below
 says when it is not).
 """
@@ -15,6 +16,7 @@ import asyncio
 import datetime
 import functools
 import inspect
+import logging
 import os
 import re
 import time
@@ -26,6 +28,8 @@ from bson.int64 import Int64
 from pymongo.errors import NotPrimaryError, OperationFailure
 
 import keymutex
+from _mongo_semantics import matches, run_pipeline, run_update
+from keymutex._lease import Outcome
 from keymutex.stores import mongodb
 from keymutex.stores.mongodb import (
     AsyncMongoStore,
@@ -116,9 +120,13 @@ def test_acquire_pipeline_grants_only_a_free_key_and_keeps_a_held_one_untouched(
     fields = pipeline[1]["$set"]
     assert set(fields) == {"k", "t", "o", "i", "f", "a", "e", "n"}
     for name, expression in fields.items():
-        # Every field: the new value when granted, else its own value (a no-op update).
+        # Every field: the new value when granted, else its own value (a no-op update),
+        # but ``n``, moved to now for the token's own lease too (see the semantics below).
         condition, _new, old = expression["$cond"]
-        assert condition == "$_grant"
+        if name == "n":
+            assert condition == {"$or": ["$_grant", {"$eq": ["$t", {"$literal": TOKEN}]}]}
+        else:
+            assert condition == "$_grant"
         assert old == f"${name}"
     # User values are literals: an owner "$where" or an info {"$gt": "$e"} is data.
     assert fields["k"]["$cond"][1] == {"$literal": "k"}
@@ -139,9 +147,11 @@ def test_acquire_pipeline_grants_only_a_free_key_and_keeps_a_held_one_untouched(
     assert pipeline[2] == {"$unset": "_grant"}
 
 
-def test_steal_grants_whatever_the_current_lease() -> None:
+def test_steal_grants_whatever_the_current_lease_but_the_tokens_own() -> None:
     pipeline = acquire_pipeline("k", TOKEN, 30, "me", None, steal=True)
-    assert pipeline[0] == {"$set": {"_grant": True}}
+    live = {"$and": [{"$gt": ["$e", "$$NOW"]}, {"$ne": [{"$type": "$t"}, "missing"]}]}
+    mine = {"$eq": ["$t", {"$literal": TOKEN}]}
+    assert pipeline[0] == {"$set": {"_grant": {"$not": [{"$and": [live, mine]}]}}}
     assert pipeline[1]["$set"]["i"]["$cond"][1] == {"$literal": None}
 
 
@@ -168,6 +178,126 @@ def test_renew_release_and_reads_match_only_a_live_lease() -> None:
     # by the server's clock, with update operators: a pipeline update may reach change
     # streams as a "replace" (SERVER-85923), and waiters listen for a removed "t".
     assert mongodb.RELEASE_UPDATE == {"$unset": {"t": ""}, "$currentDate": {"e": True, "n": True}}
+
+
+# -- what the documents do, by MongoDB's documented semantics (tests/_mongo_semantics.py) --
+
+ID = document_id("shop", "k")
+T0 = datetime.datetime(2026, 5, 4, 10, 0, 0)  # naive UTC, as pymongo decodes
+
+
+def at(seconds: float) -> datetime.datetime:
+    return T0 + datetime.timedelta(seconds=seconds)
+
+
+def acquired(
+    doc: dict[str, Any] | None, token: str, when: float, *, ttl: float = 30, steal: bool = False
+) -> tuple[dict[str, Any], keymutex._lease.Outcome]:
+    """The key's document after an acquire at ``T0 + when`` (upserted if ``None``), and
+    the outcome the store reads from it."""
+    before = {"_id": ID} if doc is None else doc  # an upsert starts from the filter's _id
+    after = run_pipeline(
+        before, acquire_pipeline("k", token, ttl, token[:3], None, steal), at(when)
+    )
+    return after, acquire_outcome(after, token, unix_seconds(at(when)))
+
+
+def test_pipelines_grant_refuse_and_answer_the_holder_again_as_mongodb_runs_them() -> None:
+    alice, bob = "alice-" + "a" * 18, "bob-" + "b" * 20
+    doc, first = acquired(None, alice, 0)
+    assert first.ok
+    assert first.remaining == 30.0
+    assert first.holder is not None
+    assert first.holder.fence >= unix_seconds(at(0)) * 1_000_000  # the clock in µs
+    # Another token is refused, and nothing changes (a no-op: nothing written).
+    refused_doc, refused = acquired(doc, bob, 1)
+    assert refused_doc == doc
+    assert not refused.ok
+    assert refused.holder is not None
+    assert refused.holder.owner == "ali"
+    assert refused.remaining == pytest.approx(29.0)
+    # The same token again, 20 s on (an answer lost, asked again): the lease as it
+    # stands, with the 10 s it has left (before the fix: the first grant's 30 s).
+    again_doc, again = acquired(doc, alice, 20)
+    assert again.ok
+    assert again.remaining == pytest.approx(10.0)
+    assert again.holder == first.holder
+    assert {name for name in doc if doc[name] != again_doc[name]} == {"n"}
+    # Even with steal: not granted again (fence and expiry kept).
+    _, stolen_by_itself = acquired(again_doc, alice, 21, ttl=5, steal=True)
+    assert stolen_by_itself.remaining == pytest.approx(9.0)
+    assert stolen_by_itself.holder == first.holder
+    # Another token's steal takes it, with a larger fence.
+    doc, stolen = acquired(again_doc, bob, 22, steal=True)
+    assert stolen.ok
+    assert stolen.holder is not None
+    assert stolen.holder.fence > first.holder.fence
+    assert not matches(doc, renew_filter(ID, alice), at(23))  # alice's token holds nothing
+
+
+def test_pipelines_renew_release_and_expiry_as_mongodb_runs_them() -> None:
+    alice, bob = "alice-" + "a" * 18, "bob-" + "b" * 20
+    doc, first = acquired(None, alice, 0, ttl=10)
+    assert first.holder is not None
+    # A renewal by the token moves the expiry; by another token it matches nothing.
+    assert not matches(doc, renew_filter(ID, bob), at(5))
+    assert matches(doc, renew_filter(ID, alice), at(5))
+    doc = run_pipeline(doc, renew_pipeline(10), at(5))
+    renewed = renew_outcome(doc)
+    assert renewed is not None
+    assert renewed.remaining == 10.0
+    assert matches(doc, holder_filter(ID), at(14.9))
+    # Past its expiry (by the server's clock) it is nobody's: the filters say so, and
+    # another token is granted, with a larger fence.
+    assert not matches(doc, holder_filter(ID), at(15))
+    assert not matches(doc, renew_filter(ID, alice), at(15))
+    doc, taken = acquired(doc, bob, 15)
+    assert taken.ok
+    assert taken.holder is not None
+    assert taken.holder.fence > first.holder.fence
+    # Release by the token: the token goes, the document (and its fence) stays.
+    assert not matches(doc, release_filter(ID, alice), at(16))
+    assert matches(doc, release_filter(ID, bob), at(16))
+    doc = run_update(doc, mongodb.RELEASE_UPDATE, at(16))
+    assert "t" not in doc
+    assert doc["f"] == taken.holder.fence
+    assert not matches(doc, holder_filter(ID), at(16))
+    assert (
+        released_id(
+            {
+                "operationType": "update",
+                "documentKey": {"_id": ID},
+                "updateDescription": {"removedFields": ["t"]},
+            }
+        )
+        == ID
+    )
+    # The next grant, even by a clock that went back a second: a larger fence still.
+    doc, next_grant = acquired(doc, alice, 14)
+    assert next_grant.ok
+    assert next_grant.holder is not None
+    assert next_grant.holder.fence == taken.holder.fence + 1
+
+
+def test_holders_filter_selects_the_live_leases_of_the_prefix_as_mongodb_runs_it() -> None:
+    live = run_pipeline(
+        {"_id": document_id("shop", "order:1")},
+        acquire_pipeline("order:1", TOKEN, 30, "me", None, False),
+        at(0),
+    )
+    other_ns = dict(live, _id=document_id("shop2", "order:1"))
+    expired = run_pipeline(
+        {"_id": document_id("shop", "order:2")},
+        acquire_pipeline("order:2", TOKEN, 1, "me", None, False),
+        at(0),
+    )
+    released = run_update(
+        dict(live, _id=document_id("shop", "order:3")), mongodb.RELEASE_UPDATE, at(0)
+    )
+    query = holders_filter("shop", "order:")
+    assert [d["_id"] for d in (live, other_ns, expired, released) if matches(d, query, at(2))] == [
+        live["_id"]
+    ]
 
 
 # -- what the replies mean -------------------------------------------------------------
@@ -199,6 +329,35 @@ def test_a_refusal_is_the_current_holder_at_once() -> None:
     late = acquire_outcome(reply(t="someone-else" * 2), TOKEN, now=now + 60)
     assert late.remaining == 0.0
     assert acquire_outcome(None, TOKEN, now=now) == keymutex._lease.Outcome(False)
+
+
+def test_a_refusal_counts_the_time_left_by_the_servers_clock_as_this_host_knows_it() -> None:
+    """Found by review: by this host's own clock, one running 31 s ahead of the
+    primary's saw every lease of a 30 s TTL as expired (time left 0), and its waiters
+    looked again every 2 ms. The store learns the server's clock from ``hello`` and
+    from every grant or renewal (``n`` is the server's ``$$NOW``)."""
+    clock = mongodb.ServerClock()
+    assert clock.now() == pytest.approx(time.time(), abs=1)
+    # A grant whose reply says the server's now is 31 s behind this host's.
+    sent = time.time()
+    server_now = datetime.datetime.fromtimestamp(sent - 31, datetime.UTC).replace(tzinfo=None)
+    granted = reply(n=server_now, a=server_now, e=server_now + datetime.timedelta(seconds=30))
+    outcome = mongodb._learnt(clock, renew_outcome(granted) or Outcome(False), granted, sent)
+    assert outcome.ok
+    assert clock.now() == pytest.approx(sent - 31, abs=0.5)
+    held = reply(t="someone-else" * 2, a=server_now, e=server_now + datetime.timedelta(seconds=30))
+    assert holder_outcome(held, time.time()).remaining == 0.0  # by this host's clock
+    assert holder_outcome(held, clock.now()).remaining == pytest.approx(30, abs=0.5)
+    # A refusal says nothing of the server's now: nothing learnt from it.
+    mongodb._learnt(clock, Outcome(False), held, time.time())
+    assert clock.now() == pytest.approx(sent - 31, abs=0.5)
+    # hello's localTime.
+    mongodb._learn_from_hello(
+        clock, {"localTime": server_now + datetime.timedelta(hours=1)}, sent, sent
+    )
+    assert clock.now() == pytest.approx(sent - 31 + 3600, abs=0.5)
+    mongodb._learn_from_hello(clock, {}, sent, sent)  # none: as before
+    assert clock.now() == pytest.approx(sent - 31 + 3600, abs=0.5)
 
 
 def test_renewal_and_holder_replies() -> None:
@@ -313,6 +472,24 @@ def test_an_async_change_stream_that_cannot_open_does_not_hold_waiters_up() -> N
             await watcher.aclose()
 
     assert asyncio.run(main()) < 10, "a waiter waited out its patience"
+
+
+def test_a_change_stream_that_never_opens_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by review: one that can never open (a role without the changeStream
+    action) warned every 2 s for ever, per namespace. Once, then DEBUG until it opens."""
+    caplog.set_level(logging.DEBUG, logger="keymutex")
+    watcher = mongodb._Watcher(_NoChangeStreams(), "")  # type: ignore[arg-type]
+    try:
+        watcher.join(mongodb._MongoWaiter(watcher, "0:/k"), patience=30)
+        deadline = time.monotonic() + 10
+        while len(caplog.records) < 3:
+            assert time.monotonic() < deadline, "the stream was not tried three times"
+            time.sleep(0.05)
+    finally:
+        watcher.close()
+    levels = [r.levelno for r in caplog.records if "change stream failed" in r.getMessage()]
+    assert levels[0] == logging.WARNING
+    assert set(levels[1:]) == {logging.DEBUG}
 
 
 class _SteppedDown:
@@ -531,7 +708,13 @@ def test_writes_wait_for_a_majority_and_reads_go_to_the_primary() -> None:
         assert own._collection.write_concern.document == {"w": 1}  # the URL's choice
     finally:
         own.close()
-    for url in ("mongodb://127.0.0.1:9/?w=0", "mongodb://127.0.0.1:9/?journal=true&W=0"):
+    for url in (
+        "mongodb://127.0.0.1:9/?w=0",
+        "mongodb://127.0.0.1:9/?journal=true&W=0",
+        # As pymongo reads them, w=0 too (found by review: they got through).
+        "mongodb://127.0.0.1:9/?w=00",
+        "mongodb://127.0.0.1:9/?w=-0",
+    ):
         with pytest.raises(ValueError, match=r"w=0 \(unacknowledged writes\) cannot hold locks"):
             keymutex.Locks(url)
 

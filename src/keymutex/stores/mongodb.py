@@ -6,11 +6,14 @@ the URL's database (else ``keymutex``; option ``database``). Its ``_id`` is
 share one prefix, so ``holders(prefix)`` is one anchored range on the ``_id`` index.
 
     {_id, k: key, t: token, o: owner, i: info (JSON text), f: fence,
-     a: acquired at, e: expires at, n: time of the last grant or renewal}
+     a: acquired at, e: expires at,
+     n: time of the last grant, renewal, or acquire answered to the holding token}
 
 ``a``, ``e`` and ``n`` are ``Date``s from the **server's clock** (``$$NOW`` in an
 aggregation-pipeline update): every expiry is judged by the primary, never by clients.
-A lease is live while ``e > $$NOW`` and ``t`` is set.
+A lease is live while ``e > $$NOW`` and ``t`` is set. A refusal's time left (when a
+waiter looks again) is the holder's ``e`` less the server's now as this host
+estimates it (``ServerClock``).
 
 **Acquire is one round trip, granted or refused.** One ``find_one_and_update`` on
 ``{_id}`` with ``upsert=True``, whose pipeline first computes *grant* = "no live lease,
@@ -31,7 +34,8 @@ make one hot document that every acquire of a namespace writes. The document is 
 after release (the token is removed and ``e`` set to now), so a key's next fence is the
 last one plus one, through restarts and failovers: every write waits for a majority
 (``w=majority``, unless the URL sets ``w``; ``w=0`` is refused), so an acknowledged
-grant is not rolled back by a failover. Reads go to the primary whatever the URL's
+grant is not rolled back by a failover. A URL that sets ``w=1`` gives that up: a
+grant the primary alone acknowledged may be rolled back, and the key granted again. Reads go to the primary whatever the URL's
 ``readPreference``. A TTL index on ``e`` (``expireAfterSeconds=GC_GRACE``) deletes a
 document a day after its last lease ended: the next grant then starts from the
 server's clock in microseconds, larger than every earlier fence unless the primary's
@@ -54,8 +58,9 @@ second. A standalone server has no change streams: waiters poll with jittered ba
 **What is tested, and what is not.** No MongoDB server can be installed where this
 store was written. ``tests/unit/test_mongodb_store.py`` checks the pure parts — ids,
 filters, the update pipelines (their structure and the literal-wrapping of user
-values), the decoding of replies shaped as pymongo returns them, change events, URL
-and options. The conformance suite runs against a real server only when
+values, and what they do to a lease document by MongoDB's documented semantics,
+``tests/_mongo_semantics.py``), the decoding of replies shaped as pymongo returns
+them, the server's clock as learnt, change events, URL and options. The conformance suite runs against a real server only when
 ``KEYMUTEX_TEST_MONGODB_URL`` is set; until someone runs it, the I/O shells below,
 the change-stream waiting and the no-op claim for refusals are untested.
 """
@@ -146,10 +151,16 @@ def acquire_pipeline(
 ) -> list[dict[str, Any]]:
     """Grant if no live lease (or ``steal``), else leave every field as it is.
 
+    A live lease of ``token`` itself (an acquire asked again, its answer lost) is not
+    granted again, even by ``steal``: it is answered as it stands, its fence and expiry
+    kept, with ``n`` moved to now so that ``e - n`` is the time it has left (found by
+    review: it was the whole TTL of the first grant, however long ago that was).
+
     User values are wrapped in ``$literal``: an owner or a key that starts with ``$``
     is data, never a field path or an operator.
     """
-    grant: Any = True if steal else {"$not": [_LIVE]}
+    mine = {"$eq": ["$t", {"$literal": token}]}
+    grant: Any = {"$not": [{"$and": [_LIVE, mine]}]} if steal else {"$not": [_LIVE]}
     fence = {
         "$max": [
             {"$add": [{"$ifNull": ["$f", 0]}, 1]},
@@ -166,11 +177,9 @@ def acquire_pipeline(
         "e": {"$add": ["$$NOW", _milliseconds(ttl)]},
         "n": "$$NOW",
     }
-    return [
-        {"$set": {"_grant": grant}},
-        {"$set": {name: {"$cond": ["$_grant", value, f"${name}"]} for name, value in new.items()}},
-        {"$unset": "_grant"},
-    ]
+    fields = {name: {"$cond": ["$_grant", value, f"${name}"]} for name, value in new.items()}
+    fields["n"] = {"$cond": [{"$or": ["$_grant", mine]}, "$$NOW", "$n"]}
+    return [{"$set": {"_grant": grant}}, {"$set": fields}, {"$unset": "_grant"}]
 
 
 def renew_filter(doc_id: str, token: str) -> dict[str, Any]:
@@ -256,6 +265,28 @@ def unix_seconds(moment: datetime.datetime) -> float:
     return (moment - _EPOCH).total_seconds()
 
 
+class ServerClock:
+    """The primary's wall clock as this host estimates it: a refusal's time left is
+    the holder's ``e`` minus the server's now, and a host whose clock runs ahead by more
+    than that would otherwise see every held key as about to expire, and look again
+    every few milliseconds (found by review).
+
+    Learnt from ``hello``'s ``localTime`` and from every grant or renewal, whose ``n``
+    is the server's ``$$NOW``: the offset at the middle of that round trip.
+    """
+
+    __slots__ = ("_offset",)
+
+    def __init__(self) -> None:
+        self._offset = 0.0
+
+    def learn(self, server_time: datetime.datetime, sent: float, received: float) -> None:
+        self._offset = unix_seconds(server_time) - (sent + received) / 2
+
+    def now(self) -> float:
+        return time.time() + self._offset
+
+
 def decode_holder(doc: Mapping[str, Any]) -> Holder:
     try:
         info = doc.get("i")
@@ -275,8 +306,8 @@ def acquire_outcome(doc: Mapping[str, Any] | None, token: str, now: float) -> Ou
     """Read the document after an acquire: ours if it carries our token.
 
     A grant's time left is measured on the server (``e - n``); a refusal's is
-    estimated with this host's wall clock ``now`` (it only tells a waiter when to
-    look again).
+    estimated with ``now``, the server's clock as this host knows it (``ServerClock``:
+    it only tells a waiter when to look again).
     """
     if doc is None:  # only without upsert; kept total for safety
         return Outcome(False)
@@ -290,7 +321,10 @@ def acquire_outcome(doc: Mapping[str, Any] | None, token: str, now: float) -> Ou
 
 def _granted(doc: Mapping[str, Any]) -> Outcome:
     holder = decode_holder(doc)
-    remaining = (doc["e"] - doc["n"]).total_seconds()
+    try:
+        remaining = (doc["e"] - doc["n"]).total_seconds()
+    except (KeyError, TypeError) as exc:  # found by review: a bare KeyError before
+        raise StoreError(f"MongoDB document {doc.get('_id')!r} is not a keymutex lease") from exc
     return Outcome(True, holder, remaining)
 
 
@@ -305,6 +339,23 @@ def holder_outcome(doc: Mapping[str, Any] | None, now: float) -> Outcome:
         return Outcome(False)
     holder = decode_holder(doc)
     return Outcome(False, holder, max(0.0, holder.expires_at - now))
+
+
+def _learnt(
+    clock: ServerClock, outcome: Outcome, doc: Mapping[str, Any] | None, sent: float
+) -> Outcome:
+    """A grant or renewal carries the server's now (``n``): the clock learns from it."""
+    if outcome.ok and doc is not None:
+        clock.learn(doc["n"], sent, time.time())
+    return outcome
+
+
+def _learn_from_hello(
+    clock: ServerClock, hello: Mapping[str, Any], sent: float, received: float
+) -> None:
+    local_time = hello.get("localTime")
+    if isinstance(local_time, datetime.datetime):
+        clock.learn(local_time, sent, received)
 
 
 # -- URLs and options (pure) ---------------------------------------------------------
@@ -379,17 +430,18 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
                 )
         try:
             # pymongo only warns about an unknown option, and then ignores it.
-            split_options(parts.query, validate=True, warn=False)
+            parsed = split_options(parts.query, validate=True, warn=False)
         except (ConfigurationError, ValueError, OSError) as exc:  # OSError: tlsCAFile=…
             raise ValueError(
                 f"{redacted(url)!r} is not a usable MongoDB URL: {scrubbed(str(exc), url)}"
             ) from None
-    if any(name.lower() == "w" and value.strip() == "0" for name, value in query):
-        raise ValueError(
-            f"{redacted(url)!r}: w=0 (unacknowledged writes) cannot hold locks: the store"
-            " reads each write's result to know whether it was granted. Use w=majority"
-            " (the store's default) or w=1"
-        )
+        # As pymongo reads it: w=00 and w=-0 are w=0 too (found by review).
+        if parsed.get("w") == 0:
+            raise ValueError(
+                f"{redacted(url)!r}: w=0 (unacknowledged writes) cannot hold locks: the"
+                " store reads each write's result to know whether it was granted. Use"
+                " w=majority (the store's default)"
+            )
     client_options: dict[str, Any] = {
         name: value for name, value in DEFAULT_TIMEOUTS_MS.items() if name.lower() not in given
     }
@@ -446,6 +498,18 @@ class _MongoWaiter(Doorbell):
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.leave(self)
+
+
+def _failed_stream(exc: Exception, *, again: bool) -> None:
+    """A change stream failed: a warning the first time, then DEBUG until it has opened
+    again (found by review: one that can never open, change streams refused to the
+    user's role, warned every 2 s for ever, per namespace)."""
+    _LOG.log(
+        logging.DEBUG if again else logging.WARNING,
+        "MongoDB change stream failed, reopening%s: %s",
+        " (still)" if again else " (waiters look again every second meanwhile)",
+        exc,
+    )
 
 
 class _Watcher:
@@ -522,7 +586,7 @@ class _Watcher:
             except Exception as exc:  # PyMongoError, or a bad event (InvalidBSON, …)
                 if self._closed:
                     return
-                _LOG.warning("MongoDB change stream failed, reopening: %s", exc)
+                _failed_stream(exc, again=self._failing)
                 self._failing = True  # until it opens again: joins do not wait for it
                 self._open.clear()
                 self._tried.set()
@@ -544,6 +608,7 @@ class MongoStore:
         self._namespace = namespace
         self._collection = _collection(client, target)
         self.capabilities = CAPABILITIES
+        self._clock = ServerClock()
         self._prepared = False
         self._prepare_mutex = threading.Lock()
         self._watcher: _Watcher | None = None
@@ -556,12 +621,14 @@ class MongoStore:
             if self._prepared:
                 return
             with translate_errors(PyMongoError, what="MongoDB hello"):
+                sent = time.time()
                 try:
                     hello = self._client.admin.command("hello")
                 except OperationFailure as exc:
                     if exc.code != _COMMAND_NOT_FOUND:
                         raise
                     hello = self._client.admin.command("isMaster")
+            _learn_from_hello(self._clock, hello, sent, time.time())
             try:
                 self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
             except OperationFailure as exc:  # e.g. no privilege: locks work, GC does not
@@ -588,6 +655,7 @@ class MongoStore:
         self._prepare()
         doc_id = document_id(self._namespace, key)
         with translate_errors(PyMongoError, what=f"MongoDB acquire of {key!r}"):
+            sent = time.time()
             for attempt in range(2):
                 try:
                     doc = self._collection.find_one_and_update(
@@ -601,12 +669,13 @@ class MongoStore:
                 except DuplicateKeyError:  # a concurrent upsert created it first
                     if attempt:
                         raise
-        return acquire_outcome(doc, token, time.time())
+        return _learnt(self._clock, acquire_outcome(doc, token, self._clock.now()), doc, sent)
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
         self._prepare()
         doc_id = document_id(self._namespace, key)
         with translate_errors(PyMongoError, what=f"MongoDB renewal of {key!r}"):
+            sent = time.time()
             doc = self._collection.find_one_and_update(
                 renew_filter(doc_id, token),
                 renew_pipeline(ttl),
@@ -615,9 +684,9 @@ class MongoStore:
             )
             found = renew_outcome(doc)
             if found is not None:
-                return found
+                return _learnt(self._clock, found, doc, sent)
             current = self._collection.find_one(holder_filter(doc_id), _PROJECTION)
-        return holder_outcome(current, time.time())
+        return holder_outcome(current, self._clock.now())
 
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
         return [self.renew(r.key, r.token, r.ttl) for r in requests]
@@ -632,7 +701,7 @@ class MongoStore:
             if doc is not None:
                 return Outcome(True)
             current = self._collection.find_one(holder_filter(doc_id), _PROJECTION)
-        return holder_outcome(current, time.time())
+        return holder_outcome(current, self._clock.now())
 
     def holder(self, key: str) -> Holder | None:
         doc_id = document_id(self._namespace, key)
@@ -737,7 +806,7 @@ class _AsyncWatcher:
                         if change is not None:
                             self._ring(released_id(change))
             except Exception as exc:  # as in _Watcher
-                _LOG.warning("MongoDB change stream failed, reopening: %s", exc)
+                _failed_stream(exc, again=self._failing)
                 self._failing = True
                 self._open.clear()
                 self._tried.set()
@@ -762,6 +831,7 @@ class AsyncMongoStore:
         self._namespace = namespace
         self._collection = _collection(client, target)
         self.capabilities = CAPABILITIES
+        self._clock = ServerClock()
         self._prepared = False
         self._prepare_lock: asyncio.Lock | None = None
         self._watcher: _AsyncWatcher | None = None
@@ -775,12 +845,14 @@ class AsyncMongoStore:
             if self._prepared:
                 return
             with translate_errors(PyMongoError, what="MongoDB hello"):
+                sent = time.time()
                 try:
                     hello = await self._client.admin.command("hello")
                 except OperationFailure as exc:
                     if exc.code != _COMMAND_NOT_FOUND:
                         raise
                     hello = await self._client.admin.command("isMaster")
+            _learn_from_hello(self._clock, hello, sent, time.time())
             try:
                 await self._collection.create_index(
                     "e", expireAfterSeconds=GC_GRACE, name="keymutex_gc"
@@ -809,6 +881,7 @@ class AsyncMongoStore:
         await self._prepare()
         doc_id = document_id(self._namespace, key)
         with translate_errors(PyMongoError, what=f"MongoDB acquire of {key!r}"):
+            sent = time.time()
             for attempt in range(2):
                 try:
                     doc = await self._collection.find_one_and_update(
@@ -822,12 +895,13 @@ class AsyncMongoStore:
                 except DuplicateKeyError:
                     if attempt:
                         raise
-        return acquire_outcome(doc, token, time.time())
+        return _learnt(self._clock, acquire_outcome(doc, token, self._clock.now()), doc, sent)
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
         await self._prepare()
         doc_id = document_id(self._namespace, key)
         with translate_errors(PyMongoError, what=f"MongoDB renewal of {key!r}"):
+            sent = time.time()
             doc = await self._collection.find_one_and_update(
                 renew_filter(doc_id, token),
                 renew_pipeline(ttl),
@@ -836,9 +910,9 @@ class AsyncMongoStore:
             )
             found = renew_outcome(doc)
             if found is not None:
-                return found
+                return _learnt(self._clock, found, doc, sent)
             current = await self._collection.find_one(holder_filter(doc_id), _PROJECTION)
-        return holder_outcome(current, time.time())
+        return holder_outcome(current, self._clock.now())
 
     async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
         return list(await asyncio.gather(*(self.renew(r.key, r.token, r.ttl) for r in requests)))
@@ -853,7 +927,7 @@ class AsyncMongoStore:
             if doc is not None:
                 return Outcome(True)
             current = await self._collection.find_one(holder_filter(doc_id), _PROJECTION)
-        return holder_outcome(current, time.time())
+        return holder_outcome(current, self._clock.now())
 
     async def holder(self, key: str) -> Holder | None:
         doc_id = document_id(self._namespace, key)
