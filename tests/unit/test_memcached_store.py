@@ -327,6 +327,39 @@ def test_a_release_keeps_the_key_for_the_first_queued_waiter(
     assert waiters(item(raw, holder, "doc")) == [two.id]
 
 
+def _seconds_left(server: MemcachedServer, store: MemcachedStore, key: str) -> int:
+    """The lease item's own time left, as memcached has it (``mg … t``)."""
+    reply = server.command(f"mg {store._layout.lease(key)} t", until=b"\r\n")
+    return int(reply.split()[1][1:])
+
+
+def test_a_waiter_whose_clock_runs_ahead_never_cuts_the_holders_item_short(
+    stores: list[MemcachedStore],
+    memcached_server: MemcachedServer,
+    raw: Client,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a waiter 5 s ahead wrote its place with an exptime by its own
+    clock (the lease's 12 s less 5), memcached dropped the item while the lease was
+    live, and a third client was granted the key. Its writes now keep at least what the
+    item had left (``mg … t``)."""
+    holder, waiting, *_ = stores
+    assert acquire(holder, "doc", TOKEN_A, ttl=12.0).ok
+    before = _seconds_left(memcached_server, holder, "doc")
+    assert before >= 12
+    ahead = time.time
+    monkeypatch.setattr(memcached.time, "time", lambda: ahead() + 5.0)
+    place = waiting.waiter("doc")
+    try:
+        assert acquire(waiting, "doc", "1" * 24, waiter=place).ok is False  # queued
+        assert _seconds_left(memcached_server, holder, "doc") >= before - 1
+        place.close()  # leaving the queue: the same
+        assert _seconds_left(memcached_server, holder, "doc") >= before - 1
+    finally:
+        monkeypatch.undo()
+    assert waiters(item(raw, holder, "doc")) == []
+
+
 def test_a_patient_waiter_leaves_the_key_to_barging_and_then_is_handed_it(
     memcached_url: str, namespace: str, raw: Client, long_hand_over: float
 ) -> None:

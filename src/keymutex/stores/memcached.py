@@ -83,7 +83,9 @@ and judged by the wall clock of whoever reads it (``clock="client-wall"``). The
 clients' clocks must agree (NTP): a client whose clock runs ahead by *s* seconds sees
 leases expire *s* seconds early and may take a key from a live holder; one that runs
 behind waits longer than needed. A wall-clock step (a manual change, an NTP step)
-moves every lease by the step. Keep TTLs large against the skew of your hosts.
+moves every lease by the step. Keep TTLs large against the skew of your hosts. A
+waiter's write of its place never shortens the item: it keeps at least the time the
+item had left (``mg … t``), whatever the waiter's clock says.
 
 **Fences: the server's epoch plus the grant's CAS.** A lease's fence is ``epoch +
 CAS`` of the write that granted it, so the grant costs no counter round trip. Within a
@@ -488,11 +490,18 @@ def handed_over(queue: tuple[Place, ...], now: float) -> Tombstone | None:
     return Tombstone(places, places[0].waiter, now + HANDOVER_SECONDS)
 
 
-def item_exptime(item: Record | Tombstone, now: float) -> int:
-    """The exptime to write ``item`` with: never shorter than its lease or its queue."""
-    if isinstance(item, Record):
-        return exptime(max(0.0, item.expires_at - now))
-    return TOMBSTONE_SECONDS
+def item_exptime(item: Record | Tombstone, now: float, left: int | None) -> int:
+    """The exptime to rewrite ``item`` with (a waiter's place in its queue, added or
+    taken out): never shorter than its lease or its queue, nor than the item had
+    ``left`` (``None``: never expires). Found by review: a waiter whose clock ran ahead
+    of the holder's by 5 s set the holder's item to expire by its own reckoning, and
+    memcached dropped it while the lease was live: a third client was granted the key."""
+    own = (
+        exptime(max(0.0, item.expires_at - now)) if isinstance(item, Record) else TOMBSTONE_SECONDS
+    )
+    if left is None or own == 0:
+        return 0
+    return max(own, left)
 
 
 def _digest(*parts: str) -> str:
@@ -589,8 +598,8 @@ def ms(name: str, value: bytes, *flags: str) -> bytes:
 
 
 def mg(name: str) -> bytes:
-    """A meta get of the value and its CAS."""
-    return b"mg %s v c\r\n" % name.encode()
+    """A meta get of the value, its CAS, and the item's own time left (``t``)."""
+    return b"mg %s v c t\r\n" % name.encode()
 
 
 def md(name: str, cas: int) -> bytes:
@@ -611,6 +620,13 @@ class Reply:
     @property
     def cas(self) -> int:
         return int(self.flags["c"])
+
+    @property
+    def seconds_left(self) -> int | None:
+        """An item's own time left in whole seconds, as ``mg … t`` says (``None``: it
+        never expires; memcached answers -1)."""
+        left = int(self.flags["t"])
+        return None if left < 0 else left
 
     def expect(self, *codes: bytes) -> Reply:
         """This reply, if its code is one of ``codes``; else ``ProtocolError``."""
@@ -1225,7 +1241,7 @@ class MemcachedStore:
                 # compare-and-swap of the record that refused it.
                 queued.joined()
                 waiting = replace(current, queue=places)
-                expire = item_exptime(waiting, now)
+                expire = item_exptime(waiting, now, reply.seconds_left)
                 write = ms(name, waiting.encode(), f"T{expire}", f"C{reply.cas}")
                 (written,) = session.write(write, 1)
                 if written.expect(b"HD", b"EX", b"NF").code == b"HD":
@@ -1433,7 +1449,7 @@ class MemcachedStore:
                     if rest is None:
                         write = md(name, reply.cas)
                     else:
-                        expire = item_exptime(rest, now)
+                        expire = item_exptime(rest, now, reply.seconds_left)
                         write = ms(name, rest.encode(), f"T{expire}", f"C{reply.cas}")
                     (done,) = session.write(write, 1)
                     if done.expect(b"HD", b"EX", b"NF").code == b"HD":
