@@ -1126,6 +1126,40 @@ def test_a_paused_server_does_not_cost_another_servers_renewing_lease(tmp_path: 
             healthy.release()
 
 
+def test_a_paused_server_does_not_hold_up_the_renewals_of_leases_shorter_than_its_timeout(
+    tmp_path: Path,
+) -> None:
+    """Found by review: a batch renewal asked the servers one after the other, so one
+    paused server held every other server's renewals up for its ``socket_timeout`` (5 s
+    by default), and a lease of TTL 3 s on a server that answered was lost. Each
+    server's share now goes at once, and is waited for a third of the shortest TTL."""
+    with (
+        MemcachedServer(tmp_path / "one").start() as one,
+        MemcachedServer(tmp_path / "two").start() as two,
+    ):
+        url = f"memcached://127.0.0.1:{one.port},127.0.0.1:{two.port}"
+        with keymutex.Locks(url, namespace=uuid.uuid4().hex[:8]) as locks:  # timeout 5 s
+            layout = locks._store._layout  # type: ignore[attr-defined]
+            keys = [f"k{i}" for i in range(60)]
+            on_one = next(
+                k for k in keys if layout.server_of(layout.lease(k)).endswith(f":{one.port}")
+            )
+            on_two = next(
+                k for k in keys if layout.server_of(layout.lease(k)).endswith(f":{two.port}")
+            )
+            healthy = locks.acquire(on_one, ttl=3, renew=True)
+            doomed = locks.acquire(on_two, ttl=3, renew=True)
+            os.kill(two.process.pid, signal.SIGSTOP)
+            try:
+                time.sleep(7.0)  # past the doomed lease's deadline, and two timeouts more
+            finally:
+                os.kill(two.process.pid, signal.SIGCONT)
+            assert doomed.lost
+            assert not healthy.lost  # its server answered every time
+            assert locks.holder(on_one) == locks_holder(locks, healthy)
+            healthy.release()
+
+
 # -- pure parts ------------------------------------------------------------------------
 
 

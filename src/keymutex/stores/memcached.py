@@ -67,7 +67,9 @@ the guarantee the earlier tombstone-by-``cas`` gave, in one command.
   reported lost.
 - Renew [1 likewise]: ``ms … C<cas> c`` of the record we last wrote with the new expiry;
   otherwise ``mg``, compare the token, ``ms … C<cas> c`` [2]. ``renew_many`` sends the
-  renewals of one server in one write.
+  renewals of one server in one write, every server's at once (a thread each), and
+  waits a third of the shortest TTL at most: a server that has not answered by then
+  fails its share, and holds up nobody else's.
 - A waiter writing or refreshing its place [+1], or giving up [2]: ``mg``, ``ms …
   C<cas>`` (or ``md … C<cas>`` when nothing is left to keep).
 
@@ -1011,9 +1013,6 @@ class MemcachedStore:
         # Each lease this store granted or renewed, by item name: its last write, so
         # that a release or renewal can compare-and-swap it without reading it first.
         self._written: dict[str, _Written] = {}
-        # Servers whose last batch renewal failed: the next batch asks them last, so
-        # that the others' leases are not kept waiting for their timeouts.
-        self._failing: set[str] = set()
         # Keys this store was refused, by item name: until when (_clock.monotonic) the
         # lease or hand-over that refused it lasts. A try before then is most likely refused
         # again, and sends no index entry (see ``try_acquire``).
@@ -1313,20 +1312,71 @@ class MemcachedStore:
         for index, name in enumerate(names):
             by_server.setdefault(self._layout.server_of(name), []).append(index)
         outcomes: list[Outcome | None] = [None] * len(requests)
-        failures: list[StoreError] = []
-        for server in sorted(by_server, key=lambda server: server in self._failing):
-            try:
-                self._renew_on(server, by_server[server], names, requests, outcomes)
-            except StoreError as exc:  # the other servers' leases are renewed all the same
-                failures.append(exc)
-                self._failing.add(server)
-            else:
-                self._failing.discard(server)
+        failures = self._renew_on_each(by_server, names, requests, outcomes)
         if failures:
             raise PartialRenewal(
                 "; ".join(str(failure) for failure in failures), outcomes
             ) from failures[0]
         return [found for found in outcomes if found is not None]
+
+    def _renew_on_each(
+        self,
+        by_server: dict[str, list[int]],
+        names: list[str],
+        requests: Sequence[RenewRequest],
+        outcomes: list[Outcome | None],
+    ) -> list[StoreError]:
+        """``renew_many``'s requests: each server's share at once, on a thread of its
+        own, waited for a third of the shortest TTL at most; the failures.
+
+        A server that has not answered by then counts as failed (its leases are tried
+        again), and the others' outcomes come back without waiting for it. Found by
+        review: a paused server (``kill -STOP``, a hung host) held every other server's
+        renewals up for its whole ``socket_timeout`` (5 s by default), in the same batch
+        (the servers were asked one after the other) and in the batches after it (a
+        client renews in one call at a time), and leases with a shorter TTL on servers
+        that answered were lost. The call left behind ends at its ``socket_timeout``.
+        """
+        within = min(request.ttl for request in requests) / 3
+        answers: dict[str, tuple[list[Outcome | None], StoreError | None]] = {}
+
+        def renew_on(server: str) -> None:
+            mine: list[Outcome | None] = [None] * len(requests)
+            try:
+                self._renew_on(server, by_server[server], names, requests, mine)
+            except StoreError as exc:
+                answers[server] = (mine, exc)
+            else:
+                answers[server] = (mine, None)
+
+        threads = [
+            threading.Thread(
+                target=renew_on, args=(server,), name="keymutex-memcached-renew", daemon=True
+            )
+            for server in by_server
+        ]
+        for thread in threads:
+            thread.start()
+        give_up = time.monotonic() + within
+        for thread in threads:
+            thread.join(max(0.0, give_up - time.monotonic()))
+        failures: list[StoreError] = []
+        for server, indices in by_server.items():
+            answer = answers.get(server)
+            if answer is None:
+                failures.append(
+                    StoreError(
+                        f"memcached renewal on {server}: no answer within {within:g} s"
+                        " (a third of the shortest TTL renewed)"
+                    )
+                )
+                continue
+            mine, error = answer
+            for index in indices:
+                outcomes[index] = mine[index]
+            if error is not None:
+                failures.append(error)
+        return failures
 
     def _renew_on(
         self,
