@@ -166,7 +166,7 @@ def item(raw: Client, store: MemcachedStore, key: str) -> Record | Tombstone:
     value, cas = raw.gets(name)
     assert value is not None
     epoch = int(raw.get(EPOCH_ITEM).split(b":")[0])
-    return decode(value, name, epoch + int(cas))
+    return decode(value, name, epoch + int(cas), int(cas))
 
 
 def gone(raw: Client, store: MemcachedStore, key: str) -> bool:
@@ -684,8 +684,10 @@ def test_a_fence_never_changes_during_a_lease(
     holder, first, second, other = stores
     held = acquire(holder, "doc", TOKEN_A)
     fence = held.holder.fence
-    # The record a grant writes leaves the fence out: it is the item's CAS.
-    assert json.loads(raw.get(holder._layout.lease("doc")))[5] is None
+    # The record a grant writes leaves the fence out: it is the epoch it names + the
+    # item's CAS.
+    epoch = int(raw.get(EPOCH_ITEM).split(b":")[0])
+    assert json.loads(raw.get(holder._layout.lease("doc")))[5] == [epoch]
     seen = [fence]
     for store, token in ((first, "1" * 24), (second, "2" * 24)):
         refused = acquire(store, "doc", token, waiter=store.waiter("doc"))  # writes a place
@@ -699,6 +701,41 @@ def test_a_fence_never_changes_during_a_lease(
     seen.append(holder.holder("doc").fence)
     assert seen == [fence] * len(seen)
     assert holder.release("doc", TOKEN_A).ok
+
+
+def test_every_reader_sees_a_lease_s_own_fence_after_the_epoch_was_evicted(
+    memcached_url: str, namespace: str, raw: Client
+) -> None:
+    """Found by review: a reader added its own connection's epoch to the item's CAS.
+    Once ``km2:epoch`` had been evicted (a shared cache under pressure) and made again
+    by a newer connection, that connection's client saw another fence for the same
+    lease than its holder (and than ``lease.fence``)."""
+    holder = open_store(memcached_url, namespace)
+    try:
+        held = acquire(holder, "doc", TOKEN_A)
+        assert raw.delete(EPOCH_ITEM)  # evicted
+        newer = open_store(memcached_url, namespace)  # a new connection makes a new one
+        try:
+            seen = newer.holder("doc")
+            assert seen is not None
+            assert int(raw.get(EPOCH_ITEM).split(b":")[0]) != held.holder.fence - _cas_of(
+                raw, holder, "doc"
+            )  # the epoch did change
+            assert seen.fence == held.holder.fence
+            # ... and after a renewal by the newer client, which writes the fence in.
+            renewed = newer.renew("doc", TOKEN_A, 30.0)
+            assert renewed.holder.fence == held.holder.fence
+            assert holder.holder("doc").fence == held.holder.fence
+        finally:
+            newer.close()
+        assert holder.release("doc", TOKEN_A).ok
+    finally:
+        holder.close()
+
+
+def _cas_of(raw: Client, store: MemcachedStore, key: str) -> int:
+    _, cas = raw.gets(store._layout.lease(key))
+    return int(cas)
 
 
 def test_concurrent_grants_never_share_a_fence(memcached_url: str, namespace: str) -> None:

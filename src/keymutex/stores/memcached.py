@@ -93,10 +93,10 @@ item had left (``mg … t``), whatever the waiter's clock says.
 CAS`` of the write that granted it, so the grant costs no counter round trip. Within a
 run of memcached the CAS counter only grows, and every grant is a new write, so a key's
 fences strictly increase across releases, expiries and steals. The write that grants
-cannot contain its own CAS, so the record of a new lease leaves its fence out and the
-item's CAS stands for it; every later write of that record (renewal, a waiter's place)
-is a compare-and-swap after a read, and writes the fence in. A lease's fence never
-changes during its life. The epoch (``km2:epoch``) is read once per connection; a
+cannot contain its own CAS, so the record of a new lease names only the epoch (as its
+connection read it) and the item's CAS completes it; every later write of that record
+(renewal, a waiter's place) is a compare-and-swap after a read, and writes the fence
+in. A lease's fence never changes during its life, and every reader sees the same one. The epoch (``km2:epoch``) is read once per connection; a
 client that finds it missing (a new or restarted server) writes the current wall
 clock in microseconds with ``add``. A restart resets the CAS counter and forgets the
 epoch; the new epoch is later by the time between the two, so fences keep increasing
@@ -291,9 +291,10 @@ class Place:
 class Record:
     """A lease as stored: ``acquired_at`` and ``expires_at`` are wall-clock UNIX seconds.
 
-    ``fence`` is ``None`` in the record a grant writes (the fence is then its item's
-    epoch + CAS, unknown until written); ``decode`` fills it in. ``queue``: the places
-    of the waiters that queued while it holds, in arrival order.
+    ``fence`` is ``None`` in the record a grant writes (the fence is then ``epoch``,
+    the server's epoch as the granting connection knew it, plus the item's CAS, unknown
+    until written); ``decode`` fills it in. ``queue``: the places of the waiters that
+    queued while it holds, in arrival order.
     """
 
     key: str
@@ -304,6 +305,7 @@ class Record:
     acquired_at: float
     expires_at: float
     queue: tuple[Place, ...] = ()
+    epoch: int | None = None
 
     def encode(self) -> bytes:
         fields: list[object] = [
@@ -312,7 +314,9 @@ class Record:
             self.token,
             self.owner,
             self.info,
-            self.fence,
+            # The fence, or [the epoch it is to be added to the CAS of], or neither
+            # (written so by earlier versions: the reader's epoch then).
+            self.fence if self.fence is not None or self.epoch is None else [self.epoch],
             self.acquired_at,
             self.expires_at,
         ]
@@ -367,10 +371,17 @@ def _places(value: object) -> tuple[Place, ...]:
     return tuple(places)
 
 
-def decode(raw: bytes, name: str = "", fence: int | None = None) -> Record | Tombstone:
+def decode(
+    raw: bytes, name: str = "", fence: int | None = None, cas: int | None = None
+) -> Record | Tombstone:
     """The record an item holds; ``StoreError`` when it is not one of ours.
 
-    ``fence``: the item's epoch + CAS, the fence of a lease whose record has none.
+    A grant's record carries the epoch its fence is counted from, and ``cas`` (the
+    item's) is added to it: every reader finds the same fence, whatever epoch its own
+    connection read. Found by review: each added its own, and once ``km2:epoch`` had
+    been evicted and made again, a client on a newer connection saw another fence for
+    the same lease than its holder. ``fence``: the reader's epoch + CAS, for a record
+    that carries neither (written by an earlier version).
     """
     try:
         fields = json.loads(raw)
@@ -379,6 +390,10 @@ def decode(raw: bytes, name: str = "", fence: int | None = None) -> Record | Tom
             if heir is None or isinstance(heir, str):
                 return Tombstone(_places(queue), heir, _number(kept_until))
         tag, key, token, owner, info, recorded, acquired_at, expires_at, *rest = fields
+        if isinstance(recorded, list) and cas is not None:
+            (epoch,) = recorded
+            if type(epoch) is int:
+                recorded = epoch + cas
         if (
             tag == "L"
             and isinstance(key, str)
@@ -1038,7 +1053,7 @@ class MemcachedStore:
         if reply.code == b"EN":
             return None
         assert reply.value is not None
-        return decode(reply.value, name, session.epoch + reply.cas)
+        return decode(reply.value, name, session.epoch + reply.cas, reply.cas)
 
     def _remember(self, name: str, record: Record, cas: int, session: Session) -> None:
         written = self._written
@@ -1161,7 +1176,7 @@ class MemcachedStore:
             pool.session() as session,
         ):
             now = time.time()
-            record = Record(key, token, owner, info, None, now, now + ttl)
+            record = Record(key, token, owner, info, None, now, now + ttl, epoch=session.epoch)
             reply: Reply | None = None  # the item, once read
             if not steal:
                 add = ms(name, record.encode(), f"T{exptime(ttl)}", "c", "ME")
@@ -1270,7 +1285,7 @@ class MemcachedStore:
     ) -> Outcome:
         """A grant stored by ``stored`` (its reply carries the CAS): the fence, and the
         index entry (``appended``: the reply to the append sent with it, if any)."""
-        fence = session.epoch + stored.cas
+        fence = (session.epoch if record.epoch is None else record.epoch) + stored.cas
         lease = Record(
             record.key,
             record.token,
