@@ -1297,6 +1297,11 @@ def test_urls(url: str, servers: tuple[str, ...]) -> None:
     assert parse(url, {}).servers == servers
 
 
+def test_a_percent_encoded_server_list_is_named_as_such() -> None:
+    with pytest.raises(ValueError, match="not percent-encoded, and separate servers with ','"):
+        parse("memcached://127.0.0.1:11211%2c127.0.0.1:1", {})
+
+
 @pytest.mark.parametrize(
     ("url", "options", "error"),
     [
@@ -1307,6 +1312,7 @@ def test_urls(url: str, servers: tuple[str, ...]) -> None:
         ("memcached://host:x", {}, ValueError),
         ("memcached://::1", {}, ValueError),
         ("memcached://a:1,a:1", {}, ValueError),
+        ("memcached://a:1%2cb:2", {}, ValueError),
         ("memcached://host", {"timeout": 1}, TypeError),
         ("memcached://host", {"socket_timeout": 0}, ValueError),
         ("memcached://host", {"socket_timeout": True}, TypeError),

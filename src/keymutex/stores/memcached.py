@@ -1594,6 +1594,11 @@ def _server(part: str, url: str) -> str:
         raise ValueError(
             f"{redacted(url)!r}: expected memcached://host[:port][,host[:port]…], got {part!r}"
         )
+    if not host.startswith("[") and "%" in host:  # found by review: "%2c" was taken for IPv6
+        raise ValueError(
+            f"{redacted(url)!r}: {part!r} is not a host[:port]: write host names and"
+            " addresses as they are, not percent-encoded, and separate servers with ','"
+        )
     if not host.startswith("[") and ":" in host:
         raise ValueError(f"{redacted(url)!r}: write an IPv6 address in brackets, e.g. [::1]:11211")
     return f"{host}:{int(port)}"
