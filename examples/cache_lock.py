@@ -18,6 +18,8 @@ keymutex on Redis hands the key to the waiters in the order they arrived (a fair
 queue: requests for one resource processed strictly in arrival order).
 
     python examples/cache_lock.py [REDIS_URL]    # default: $KEYMUTEX_STORE or redis://127.0.0.1:6379/0
+
+It needs a Redis server and the Redis extra: ``pip install 'keymutex[redis]'``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ import threading
 import time
 import uuid
 
-import redis
+try:
+    import redis
+except ImportError:  # one line, not a traceback (found by review)
+    sys.exit("error: this example needs the Redis client library: pip install 'keymutex[redis]'")
 
 import keymutex
 

@@ -14,6 +14,8 @@ Exit statuses (``sysexits.h`` where one fits):
     70      EX_SOFTWARE: run: the lease was lost while COMMAND ran
     74      EX_IOERR: ls, show, release: the output could not be written (a full disk,
             a closed stdout); release may have released the key all the same
+    1       ls, show, release: the output went into a pipe whose reader had gone
+            (``keymutex ls | head -1``): quietly; release may have released the key
     75      EX_TEMPFAIL: run: the lock was not acquired within --timeout
     126     run: COMMAND was found but could not be executed
     127     run: COMMAND was not found
@@ -529,8 +531,8 @@ def _width(text: str) -> int:
     name="keymutex",
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit statuses: 2 bad usage, 69 store unavailable, 70 lease lost (run),"
-    " 74 output not written, 75 not acquired in time (run), 126/127 COMMAND not"
-    " executable/not found (run).",
+    " 74 output not written (1: into a closed pipe, quietly), 75 not acquired in time"
+    " (run), 126/127 COMMAND not executable/not found (run).",
 )
 @click.version_option(__version__, prog_name="keymutex")
 def cli() -> None:

@@ -729,6 +729,34 @@ def test_ls_aligns_wide_characters_and_says_when_it_cannot_write(
         assert holder.finish()[0] == 0
 
 
+def test_output_into_a_closed_pipe_ends_quietly_with_1(
+    tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
+) -> None:
+    """As ``keymutex ls | head -1`` once ``head`` has gone: no traceback, no message,
+    status 1 (README's table, found undocumented by review); ``release`` has released
+    the key all the same."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    holder = background(
+        "run", "job", "--store", store, "--", *child, "--ready", str(ready), "--wait", str(go)
+    )
+    wait_for_file(ready)
+    for args in (["ls"], ["show", "job"], ["release", "job", "--force"]):
+        reader, writer = os.pipe()
+        os.close(reader)
+        try:
+            ended = subprocess.run(
+                [*KEYMUTEX, *args, "--store", store],
+                env=env, stdout=writer, stderr=subprocess.PIPE, text=True, timeout=WAIT,
+                check=False,
+            )  # fmt: skip
+        finally:
+            os.close(writer)
+        assert (ended.returncode, ended.stderr) == (1, ""), args
+    assert keymutex("show", "job", "--store", store, env=env).stdout == "job is free\n"
+    go.touch()
+    holder.finish()
+
+
 def test_ls_show_and_release_force(
     tmp_path: Path, store: str, child: list[str], env: dict[str, str], background: Any
 ) -> None:

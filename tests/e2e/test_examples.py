@@ -437,6 +437,23 @@ def test_ctrl_c_stops_an_example_with_one_line(
     assert line.startswith("interrupted: "), errors
 
 
+def test_cache_lock_without_the_redis_extra_says_what_to_install() -> None:
+    """Found by review: a traceback (ModuleNotFoundError), where the other examples say
+    which extra to install."""
+    without_redis = (
+        "import runpy, sys; sys.modules['redis'] = None; sys.argv = sys.argv[1:];"
+        " runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", without_redis, str(EXAMPLES / "cache_lock.py")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr == (
+        "error: this example needs the Redis client library: pip install 'keymutex[redis]'\n"
+    )
+
+
 def test_ctrl_c_in_cache_lock_leaves_no_key_in_redis(
     redis_socket_url: str, tmp_path: Path
 ) -> None:
