@@ -1281,7 +1281,10 @@ def test_connections_have_keepalives_and_a_tcp_user_timeout() -> None:
     assert target.timeout == 2.5
     assert target.connect_kwargs["keepalives"] == 1
     assert target.connect_kwargs["tcp_user_timeout"] == 2500
-    assert target.setup() == b"SET statement_timeout = 2250; SET lock_timeout = 0"
+    assert target.setup() == (
+        b"SET statement_timeout = 2250; SET lock_timeout = 0;"
+        b" SET default_transaction_isolation = 'read committed'"
+    )
     # What the URL says wins.
     target = _parse("postgresql://h/db?keepalives=0&tcp_user_timeout=100&timeout=1", {})
     assert target.timeout == 1
@@ -1375,3 +1378,71 @@ def test_options_may_come_in_the_url(
         assert _rows(admin, table) == 1
         assert _backends(admin, application)
         lease.release()
+
+
+@pytest.mark.parametrize("isolation", ["repeatable%20read", "serializable"])
+def test_a_stricter_default_isolation_does_not_fail_contended_steps(
+    postgresql_url: str, namespace: str, table: str, isolation: str
+) -> None:
+    """Found by review: with ``default_transaction_isolation`` set to repeatable read or
+    serializable (by a role or database, for the application's own sake), clients
+    contending for one key failed acquires and releases with "could not serialize
+    access due to concurrent update": a statement's snapshot is taken before it waits
+    for the key's gate. The store's sessions now use read committed whatever the
+    default."""
+    url = f"{postgresql_url}?options=-c%20default_transaction_isolation%3D{isolation.replace('%20', '%5C%20')}"
+    clients = [keymutex.Locks(url, namespace=namespace, table=table) for _ in range(4)]
+    errors: list[BaseException] = []
+    grants = [0] * len(clients)
+    stop = time.monotonic() + 2.0
+
+    def contend(n: int) -> None:
+        while time.monotonic() < stop:
+            try:
+                with clients[n].lock("k", ttl=5, timeout=5):
+                    grants[n] += 1
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=contend, args=(n,)) for n in range(len(clients))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        for locks in clients:
+            locks.close()
+    assert errors == []
+    assert sum(grants) > 4
+
+
+def test_an_unqualified_table_another_schema_already_has_is_not_made_again(
+    admin: psycopg.Connection[Any], postgresql_url: str, namespace: str, table: str
+) -> None:
+    """Found by review: the default table name is unqualified, so each session's
+    search_path chose its schema. A service whose role has a schema of its own (the
+    usual advice since PostgreSQL 15) made ``alice.keymutex_leases``; a cron job of
+    another role, same URL, made ``public.keymutex_leases``: both held one key at once,
+    with the same fence. Now the second is refused, and told to name the schema."""
+    schema = f"s_{uuid.uuid4().hex[:12]}"
+    admin.execute(f"CREATE SCHEMA {schema}")
+    try:
+        own = f"{postgresql_url}?options=-c%20search_path%3D{schema}%2Cpublic"
+        with keymutex.Locks(own, namespace=namespace, table=table) as service:
+            lease = service.acquire("nightly", timeout=0)  # made {schema}.{table}
+            with (
+                keymutex.Locks(postgresql_url, namespace=namespace, table=table) as cron,
+                pytest.raises(keymutex.StoreError, match=rf"in schema {schema}, which"),
+            ):
+                cron.acquire("nightly", timeout=0)
+            named = f"{schema}.{table}"
+            with keymutex.Locks(postgresql_url, namespace=namespace, table=named) as cron:
+                refused = cron.holder("nightly")
+                assert refused is not None
+                assert refused.fence == lease.fence
+            lease.release()
+        assert admin.execute("SELECT to_regclass(%s)", (f"public.{table}",)).fetchone() == (None,)
+    finally:
+        admin.execute(f"DROP SCHEMA {schema} CASCADE")

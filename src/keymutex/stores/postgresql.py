@@ -31,7 +31,13 @@
   way in every client: the notification channel is named after it as written, so a
   client given ``public.keymutex_leases`` shares the rows of one given
   ``keymutex_leases`` but not its wake-ups (its waiters then find a release at their
-  one-second recheck).
+  one-second recheck). An unqualified name is found by each session's ``search_path``:
+  a client whose search_path finds no table of that name while another schema has one
+  is refused rather than make a second table (whose locks the first would never see);
+  name the schema (``?table=app.keymutex_leases``) where roles' search paths differ.
+- Each session reads committed data (``default_transaction_isolation`` is set so,
+  whatever the role's or database's default: a stricter one failed contended steps),
+  and gives a statement up a little before its client does (``statement_timeout``).
 - TTLs are measured by the database server's clock (``clock_timestamp()``): clients'
   clocks never decide who holds a key.
 - Fences come from one sequence (``<table>_fence``) drawn under a transaction-scoped
@@ -203,6 +209,18 @@ BEGIN
     IF to_regclass('{meta}') IS NULL AND to_regclass('{table}') IS NOT NULL THEN
         RAISE EXCEPTION 'keymutex: table {table} is not a keymutex table (it has no {meta}):'
             ' name one of keymutex''s own with ?table=';
+    END IF;
+    IF NOT {qualified} AND to_regclass('{table}') IS NULL AND EXISTS (
+        SELECT FROM pg_class WHERE relname = '{relname}' AND relkind IN ('r', 'p')
+    ) THEN
+        RAISE EXCEPTION 'keymutex: a table {relname} exists in schema %, which this'
+            ' session''s search_path (%) does not find: a table made here would hold other'
+            ' locks than that one. Name the table with its schema in every client:'
+            ' ?table=SCHEMA.{relname}',
+            (SELECT string_agg(quote_ident(n.nspname), ', ' ORDER BY n.nspname)
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE c.relname = '{relname}' AND c.relkind IN ('r', 'p')),
+            current_setting('search_path');
     END IF;
     IF to_regclass('{meta}') IS NULL THEN
         CREATE TABLE {meta} (name text PRIMARY KEY, value text NOT NULL);
@@ -614,6 +632,9 @@ class _Statements:
     def of(cls, table: str) -> _Statements:
         names = {
             "table": _quoted(table),
+            # An unqualified table is found by search_path: checked (see _SCHEMA).
+            "qualified": "true" if "." in table else "false",
+            "relname": table.rpartition(".")[2],  # a checked identifier (_check_table)
             "sequence": _quoted(f"{table}_fence"),
             "meta": _quoted(f"{table}_meta"),
             "version": SCHEMA_VERSION,
@@ -1714,8 +1735,12 @@ class _Target:
         error that reaches the client in time, and the connection stays usable."""
         # lock_timeout: found by review, a role's (1 ms) failed steps waiting for the
         # key's gate, releases and give-backs among them; statement_timeout bounds them.
+        # The isolation: found by review, a role's or database's repeatable read or
+        # serializable failed contended acquires and releases ("could not serialize
+        # access"): each statement's snapshot is taken before it waits for the gate.
         return (
-            f"SET statement_timeout = {math.ceil(self.timeout * 900)}; SET lock_timeout = 0"
+            f"SET statement_timeout = {math.ceil(self.timeout * 900)}; SET lock_timeout = 0;"
+            " SET default_transaction_isolation = 'read committed'"
         ).encode()
 
 
