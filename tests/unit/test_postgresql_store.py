@@ -13,6 +13,7 @@ statements a table, of its own.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -1391,31 +1392,22 @@ def test_a_stricter_default_isolation_does_not_fail_contended_steps(
     for the key's gate. The store's sessions now use read committed whatever the
     default."""
     url = f"{postgresql_url}?options=-c%20default_transaction_isolation%3D{isolation.replace('%20', '%5C%20')}"
-    clients = [keymutex.Locks(url, namespace=namespace, table=table) for _ in range(4)]
-    errors: list[BaseException] = []
-    grants = [0] * len(clients)
     stop = time.monotonic() + 2.0
 
-    def contend(n: int) -> None:
+    def contend(locks: keymutex.Locks) -> int:
+        grants = 0
         while time.monotonic() < stop:
-            try:
-                with clients[n].lock("k", ttl=5, timeout=5):
-                    grants[n] += 1
-            except BaseException as exc:
-                errors.append(exc)
-                return
+            with locks.lock("k", ttl=5, timeout=5):  # raised: the test fails with it
+                grants += 1
+        return grants
 
-    threads = [threading.Thread(target=contend, args=(n,)) for n in range(len(clients))]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-    finally:
-        for locks in clients:
-            locks.close()
-    assert errors == []
-    assert sum(grants) > 4
+    with contextlib.ExitStack() as clients:
+        contenders = [
+            clients.enter_context(keymutex.Locks(url, namespace=namespace, table=table))
+            for _ in range(4)
+        ]
+        with concurrent.futures.ThreadPoolExecutor(len(contenders)) as pool:
+            assert sum(pool.map(contend, contenders)) > 4
 
 
 def test_an_unqualified_table_another_schema_already_has_is_not_made_again(
