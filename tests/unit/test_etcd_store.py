@@ -1067,3 +1067,35 @@ def test_a_release_by_token_racing_two_moves_does_not_leave_the_key_held(
         assert set(by_release) <= {a, b}  # only the token's own leases
         assert etcd.kv("doc") is None, "the release said released, yet the key is held"
         alice.acquire("doc", timeout=0).release()  # free at once, not 10 s later
+
+
+def test_renewals_do_not_move_a_lease_that_etcds_minimum_ttl_keeps_long(
+    tmp_path: Any, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: with etcd's minimum lease TTL at 5 s (an election timeout of
+    3 s, as across regions), every renewal of a 1-s lease moved its key to the token's
+    other etcd lease (a grant, a transaction and a revoke: 2 raft writes more) to
+    shorten it, and etcd granted 5 s again. The first move shows the minimum; no
+    renewal moves the key after it."""
+    from _etcd_servers import cluster
+
+    moves: list[str] = []
+    move = etcd_store._move
+
+    def counted(layout: _Layout, request: Any, *args: Any) -> Any:
+        moves.append(request.key)
+        return (yield from move(layout, request, *args))
+
+    monkeypatch.setattr(etcd_store, "_move", counted)
+    with (
+        cluster(tmp_path, members=1, heartbeat_ms=300, election_ms=3000) as slow_elections,
+        keymutex.Locks(slow_elections.url, namespace=namespace) as locks,
+    ):
+        lease = locks.acquire("k", ttl=1.0)
+        for _ in range(5):
+            lease.renew()
+        assert moves == ["k"]
+        held = locks.holder("k")
+        assert held is not None
+        assert held.fence == lease.fence
+        lease.release()

@@ -178,7 +178,8 @@ LINGER = 5.0
 # Operations in one transaction: etcd refuses more (its --max-txn-ops, 128 by default).
 MAX_TXN_OPS = 128
 # A renewal asking for a TTL this much shorter than the lease has moves the key to a
-# lease of the requested TTL (a small difference is etcd's minimum TTL at work).
+# lease of the requested TTL (a small difference is etcd's minimum TTL at work, and so
+# is a larger one once a move's grant has shown it: _Layout.ttl_floor).
 SHORTEN_FACTOR = 2
 
 T = TypeVar("T")
@@ -290,12 +291,19 @@ def _encode_record(owner: str, info: dict[str, Any] | None, acquired_ms: int) ->
 class _Layout:
     """Names of one namespace's etcd keys, and the lease ids of a token."""
 
-    __slots__ = ("namespace", "prefix")
+    __slots__ = ("namespace", "prefix", "ttl_floor")
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         name = namespace.encode()
         self.prefix = b"km/%d:" % len(name) + name + b"/"
+        # etcd's minimum lease TTL, once a move's grant showed it (0: not seen yet).
+        self.ttl_floor = 0
+
+    def granted(self, asked: int, got: int) -> None:
+        """etcd granted ``got`` seconds for ``asked``: more is its minimum TTL."""
+        if got > asked:
+            self.ttl_floor = max(self.ttl_floor, got)
 
     def name(self, key: str) -> bytes:
         return self.prefix + key.encode()
@@ -848,7 +856,10 @@ def _renew_many(layout: _Layout, requests: Sequence[RenewRequest]) -> Flow[list[
         if seconds <= 0:  # expired; etcd's sweep has not deleted the key yet
             outcomes.append(Outcome(False, None))
             continue
-        if _needs_move(seconds, etcd_ttl(request.ttl)):
+        # Not to shorten a lease to what etcd's minimum would make as long again: found
+        # by review, with a minimum of 5 s (a 3-s election timeout) every renewal of a
+        # 1-s lease moved its key, 3 requests and 2 raft writes more each time.
+        if _needs_move(seconds, max(etcd_ttl(request.ttl), layout.ttl_floor)):
             other = b if kv.lease == a else a
             outcome = yield from _move(layout, request, kv, other, alive[other] > 0)
             outcomes.append(outcome)
@@ -867,6 +878,7 @@ def _move(
         yield from _quietly_revoke(target)  # left behind by an interrupted move
     reply = yield _grant(target, etcd_ttl(request.ttl))
     granted = _int(reply.get("TTL"))
+    layout.granted(etcd_ttl(request.ttl), granted)
     record = kv.record()
     record["f"] = kv.fence()
     value = json.dumps(record, separators=(",", ":")).encode()
