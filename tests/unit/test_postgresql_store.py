@@ -1367,6 +1367,39 @@ def test_bad_urls_are_refused() -> None:
     keymutex.Locks("postgresql://h1,h2/db").close()  # the default port
 
 
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("sslmode=bogus", "sslmode must be one of disable, allow, prefer, require"),
+        ("gssencmode=nope", "gssencmode must be one of disable, prefer, require, not 'nope'"),
+        ("channel_binding=x", "channel_binding must be one of"),
+        ("target_session_attrs=bogus", "target_session_attrs must be one of any, read-write"),
+        ("load_balance_hosts=x", "load_balance_hosts must be one of disable, random"),
+        ("keepalives=abc", "keepalives must be a whole number"),
+        ("keepalives_idle=x", "keepalives_idle must be a whole number"),
+        ("tcp_user_timeout=1.5", "tcp_user_timeout must be a whole number"),
+    ],
+)
+def test_libpq_settings_libpq_would_refuse_are_refused_before_connecting(
+    query: str, message: str
+) -> None:
+    """Found by review: accepted by ``Locks()``, they failed the first call with a
+    ``StoreError``, which reads as "the server is down, try again"."""
+    with pytest.raises(ValueError, match=message):
+        keymutex.Locks(f"postgresql://127.0.0.1:9/db?{query}")
+
+
+def test_libpq_settings_of_known_values_are_taken_and_a_fragment_is_not() -> None:
+    good = (
+        "sslmode=verify-full&gssencmode=disable&channel_binding=prefer"
+        "&target_session_attrs=read-write&load_balance_hosts=random&keepalives=1"
+        "&keepalives_idle=30&tcp_user_timeout=5000"
+    )
+    keymutex.Locks(f"postgresql://127.0.0.1:9/db?{good}").close()
+    with pytest.raises(ValueError, match="a PostgreSQL URL has no fragment"):
+        keymutex.Locks("postgresql://127.0.0.1:9/db#frag")
+
+
 def test_options_may_come_in_the_url(
     admin: psycopg.Connection[Any], postgresql_url: str, namespace: str, table: str
 ) -> None:

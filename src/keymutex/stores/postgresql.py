@@ -2054,6 +2054,47 @@ class AsyncPostgresStore:
 OPTIONS = ("table", "min_size", "max_size", "connect_timeout", "timeout")
 
 
+# libpq settings with a closed set of values, and whole-number ones: checked here, as
+# libpq would only when connecting, and the error would read as the server being down
+# (found by review: ?sslmode=bogus gave StoreError at the first call).
+_LIBPQ_CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+    "load_balance_hosts": ("disable", "random"),
+}
+_LIBPQ_NUMBERS = (
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+)
+
+
+def _check_libpq_values(params: Mapping[str, object], url: str) -> None:
+    for name, accepted in _LIBPQ_CHOICES.items():
+        value = params.get(name)
+        if value is not None and str(value) not in accepted:
+            raise ValueError(
+                f"{redacted(url)!r}: {name} must be one of {', '.join(accepted)}, not {value!r}"
+            )
+    for name in _LIBPQ_NUMBERS:
+        value = params.get(name)
+        if value is not None and not digits(str(value).strip()):
+            raise ValueError(
+                f"{redacted(url)!r}: {name} must be a whole number (libpq's), not {value!r}"
+            )
+
+
 def _parse(url: str, options: Mapping[str, object]) -> _Target:
     unknown = set(options) - set(OPTIONS)
     if unknown:
@@ -2062,6 +2103,11 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
             " (connection settings such as sslmode go in the URL)"
         )
     parts = split_url(url, "PostgreSQL", "postgresql://[user[:password]@]host[:port]/dbname")
+    if parts.fragment:  # found by review: ignored (libpq drops it), where others refuse it
+        raise ValueError(
+            f"{redacted(url)!r}: a PostgreSQL URL has no fragment (a '#' in a password is"
+            " written %23)"
+        )
     query = parse_qsl(parts.query, keep_blank_values=True)
     ours: dict[str, str] = {}
     for name, value in query:
@@ -2100,6 +2146,8 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
                 f"{redacted(url)!r} is not a PostgreSQL URL: port must be a number from 1 to 65535,"
                 f" not {port!r}"
             )
+
+    _check_libpq_values(params, url)
 
     table = _check_table(merged.get("table", DEFAULT_TABLE))
     connect_timeout, timeout = (
