@@ -134,7 +134,13 @@ def test_expired_leases_are_not_listed(locks: keymutex.Locks) -> None:
     def listed() -> set[str]:
         return {holder.key for holder in locks.holders("job:")}
 
-    assert listed() == {"job:live", "job:expiring"}
+    first = listed()
+    # Listed while it lives. A loaded machine may take longer than its TTL to list
+    # (a CI run on Redis Sentinel did): then it was rightly left out, and its holder's
+    # own deadline, which comes before the store's, has passed too.
+    assert first == {"job:live", "job:expiring"} or (
+        first == {"job:live"} and expiring.remaining == 0
+    ), first
     # Nobody touches the expired key in between: the listing itself must leave it out.
     wait_until(lambda: listed() == {"job:live"}, "the expired lease leaves holders()")
     assert locks.holder("job:expiring") is None
@@ -151,7 +157,11 @@ async def test_expired_leases_are_not_listed_async(alocks: keymutex.AsyncLocks) 
     async def listed() -> set[str]:
         return {holder.key for holder in await alocks.holders("job:")}
 
-    assert await listed() == {"job:live", "job:expiring"}
+    first = await listed()
+    # As in the sync test: listed while it lives.
+    assert first == {"job:live", "job:expiring"} or (
+        first == {"job:live"} and expiring.remaining == 0
+    ), first
 
     async def only_live() -> bool:
         return await listed() == {"job:live"}

@@ -18,7 +18,10 @@
   machinery cost about as much as the round trip itself on loopback. The async store
   is native asyncio, not threads.
 - Every statement waits at most ``timeout`` seconds (5 by default) for the server's reply,
-  connecting at most ``connect_timeout``. A step that runs out of time raises
+  connecting at most ``connect_timeout``; a step that finds all ``max_size`` connections
+  busy waits for one up to ``connect_timeout`` first (so a step on a stalled server
+  with a full pool ends within twice ``connect_timeout`` and its ``timeout``). A step
+  that runs out of time raises
   ``StoreError``, and its connection is closed, never reused with a statement in
   flight; the server gives the statement up by then too (``statement_timeout``). Its
   effect is unknown: a grant whose reply was lost is a lease like any other, and
