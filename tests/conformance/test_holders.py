@@ -174,7 +174,8 @@ async def test_expired_leases_are_not_listed_async(alocks: keymutex.AsyncLocks) 
 
 def test_expired_lease_has_no_holder(locks: keymutex.Locks) -> None:
     lease = locks.acquire("job", ttl=SHORT_TTL)
-    assert locks.holder("job") is not None
+    # Held while it lives (a loaded machine may read it after its TTL: see above).
+    assert locks.holder("job") is not None or lease.remaining == 0
     wait_until(lambda: locks.holder("job") is None, "the expired lease has no holder")
     assert lease.lost is True
 
