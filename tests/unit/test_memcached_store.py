@@ -166,7 +166,7 @@ def item(raw: Client, store: MemcachedStore, key: str) -> Record | Tombstone:
     value, cas = raw.gets(name)
     assert value is not None
     epoch = int(raw.get(EPOCH_ITEM).split(b":")[0])
-    return decode(value, name, epoch + int(cas), int(cas))
+    return decode(value, name, epoch, int(cas))
 
 
 def gone(raw: Client, store: MemcachedStore, key: str) -> bool:
@@ -1203,11 +1203,15 @@ def test_a_paused_server_does_not_hold_up_the_renewals_of_leases_shorter_than_it
 def test_records_round_trip_and_garbage_is_refused() -> None:
     record = Record("k", "t" * 24, "me", {"n": "é"}, 7, 1.5, 31.5)
     assert decode(record.encode()) == record
-    # A grant's record leaves its fence out: the item's epoch + CAS stands for it.
-    fresh = replace(record, fence=None)
-    assert json.loads(fresh.encode())[5] is None
-    assert decode(fresh.encode(), "name", 12) == replace(record, fence=12)
-    assert decode(record.encode(), "name", 12) == record  # a written fence wins
+    # A grant's record names the epoch its fence counts from: + the item's CAS.
+    fresh = replace(record, fence=None, epoch=1000)
+    assert json.loads(fresh.encode())[5] == [1000]
+    assert decode(fresh.encode(), "name", epoch=900, cas=12) == replace(record, fence=1012)
+    assert decode(record.encode(), "name", epoch=900, cas=12) == record  # a written fence wins
+    # One of an earlier version names no epoch: the reader's own.
+    legacy = replace(record, fence=None)
+    assert json.loads(legacy.encode())[5] is None
+    assert decode(legacy.encode(), "name", epoch=900, cas=12) == replace(record, fence=912)
     assert decode(b'["L","k","t","o",null,3,1,2]') == Record("k", "t", "o", None, 3, 1.0, 2.0)
     queue = (Place("w1", 10.5), Place("w2", 11.0))
     queued = Record("k", "t" * 24, "me", None, 7, 1.5, 31.5, queue)
@@ -1226,6 +1230,9 @@ def test_records_round_trip_and_garbage_is_refused() -> None:
         b'["T",[[1,2]],null,1]',
         b'["L","k","t","o",[],3,1,2]',
         b'["L","k","t","o",null,null,1,2]',  # no fence, and none to resolve it
+        b'["L","k","t","o",null,[1],1,2]',  # an epoch, and no CAS to add to it
+        b'["L","k","t","o",null,["1"],1,2]',
+        b'["L","k","t","o",null,[1,2],1,2]',
         b'["L","k","t","o",null,3,1,2,[["w",true]]]',
         b'["L","k","t","o",null,3,1,2,[["w"]]]',
         b'["L","k","t","o",null,3,1,2,[],[]]',

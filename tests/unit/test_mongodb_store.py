@@ -342,21 +342,19 @@ def test_a_refusal_counts_the_time_left_by_the_servers_clock_as_this_host_knows_
     sent = time.time()
     server_now = datetime.datetime.fromtimestamp(sent - 31, datetime.UTC).replace(tzinfo=None)
     granted = reply(n=server_now, a=server_now, e=server_now + datetime.timedelta(seconds=30))
-    outcome = mongodb._learnt(clock, renew_outcome(granted) or Outcome(False), granted, sent)
+    outcome = clock.learn_from(renew_outcome(granted) or Outcome(False), granted, sent)
     assert outcome.ok
     assert clock.now() == pytest.approx(sent - 31, abs=0.5)
     held = reply(t="someone-else" * 2, a=server_now, e=server_now + datetime.timedelta(seconds=30))
     assert holder_outcome(held, time.time()).remaining == 0.0  # by this host's clock
     assert holder_outcome(held, clock.now()).remaining == pytest.approx(30, abs=0.5)
     # A refusal says nothing of the server's now: nothing learnt from it.
-    mongodb._learnt(clock, Outcome(False), held, time.time())
+    clock.learn_from(Outcome(False), held, time.time())
     assert clock.now() == pytest.approx(sent - 31, abs=0.5)
     # hello's localTime.
-    mongodb._learn_from_hello(
-        clock, {"localTime": server_now + datetime.timedelta(hours=1)}, sent, sent
-    )
+    clock.learn_from_hello({"localTime": server_now + datetime.timedelta(hours=1)}, sent, sent)
     assert clock.now() == pytest.approx(sent - 31 + 3600, abs=0.5)
-    mongodb._learn_from_hello(clock, {}, sent, sent)  # none: as before
+    clock.learn_from_hello({}, sent, sent)  # none: as before
     assert clock.now() == pytest.approx(sent - 31 + 3600, abs=0.5)
 
 

@@ -289,7 +289,8 @@ def _encode_record(owner: str, info: dict[str, Any] | None, acquired_ms: int) ->
 
 
 class _Layout:
-    """Names of one namespace's etcd keys, and the lease ids of a token."""
+    """Names of one namespace's etcd keys, the lease ids of a token, and etcd's minimum
+    lease TTL once a grant has shown it (what the flows learn of the cluster)."""
 
     __slots__ = ("namespace", "prefix", "ttl_floor")
 

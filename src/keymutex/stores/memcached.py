@@ -372,16 +372,16 @@ def _places(value: object) -> tuple[Place, ...]:
 
 
 def decode(
-    raw: bytes, name: str = "", fence: int | None = None, cas: int | None = None
+    raw: bytes, name: str = "", epoch: int | None = None, cas: int | None = None
 ) -> Record | Tombstone:
     """The record an item holds; ``StoreError`` when it is not one of ours.
 
-    A grant's record carries the epoch its fence is counted from, and ``cas`` (the
+    A grant's record names the epoch its fence is counted from, and ``cas`` (the
     item's) is added to it: every reader finds the same fence, whatever epoch its own
     connection read. Found by review: each added its own, and once ``km2:epoch`` had
     been evicted and made again, a client on a newer connection saw another fence for
-    the same lease than its holder. ``fence``: the reader's epoch + CAS, for a record
-    that carries neither (written by an earlier version).
+    the same lease than its holder. ``epoch``: the reader's, for a record that names
+    none (written by an earlier version).
     """
     try:
         fields = json.loads(raw)
@@ -390,10 +390,12 @@ def decode(
             if heir is None or isinstance(heir, str):
                 return Tombstone(_places(queue), heir, _number(kept_until))
         tag, key, token, owner, info, recorded, acquired_at, expires_at, *rest = fields
-        if isinstance(recorded, list) and cas is not None:
+        if isinstance(recorded, list):  # [the grant's epoch]: the fence is it + the CAS
             (epoch,) = recorded
-            if type(epoch) is int:
-                recorded = epoch + cas
+            if type(epoch) is not int:
+                raise TypeError(epoch)
+            recorded = None
+        fence = None if epoch is None or cas is None else epoch + cas
         if (
             tag == "L"
             and isinstance(key, str)
@@ -1053,7 +1055,7 @@ class MemcachedStore:
         if reply.code == b"EN":
             return None
         assert reply.value is not None
-        return decode(reply.value, name, session.epoch + reply.cas, reply.cas)
+        return decode(reply.value, name, session.epoch, reply.cas)
 
     def _remember(self, name: str, record: Record, cas: int, session: Session) -> None:
         written = self._written
@@ -1285,7 +1287,8 @@ class MemcachedStore:
     ) -> Outcome:
         """A grant stored by ``stored`` (its reply carries the CAS): the fence, and the
         index entry (``appended``: the reply to the append sent with it, if any)."""
-        fence = (session.epoch if record.epoch is None else record.epoch) + stored.cas
+        assert record.epoch is not None  # every grant's record names its epoch
+        fence = record.epoch + stored.cas
         lease = Record(
             record.key,
             record.token,
@@ -1341,8 +1344,9 @@ class MemcachedStore:
         requests: Sequence[RenewRequest],
         outcomes: list[Outcome | None],
     ) -> list[StoreError]:
-        """``renew_many``'s requests: each server's share at once, on a thread of its
-        own, waited for a third of the shortest TTL at most; the failures.
+        """``renew_many``'s requests: with several servers, each server's share at once,
+        on a thread of its own, waited for a third of the shortest TTL at most; the
+        failures.
 
         A server that has not answered by then counts as failed (its leases are tried
         again), and the others' outcomes come back without waiting for it. Found by
@@ -1352,6 +1356,13 @@ class MemcachedStore:
         client renews in one call at a time), and leases with a shorter TTL on servers
         that answered were lost. The call left behind ends at its ``socket_timeout``.
         """
+        if len(self._layout.servers) == 1:  # nobody else to hold up: no thread
+            ((server, indices),) = by_server.items()
+            try:
+                self._renew_on(server, indices, names, requests, outcomes)
+            except StoreError as exc:
+                return [exc]
+            return []
         within = min(request.ttl for request in requests) / 3
         answers: dict[str, tuple[list[Outcome | None], StoreError | None]] = {}
 

@@ -283,6 +283,17 @@ class ServerClock:
     def learn(self, server_time: datetime.datetime, sent: float, received: float) -> None:
         self._offset = unix_seconds(server_time) - (sent + received) / 2
 
+    def learn_from(self, outcome: Outcome, doc: Mapping[str, Any] | None, sent: float) -> Outcome:
+        """``outcome``, read from ``doc``: a grant or renewal carries the server's now."""
+        if outcome.ok and doc is not None:
+            self.learn(doc["n"], sent, time.time())
+        return outcome
+
+    def learn_from_hello(self, hello: Mapping[str, Any], sent: float, received: float) -> None:
+        local_time = hello.get("localTime")
+        if isinstance(local_time, datetime.datetime):
+            self.learn(local_time, sent, received)
+
     def now(self) -> float:
         return time.time() + self._offset
 
@@ -339,23 +350,6 @@ def holder_outcome(doc: Mapping[str, Any] | None, now: float) -> Outcome:
         return Outcome(False)
     holder = decode_holder(doc)
     return Outcome(False, holder, max(0.0, holder.expires_at - now))
-
-
-def _learnt(
-    clock: ServerClock, outcome: Outcome, doc: Mapping[str, Any] | None, sent: float
-) -> Outcome:
-    """A grant or renewal carries the server's now (``n``): the clock learns from it."""
-    if outcome.ok and doc is not None:
-        clock.learn(doc["n"], sent, time.time())
-    return outcome
-
-
-def _learn_from_hello(
-    clock: ServerClock, hello: Mapping[str, Any], sent: float, received: float
-) -> None:
-    local_time = hello.get("localTime")
-    if isinstance(local_time, datetime.datetime):
-        clock.learn(local_time, sent, received)
 
 
 # -- URLs and options (pure) ---------------------------------------------------------
@@ -628,7 +622,7 @@ class MongoStore:
                     if exc.code != _COMMAND_NOT_FOUND:
                         raise
                     hello = self._client.admin.command("isMaster")
-            _learn_from_hello(self._clock, hello, sent, time.time())
+            self._clock.learn_from_hello(hello, sent, time.time())
             try:
                 self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
             except OperationFailure as exc:  # e.g. no privilege: locks work, GC does not
@@ -669,7 +663,7 @@ class MongoStore:
                 except DuplicateKeyError:  # a concurrent upsert created it first
                     if attempt:
                         raise
-        return _learnt(self._clock, acquire_outcome(doc, token, self._clock.now()), doc, sent)
+        return self._clock.learn_from(acquire_outcome(doc, token, self._clock.now()), doc, sent)
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
         self._prepare()
@@ -684,7 +678,7 @@ class MongoStore:
             )
             found = renew_outcome(doc)
             if found is not None:
-                return _learnt(self._clock, found, doc, sent)
+                return self._clock.learn_from(found, doc, sent)
             current = self._collection.find_one(holder_filter(doc_id), _PROJECTION)
         return holder_outcome(current, self._clock.now())
 
@@ -852,7 +846,7 @@ class AsyncMongoStore:
                     if exc.code != _COMMAND_NOT_FOUND:
                         raise
                     hello = await self._client.admin.command("isMaster")
-            _learn_from_hello(self._clock, hello, sent, time.time())
+            self._clock.learn_from_hello(hello, sent, time.time())
             try:
                 await self._collection.create_index(
                     "e", expireAfterSeconds=GC_GRACE, name="keymutex_gc"
@@ -895,7 +889,7 @@ class AsyncMongoStore:
                 except DuplicateKeyError:
                     if attempt:
                         raise
-        return _learnt(self._clock, acquire_outcome(doc, token, self._clock.now()), doc, sent)
+        return self._clock.learn_from(acquire_outcome(doc, token, self._clock.now()), doc, sent)
 
     async def renew(self, key: str, token: str, ttl: float) -> Outcome:
         await self._prepare()
@@ -910,7 +904,7 @@ class AsyncMongoStore:
             )
             found = renew_outcome(doc)
             if found is not None:
-                return _learnt(self._clock, found, doc, sent)
+                return self._clock.learn_from(found, doc, sent)
             current = await self._collection.find_one(holder_filter(doc_id), _PROJECTION)
         return holder_outcome(current, self._clock.now())
 
