@@ -57,10 +57,18 @@ def require_memcached() -> str:
 class MemcachedServer:
     """One memcached process on ``port``; ``restart()`` comes back empty on the same port."""
 
-    def __init__(self, directory: Path, *, port: int | None = None, memory_mb: int = 64) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        memory_mb: int = 64,
+        threads: int | None = None,
+    ) -> None:
         self.directory = directory
         self.port = port or free_port()
         self.memory_mb = memory_mb
+        self.threads = threads  # worker threads (-t); None: memcached's default (4)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -170,11 +178,12 @@ class MemcachedServer:
         if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
             guard = ["setpriv", "--pdeathsig", "KILL", "--"]
         as_user = ["-u", "nobody"] if os.geteuid() == 0 else []
+        threads = [] if self.threads is None else ["-t", str(self.threads)]
         self.directory.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
             self.process = subprocess.Popen(
                 [*guard, executable, "-l", HOST, "-p", str(self.port), "-U", "0",
-                 "-m", str(self.memory_mb), *as_user],
+                 "-m", str(self.memory_mb), *threads, *as_user],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
