@@ -600,8 +600,11 @@ def cluster(
     *,
     appendonly: bool = False,
     appendfsync: Literal["always", "everysec", "no"] = "always",
+    extra_config: Sequence[str] = (),
 ) -> RedisCluster:
-    """A started cluster, created by ``redis-cli --cluster create``, healthy and in sync."""
+    """A started cluster, created by ``redis-cli --cluster create``, healthy and in sync.
+
+    ``extra_config``: more lines for every node's configuration file."""
     if masters < 3:
         raise ValueError(f"masters must be at least 3 (redis-cli's minimum), not {masters}")
     config = [
@@ -609,6 +612,7 @@ def cluster(
         "cluster-enabled yes",
         "cluster-config-file nodes.conf",
         "cluster-node-timeout 2000",
+        *extra_config,
     ]
     count = masters * (1 + replicas_per_master)
     nodes = [

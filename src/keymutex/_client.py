@@ -91,6 +91,11 @@ CALLBACK_THREAD_IDLE = 30.0
 # lease whose TTL ran out while a laptop slept is so found lost, and its on_lost
 # called, within this of waking, not when its next renewal (a third of its TTL) was due.
 SUSPEND_LOOK = 1.0
+# A renewal call still unanswered after this long is slow: the renewer stops waiting
+# for it when other leases fall due (and after a third of its batch's shortest TTL in
+# any case), and renews them on another thread. Well above a healthy call (a few ms),
+# so that leases falling due one after another are still renewed in batches.
+SLOW_RENEWAL = 0.25
 MAX_OWNER_BYTES = 256
 MAX_NAMESPACE_BYTES = 256
 
@@ -527,60 +532,21 @@ def _extend(lease: LeaseState, outcome: Outcome, sent_at: float, ttl: float) -> 
     return True
 
 
-class _CallThread:
-    """A daemon thread that makes the renewer's calls, one at a time.
-
-    The renewer hands each store call over and keeps watching the leases' deadlines while
-    it runs: a call that hangs on a silent store cannot delay ``on_lost`` past them.
-    ``on_lost`` callbacks run on other threads (``_CallbackThreads``): one that blocks (it
-    renews a lease whose renewal is under way) or ends the thread it runs on cannot stop
-    the renewals.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
-        self._calls = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, call: Callable[[], R]) -> Future[R]:
-        future: Future[R] = Future()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
-        self._calls.put((future, call))
-        return future
-
-    def _run(self) -> None:
-        while (job := self._calls.get()) is not None:
-            future, call = job
-            try:
-                future.set_result(call())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._calls.put(None)
-
-    def join(self, timeout: float | None = None) -> None:
-        """Wait until the calls submitted before ``close`` are done (not from one of them),
-        at most ``timeout`` seconds."""
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-
 class _CallbackThreads:
-    """Daemon threads that run ``on_lost`` callbacks, each call on a free one.
+    """Daemon threads that run calls, each on a free one: ``on_lost`` callbacks, and
+    (another instance) the renewer's store calls.
 
     A callback may block (waits for its worker to wind down, renews a lease whose
     renewal is under way): another lease's loss found meanwhile is reported on another
-    thread, not after it. A thread is started when the calls waiting outnumber the idle
-    threads, up to ``MAX_CALLBACK_THREADS`` (a thousand leases lost at once are not a
-    thousand threads); one idle for ``CALLBACK_THREAD_IDLE`` seconds ends.
+    thread, not after it. A store call may hang on a silent server: the next batch's
+    call goes on another thread, not after it. A thread is started when the calls
+    waiting outnumber the idle threads, up to ``MAX_CALLBACK_THREADS`` (a thousand
+    leases lost at once are not a thousand threads); one idle for
+    ``CALLBACK_THREAD_IDLE`` seconds ends.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "keymutex-on-lost") -> None:
+        self._name = name
         self._calls: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
@@ -592,10 +558,23 @@ class _CallbackThreads:
             self._waiting += 1
             self._calls.put(call)
             if self._waiting > self._idle and len(self._threads) < MAX_CALLBACK_THREADS:
-                thread = threading.Thread(target=self._run, name="keymutex-on-lost", daemon=True)
+                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._threads.add(thread)
                 self._idle += 1
                 thread.start()
+
+    def call(self, work: Callable[[], R]) -> Future[R]:
+        """Run ``work`` on a free thread: its result, or what it raised, in the future."""
+        future: Future[R] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(work())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self.submit(run)
+        return future
 
     def _run(self) -> None:
         while True:
@@ -719,7 +698,7 @@ class _Renewer:
         self._plan = _RenewalPlan()
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._calls = _CallThread("keymutex-renewer-call")
+        self._calls = _CallbackThreads("keymutex-renewer-call")
         self._callbacks = _CallbackThreads()
         self._closed = False
         # When the thread looks at the plan next (-inf: it is at work and will look
@@ -808,38 +787,77 @@ class _Renewer:
                 else:
                     with self._wakeup:
                         self._plan.later(lease, _clock.monotonic())
-            try:
-                lost = self._renew(batch) if batch else []
-            finally:
-                for lease in batch:
-                    lease._renewing.release()
-            self._notify(lost)
+            if batch:
+                self._renew(batch)  # frees the batch's leases, now or when the call ends
 
-    def _renew(self, batch: list[Lease]) -> list[Lease]:
-        """Renew ``batch`` in one store call; the leases this showed lost."""
-        sent_at = _clock.monotonic()
-        requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
-        call = self._calls.submit(functools.partial(self._store.renew_many, requests))
-        while True:  # while the call runs, holders past their deadline learn it
-            with self._wakeup:
-                deadline = self._plan.next_deadline()
-            wait = None if deadline is None else max(0.0, deadline - _clock.monotonic())
-            if futures.wait([call], wait).done:
-                break
-            with self._wakeup:
-                overdue = self._plan.overdue(_clock.monotonic())
-            self._notify(overdue)
+    def _renew(self, batch: list[Lease]) -> None:
+        """Renew ``batch`` in one store call, and take in its outcome (``_settle``).
+
+        The call is waited for until another lease falls due (once it has run
+        ``SLOW_RENEWAL``), and a third of the batch's shortest TTL at most. One that
+        takes longer is left to end on its own thread and settled then, while this
+        thread goes on with the other leases.
+        Found by review: a Redis Cluster master that stopped answering (``kill -STOP``,
+        a hung host) held its renewal call for the socket timeout (5 s); the renewer
+        made one call at a time, so every lease due meanwhile, on masters that answered,
+        waited too, and those of a TTL under ~5 s were lost.
+        """
         try:
-            outcomes = _outcomes_of(call.result, batch)
-        except BaseException as exc:  # StoreError, or a bug (of any kind): the renewer lives on
-            _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
-            with self._wakeup:
-                return [x for x in batch if self._plan.failed(x, _clock.monotonic())]
-        with self._wakeup:
-            lost = self._plan.settle_batch(batch, outcomes, sent_at)
-        for lease in _renewed_too_late(batch, outcomes):  # on the renewal's connection
-            self._calls.submit(functools.partial(_release_quietly, self._store, lease))
-        return lost
+            sent_at = _clock.monotonic()
+            requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
+            call = self._calls.call(functools.partial(self._store.renew_many, requests))
+            give_up = sent_at + min(lease._ttl for lease in batch) / 3
+            while True:  # while the call runs, holders past their deadline learn it
+                with self._wakeup:
+                    leave_at = _leave_at(self._plan, sent_at, give_up)
+                    until = min(leave_at, self._plan.next_deadline() or math.inf)
+                if futures.wait([call], max(0.0, until - _clock.monotonic())).done:
+                    break
+                now = _clock.monotonic()
+                with self._wakeup:
+                    overdue = self._plan.overdue(now)
+                self._notify(overdue)
+                if now >= leave_at:
+                    # Left to end on its own: the other leases go on meanwhile.
+                    call.add_done_callback(functools.partial(self._settle, batch, sent_at, True))
+                    return
+        except BaseException:
+            for lease in batch:
+                lease._renewing.release()
+            raise
+        self._settle(batch, sent_at, False, call)
+
+    def _settle(
+        self, batch: list[Lease], sent_at: float, late: bool, call: Future[list[Outcome]]
+    ) -> None:
+        """Take in a batch renewal's outcome, free the batch's leases, report the lost.
+
+        ``late``: on the call's own thread, when the renewer stopped waiting for it. A
+        lease renewed too late is then released right there: ``close()`` waits for that
+        thread (within its grace) before the store closes, as for a release handed over.
+        """
+        try:
+            try:
+                outcomes = _outcomes_of(call.result, batch)
+            except BaseException as exc:  # StoreError, or a bug (any kind): the renewer lives on
+                _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
+                with self._wakeup:
+                    lost = [x for x in batch if self._plan.failed(x, _clock.monotonic())]
+                    self._wakeup.notify()  # a retry may be due before the thread's next look
+            else:
+                with self._wakeup:
+                    lost = self._plan.settle_batch(batch, outcomes, sent_at)
+                    self._wakeup.notify()
+                for lease in _renewed_too_late(batch, outcomes):  # on the renewal's connection
+                    release = functools.partial(_release_quietly, self._store, lease)
+                    if late:
+                        release()
+                    else:
+                        self._calls.submit(release)
+        finally:
+            for lease in batch:
+                lease._renewing.release()
+        self._notify(lost)
 
     def close(self) -> None:
         """Stop renewing; wait for the calls already due (unless made by one of them):
@@ -874,6 +892,14 @@ async def _release_quietly_async(store: AsyncStore, lease: LeaseState) -> None:
 def _earliest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return min(known) if known else None
+
+
+def _leave_at(plan: _RenewalPlan, sent_at: float, give_up: float) -> float:
+    """When a renewer stops waiting for a renewal call sent at ``sent_at`` (and leaves it
+    to end on its own): at ``give_up``, or once another lease is due and the call has
+    been running ``SLOW_RENEWAL`` seconds, whichever comes first."""
+    due = plan.next_due()
+    return give_up if due is None else min(give_up, max(due, sent_at + SLOW_RENEWAL))
 
 
 def _next_look(plan: _RenewalPlan, now: float) -> float | None:
@@ -1453,6 +1479,7 @@ class _AsyncRenewer:
         self._closed = False
         self._callbacks: set[asyncio.Task[Any]] = set()
         self._releases: set[asyncio.Task[Any]] = set()  # of leases renewed too late
+        self._late: set[asyncio.Future[Any]] = set()  # calls left to end on their own
         self._until = -math.inf  # as in _Renewer
         self._idle: float | None = None  # as in _Renewer
 
@@ -1513,40 +1540,68 @@ class _AsyncRenewer:
                 else:
                     await lease._renewing.acquire()  # free: returns at once
                     mine.append(lease)
-            try:
-                lost = await self._renew(mine) if mine else []
-            finally:
-                for lease in mine:
-                    lease._renewing.release()
-            for lease in lost:
-                self.call_on_lost(lease)
+            if mine:
+                await self._renew(mine)  # frees the batch's leases, now or when the call ends
 
-    async def _renew(self, batch: list[AsyncLease]) -> list[AsyncLease]:
-        """Renew ``batch`` in one store call; the leases this showed lost."""
-        sent_at = _clock.monotonic()
-        requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
-        call = asyncio.ensure_future(self._store.renew_many(requests))
+    async def _renew(self, batch: list[AsyncLease]) -> None:
+        """Renew ``batch`` in one store call, and take in its outcome (``_settle``): as
+        ``_Renewer._renew``, a slow call (``_leave_at``) is left to end on its own task,
+        and settled then, while this task goes on with the other leases."""
         try:
-            while True:  # while the call runs, holders past their deadline learn it
-                deadline = self._plan.next_deadline()
-                wait = None if deadline is None else max(0.0, deadline - _clock.monotonic())
-                if (await asyncio.wait([call], timeout=wait))[0]:
-                    break
-                for lease in self._plan.overdue(_clock.monotonic()):
-                    self.call_on_lost(lease)
-        except BaseException:  # cancelled (aclose): the call goes too, and ends first
-            call.cancel()
-            await asyncio.wait([call])
+            sent_at = _clock.monotonic()
+            requests = [RenewRequest(lease.key, lease.token, lease._ttl) for lease in batch]
+            call = asyncio.ensure_future(self._store.renew_many(requests))
+            give_up = sent_at + min(lease._ttl for lease in batch) / 3
+            try:
+                while True:  # while the call runs, holders past their deadline learn it
+                    leave_at = _leave_at(self._plan, sent_at, give_up)
+                    until = min(leave_at, self._plan.next_deadline() or math.inf)
+                    wait = max(0.0, until - _clock.monotonic())
+                    if (await asyncio.wait([call], timeout=wait))[0]:
+                        break
+                    now = _clock.monotonic()
+                    for lease in self._plan.overdue(now):
+                        self.call_on_lost(lease)
+                    if now >= leave_at:
+                        # Left to end on its own: the other leases go on meanwhile.
+                        self._late.add(call)
+                        call.add_done_callback(functools.partial(self._settle, batch, sent_at))
+                        return
+            except BaseException:  # cancelled (aclose): the call goes too, and ends first
+                call.cancel()
+                await asyncio.wait([call])
+                raise
+        except BaseException:
+            for lease in batch:
+                lease._renewing.release()
             raise
+        self._settle(batch, sent_at, call)
+
+    def _settle(
+        self, batch: list[AsyncLease], sent_at: float, call: asyncio.Future[list[Outcome]]
+    ) -> None:
+        """Take in a batch renewal's outcome, free the batch's leases, report the lost
+        (on the renewer's task, or as the call's done-callback when it was left to end)."""
+        self._late.discard(call)
         try:
-            outcomes = _outcomes_of(call.result, batch)
-        except Exception as exc:  # StoreError, or a bug: the renewer must live on
-            _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
-            return [x for x in batch if self._plan.failed(x, _clock.monotonic())]
-        lost = self._plan.settle_batch(batch, outcomes, sent_at)
-        for lease in _renewed_too_late(batch, outcomes):
-            self._spawn(_release_quietly_async(self._store, lease), self._releases)
-        return lost
+            if call.cancelled():  # aclose() cancelled a call left to end
+                return
+            try:
+                outcomes = _outcomes_of(call.result, batch)
+            except Exception as exc:  # StoreError, or a bug: the renewer must live on
+                _LOG.warning("renewing %d lease(s) failed: %s", len(batch), exc)
+                lost = [x for x in batch if self._plan.failed(x, _clock.monotonic())]
+            else:
+                lost = self._plan.settle_batch(batch, outcomes, sent_at)
+                for lease in _renewed_too_late(batch, outcomes):
+                    self._spawn(_release_quietly_async(self._store, lease), self._releases)
+        finally:
+            for lease in batch:
+                lease._renewing.release()
+        for lease in lost:
+            self.call_on_lost(lease)
+        if self._wakeup is not None:
+            self._wakeup.set()  # a retry or a renewal may be due before the task's next look
 
     def call_on_lost(self, lease: LeaseState) -> None:
         result = lease._notify_lost()
@@ -1565,6 +1620,11 @@ class _AsyncRenewer:
         self._closed = True
         task, self._task = self._task, None
         await stop_task(task)
+        late = list(self._late)  # calls left to end on their own: they go too, and end first
+        for call in late:
+            call.cancel()
+        if late:
+            await asyncio.wait(late)
         await self._end_callbacks(closer)
         if self._releases:  # before the store closes
             await asyncio.wait(self._releases)

@@ -28,12 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
+from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._validate import MAX_TTL
@@ -49,12 +51,15 @@ __all__ = [
     "ThreadedAsyncStore",
     "Waiter",
     "WouldBlock",
+    "each_within",
+    "each_within_async",
     "stop_task",
     "translate_errors",
 ]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+K = TypeVar("K")
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +276,75 @@ class PartialRenewal(StoreError):
     def __init__(self, message: str, outcomes: Sequence[Outcome | None]) -> None:
         super().__init__(message)
         self.outcomes = list(outcomes)
+
+
+def each_within(
+    jobs: Mapping[K, Callable[[], R]], within: float, *, name: str
+) -> dict[K, R | Exception]:
+    """Run each of ``jobs`` at once on a daemon thread of its own, and wait ``within``
+    seconds at most: what each job that ended by then returned (or the ``Exception`` it
+    raised). A job missing from the result has not answered: it goes on in the
+    background, and what it returns is dropped.
+
+    For a ``renew_many`` over several servers or nodes: one that does not answer (a
+    paused process, a hung host) must not hold up the others' renewals of the same
+    batch for its socket timeout, nor cost leases that their own servers would have
+    renewed. (The client's renewer does not wait for a slow call to start the next
+    one: the batches after it are not held up either.)
+    """
+    ended: dict[K, R | Exception] = {}
+
+    def run(key: K, job: Callable[[], R]) -> None:
+        try:
+            ended[key] = job()
+        except Exception as exc:  # handed to the caller
+            ended[key] = exc
+
+    threads = [
+        threading.Thread(target=run, args=item, name=name, daemon=True) for item in jobs.items()
+    ]
+    for thread in threads:
+        thread.start()
+    give_up = _clock.monotonic() + within
+    for thread in threads:
+        thread.join(max(0.0, give_up - _clock.monotonic()))
+    return dict(ended)  # a copy: a job that ends later writes only in ``ended``
+
+
+async def each_within_async(
+    jobs: Mapping[K, Callable[[], Awaitable[R]]], within: float
+) -> dict[K, R | Exception]:
+    """As ``each_within``, for coroutines: each runs as a task of the running loop. A
+    task still running after ``within`` seconds is left to end (at its own timeout), not
+    cancelled (a cancelled command could leave its connection out of step); its outcome
+    is dropped, and its exception retrieved."""
+    tasks = {key: asyncio.ensure_future(job()) for key, job in jobs.items()}
+    if tasks:
+        await asyncio.wait(tasks.values(), timeout=within)
+    ended: dict[K, R | Exception] = {}
+    for key, task in tasks.items():
+        if not task.done():
+            _LEFT_RUNNING.add(task)
+            task.add_done_callback(_left_ended)
+        elif task.cancelled():
+            raise asyncio.CancelledError
+        elif (error := task.exception()) is not None:
+            if not isinstance(error, Exception):
+                raise error
+            ended[key] = error
+        else:
+            ended[key] = task.result()
+    return ended
+
+
+# Tasks that ``each_within_async`` stopped waiting for: kept until they end.
+_LEFT_RUNNING: set[asyncio.Future[Any]] = set()
+
+
+def _left_ended(task: asyncio.Future[Any]) -> None:
+    _LEFT_RUNNING.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: an error of a renewal nobody waits for any more
 
 
 class NotSent(StoreError):

@@ -21,6 +21,7 @@ Common ground, observed on Redis 7.0 with redis-py 8.1:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -290,6 +291,79 @@ def test_a_dead_cluster_master_fails_its_own_renewals_alone_and_at_once(
         assert all(o is not None and o.ok for o in partial.value.outcomes if o is not None)
         # Refused at once, tried once: well under the 4 s of ten retries with backoff.
         assert took < 3.0, f"{took:.1f} s to fail the dead master's renewals"
+
+
+def _paused_master_split(
+    topology: servers.RedisCluster, namespace: str, keys: list[str]
+) -> tuple[set[str], set[str]]:
+    """The keys whose leases live on the first node (the one the test pauses), and the rest."""
+    names = topology.nodes[0].command("KEYS", "*")
+    assert isinstance(names, list)
+    on_victim = {k for k in keys if any(n.endswith(f"{namespace}:{k}") for n in names)}
+    assert on_victim, "no lease on the master to pause"
+    assert len(on_victim) < len(keys), "every lease on the master to pause"
+    return on_victim, set(keys) - on_victim
+
+
+# The paused master's slots must not stop the cluster: with full coverage required (the
+# default), the others answer CLUSTERDOWN once they mark it failed, and every lease goes.
+_PARTIAL_COVERAGE = ("cluster-require-full-coverage no",)
+# Longer than the renewals' socket timeout (5 s): the leases of TTL 3 s on the paused
+# master are lost, and a renewal held up by it would cost the others theirs.
+_PAUSE = 7.0
+
+
+@pytest.mark.timeout(90)
+def test_a_paused_cluster_master_does_not_hold_up_the_renewals_of_the_others(
+    tmp_path: Path, namespace: str
+) -> None:
+    """Found by review: a batch renewal asked the nodes one after the other, so a master
+    that stopped answering (SIGSTOP: sockets open, nothing answered) held up every other
+    master's renewals for its socket timeout (5 s), in that batch and the ones after it,
+    and leases of TTL 3 s on masters that answered were lost. Each node's pipeline now
+    goes at once and is waited for a third of the shortest TTL."""
+    keys = [f"order:{n}" for n in range(12)]
+    with (
+        servers.cluster(tmp_path, masters=3, extra_config=_PARTIAL_COVERAGE) as topology,
+        keymutex.Locks(topology.url, namespace=namespace) as locks,  # socket timeout 5 s
+    ):
+        leases = {key: locks.acquire(key, ttl=3, renew=True) for key in keys}
+        on_victim, healthy = _paused_master_split(topology, namespace, keys)
+        topology.nodes[0].pause()
+        try:
+            time.sleep(_PAUSE)
+        finally:
+            topology.nodes[0].resume()
+        assert {key for key in keys if leases[key].lost} == on_victim
+        for key in healthy:
+            leases[key].release()
+
+
+@pytest.mark.timeout(90)
+def test_a_paused_cluster_master_does_not_hold_up_the_renewals_of_the_others_async(
+    tmp_path: Path, namespace: str
+) -> None:
+    """The same with ``AsyncLocks``, whose nodes were asked at once already, but waited
+    for together: the paused one's socket timeout held up the batch's answer, and the
+    batches after it."""
+    keys = [f"order:{n}" for n in range(12)]
+
+    async def scenario(topology: servers.RedisCluster) -> set[str]:
+        async with keymutex.AsyncLocks(topology.url, namespace=namespace) as locks:
+            leases = {key: await locks.acquire(key, ttl=3, renew=True) for key in keys}
+            on_victim, healthy = _paused_master_split(topology, namespace, keys)
+            topology.nodes[0].pause()
+            try:
+                await asyncio.sleep(_PAUSE)
+            finally:
+                topology.nodes[0].resume()
+            assert {key for key in keys if leases[key].lost} == on_victim
+            for key in healthy:
+                await leases[key].release()
+            return on_victim
+
+    with servers.cluster(tmp_path, masters=3, extra_config=_PARTIAL_COVERAGE) as topology:
+        assert asyncio.run(scenario(topology))
 
 
 @pytest.mark.slow

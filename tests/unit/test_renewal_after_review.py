@@ -254,20 +254,20 @@ def test_on_lost_may_renew_a_lease_whose_renewal_is_under_way(url: str) -> None:
             done.set()
 
         try:
-            # A first renewal held back keeps the renewer busy while the next two leases
-            # come due: then both go in one batch, held back too.
-            locks.acquire("first", ttl=0.6, renew=True)
-            assert held.wait_for_call(1) == ["first"]
-            # Due in 2 s and 3 s; "short" reaches its deadline at 6 s.
+            # Due in 2 s and 3 s, each renewal held back (the second goes while the first
+            # is held: the renewer does not wait for one call to start the next); "short"
+            # reaches its deadline at 6 s.
             short = locks.acquire("short", ttl=6.0, renew=True, on_lost=on_lost)
             other.append(locks.acquire("long", ttl=9.0, renew=True))
-            time.sleep(9.0 / 3 + 0.3)  # both due
-            held.let_go(1)
-            assert sorted(held.wait_for_call(2)) == ["long", "short"]
-            # "short" reaches its deadline while the batch is held: on_lost renews "long".
+            assert held.wait_for_call(1) == ["short"]
+            assert held.wait_for_call(2) == ["long"]
+            # "short" reaches its deadline while its renewal is held: on_lost renews
+            # "long", whose renewal is under way.
             assert started.wait(PATIENCE), "on_lost was not called"
             assert short.lost
-            held.let_go(2)  # the batch ends; then the renewal in on_lost goes ahead
+            # Long's renewal ends; then the renewal in on_lost goes ahead (or after the
+            # renewer's next one of "long", due at once: the one held took 3 s).
+            held.let_all_go()
             assert done.wait(PATIENCE), "on_lost did not return: deadlocked"
             assert renewed == other
             assert not other[0].lost

@@ -176,6 +176,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -203,6 +204,7 @@ from keymutex._store import (
     PartialRenewal,
     RenewRequest,
     ThreadedAsyncStore,
+    each_within,
     translate_errors,
 )
 from keymutex._urls import redacted, split_url
@@ -1352,9 +1354,10 @@ class MemcachedStore:
         again), and the others' outcomes come back without waiting for it. Found by
         review: a paused server (``kill -STOP``, a hung host) held every other server's
         renewals up for its whole ``socket_timeout`` (5 s by default), in the same batch
-        (the servers were asked one after the other) and in the batches after it (a
-        client renews in one call at a time), and leases with a shorter TTL on servers
-        that answered were lost. The call left behind ends at its ``socket_timeout``.
+        (the servers were asked one after the other) and in the batches after it (the
+        client's renewer then made one call at a time), and leases with a shorter TTL on
+        servers that answered were lost. The call left behind ends at its
+        ``socket_timeout``.
         """
         if len(self._layout.servers) == 1:  # nobody else to hold up: no thread
             ((server, indices),) = by_server.items()
@@ -1364,28 +1367,20 @@ class MemcachedStore:
                 return [exc]
             return []
         within = min(request.ttl for request in requests) / 3
-        answers: dict[str, tuple[list[Outcome | None], StoreError | None]] = {}
 
-        def renew_on(server: str) -> None:
+        def renew_on(server: str) -> tuple[list[Outcome | None], StoreError | None]:
             mine: list[Outcome | None] = [None] * len(requests)
             try:
                 self._renew_on(server, by_server[server], names, requests, mine)
             except StoreError as exc:
-                answers[server] = (mine, exc)
-            else:
-                answers[server] = (mine, None)
+                return mine, exc
+            return mine, None
 
-        threads = [
-            threading.Thread(
-                target=renew_on, args=(server,), name="keymutex-memcached-renew", daemon=True
-            )
-            for server in by_server
-        ]
-        for thread in threads:
-            thread.start()
-        give_up = time.monotonic() + within
-        for thread in threads:
-            thread.join(max(0.0, give_up - time.monotonic()))
+        answers = each_within(
+            {server: functools.partial(renew_on, server) for server in by_server},
+            within,
+            name="keymutex-memcached-renew",
+        )
         failures: list[StoreError] = []
         for server, indices in by_server.items():
             answer = answers.get(server)
@@ -1397,6 +1392,8 @@ class MemcachedStore:
                     )
                 )
                 continue
+            if isinstance(answer, Exception):  # not a StoreError: a bug, not the server
+                raise answer
             mine, error = answer
             for index in indices:
                 outcomes[index] = mine[index]

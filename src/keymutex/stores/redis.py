@@ -83,6 +83,8 @@ from keymutex._store import (
     Capabilities,
     PartialRenewal,
     RenewRequest,
+    each_within,
+    each_within_async,
     stop_task,
     translate_errors,
 )
@@ -1389,6 +1391,27 @@ def _renewed(calls: Sequence[_Call], replies: Sequence[Any]) -> list[Outcome]:
     return cast(list[Outcome], outcomes)
 
 
+def _gather(
+    groups: Sequence[tuple[Any, list[int]]],
+    answers: Mapping[int, dict[int, Any] | Exception],
+    replies: list[Any],
+    within: float,
+) -> None:
+    """Put each node's replies (``answers``, by the node's number in ``groups``) in
+    their places in ``replies``; a node that has not answered fails its calls."""
+    for number, (_, indices) in enumerate(groups):
+        answer = answers.get(number)
+        if isinstance(answer, Exception):
+            raise answer
+        if answer is None:
+            late = TimeoutError(f"no answer within {within:g} s (a third of the shortest TTL)")
+            for index in indices:
+                replies[index] = _Unanswered(late)
+            continue
+        for index, reply in answer.items():
+            replies[index] = reply
+
+
 # Connections of a pool limited by ``max_connections`` that a store leaves in it, idle,
 # for what goes through redis-py's own path: the pub/sub connection, a renewal's
 # pipeline, ``holder``/``holders``, loading the scripts again.
@@ -1807,45 +1830,76 @@ class RedisStore:
         if not requests:
             return []
         calls = [self._steps.renew(request) for request in requests]
+        within = min(request.ttl for request in requests) / 3
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis renewal of {len(calls)} leases"):
-            replies = self._pipeline(calls)
+            replies = self._pipeline(calls, within)
         return _renewed(calls, replies)
 
-    def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+    def _pipeline(self, calls: Sequence[_Call], within: float) -> list[Any]:
         """The replies of ``calls``, sent as one pipeline per node. A node that lacks the
         script (restarted, flushed, or never asked) is given it and asked again; one
-        that cannot be reached fails its own calls alone (``_Unanswered``)."""
+        that cannot be reached fails its own calls alone (``_Unanswered``).
+
+        With several nodes (a cluster), each node's pipeline goes at once, on a thread
+        of its own, and is waited for ``within`` seconds at most (a third of the shortest
+        TTL renewed): a node that has not answered by then fails its own calls, and the
+        others' replies come back. Found by review: a paused master (``kill -STOP``, a
+        hung host) held every other node's renewals of the batch up for its
+        ``socket_timeout`` (the nodes were asked one after the other), and leases with a
+        shorter TTL on masters that answered were lost. (The client's renewer, which
+        then made one call at a time, no longer waits for a slow call to start the
+        next.)
+        """
         replies: list[Any] = [None] * len(calls)
-        for client, indices in self._nodes.split(self._client, calls):
-            try:
-                try:
-                    answers = _send_pipeline(client, calls, indices)
-                except NoScriptError:
-                    for script in {calls[index].script for index in indices}:
-                        client.script_load(script.source)
-                    answers = _send_pipeline(client, calls, indices)
-                for index, reply in zip(indices, answers, strict=True):
-                    replies[index] = reply
-            except _DRIVER_ERRORS:
-                if not self._layout.sharded:
-                    raise
-                # The node failed or gave its slots away (a failover): one call each
-                # through the cluster client, which follows MOVED and learns the new
-                # owners for the next tick. A new owner (a promoted replica) may lack
-                # the script: given it, and asked again at once (a failover can take
-                # most of a lease's TTL already). One that fails fails its lease alone.
-                for index in indices:
-                    call = calls[index]
-                    args = ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-                    try:
-                        try:
-                            replies[index] = self._client.execute_command(*args)
-                        except NoScriptError:
-                            self._client.script_load(call.script.source)
-                            replies[index] = self._client.execute_command(*args)
-                    except _DRIVER_ERRORS as exc:
-                        replies[index] = _Unanswered(exc)
+        groups = list(self._nodes.split(self._client, calls))
+        if len(groups) == 1:  # nobody else to hold up: no thread
+            ((client, indices),) = groups
+            answers: Mapping[int, dict[int, Any] | Exception] = {
+                0: self._on_node(client, calls, indices)
+            }
+        else:
+            answers = each_within(
+                {
+                    number: functools.partial(self._on_node, client, calls, indices)
+                    for number, (client, indices) in enumerate(groups)
+                },
+                within,
+                name="keymutex-redis-renew",
+            )
+        _gather(groups, answers, replies, within)
         return replies
+
+    def _on_node(self, client: Any, calls: Sequence[_Call], indices: list[int]) -> dict[int, Any]:
+        """The replies of ``calls[indices]``, all of one node, by index."""
+        try:
+            try:
+                answers = _send_pipeline(client, calls, indices)
+            except NoScriptError:
+                for script in {calls[index].script for index in indices}:
+                    client.script_load(script.source)
+                answers = _send_pipeline(client, calls, indices)
+            return dict(zip(indices, answers, strict=True))
+        except _DRIVER_ERRORS:
+            if not self._layout.sharded:
+                raise
+            # The node failed or gave its slots away (a failover): one call each
+            # through the cluster client, which follows MOVED and learns the new
+            # owners for the next tick. A new owner (a promoted replica) may lack
+            # the script: given it, and asked again at once (a failover can take
+            # most of a lease's TTL already). One that fails fails its lease alone.
+            replies: dict[int, Any] = {}
+            for index in indices:
+                call = calls[index]
+                args = ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+                try:
+                    try:
+                        replies[index] = self._client.execute_command(*args)
+                    except NoScriptError:
+                        self._client.script_load(call.script.source)
+                        replies[index] = self._client.execute_command(*args)
+                except _DRIVER_ERRORS as exc:
+                    replies[index] = _Unanswered(exc)
+            return replies
 
     def release(self, key: str, token: str) -> Outcome:
         return self._run(self._steps.release(key, token))
@@ -1989,47 +2043,62 @@ class AsyncRedisStore:
         if not requests:
             return []
         calls = [self._steps.renew(request) for request in requests]
+        within = min(request.ttl for request in requests) / 3
         with translate_errors(*_DRIVER_ERRORS, what=f"Redis renewal of {len(calls)} leases"):
-            replies = await self._pipeline(calls)
+            replies = await self._pipeline(calls, within)
         return _renewed(calls, replies)
 
-    async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
-        replies: list[Any] = [None] * len(calls)
-
-        async def on_node(client: Any, indices: list[int]) -> None:  # as RedisStore's
-            try:
-                try:
-                    answers = await _send_pipeline_async(client, calls, indices)
-                except NoScriptError:
-                    for script in {calls[index].script for index in indices}:
-                        await client.script_load(script.source)
-                    answers = await _send_pipeline_async(client, calls, indices)
-                for index, reply in zip(indices, answers, strict=True):
-                    replies[index] = reply
-            except _DRIVER_ERRORS:
-                if not self._layout.sharded:
-                    raise
-                for index in indices:  # as in RedisStore._pipeline
-                    call = calls[index]
-                    args = ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-                    try:
-                        try:
-                            replies[index] = await self._client.execute_command(*args)
-                        except NoScriptError:
-                            await self._client.script_load(call.script.source)
-                            replies[index] = await self._client.execute_command(*args)
-                    except _DRIVER_ERRORS as exc:
-                        replies[index] = _Unanswered(exc)
-
+    async def _pipeline(self, calls: Sequence[_Call], within: float) -> list[Any]:
+        """As ``RedisStore._pipeline``: each node's pipeline at once, waited for
+        ``within`` seconds at most when there are several."""
         if self._layout.sharded:
             await self._client.initialize()
-        await asyncio.gather(
-            *(
-                on_node(client, indices)
-                for client, indices in self._nodes.split(self._client, calls)
+        replies: list[Any] = [None] * len(calls)
+        groups = list(self._nodes.split(self._client, calls))
+        if len(groups) == 1:  # nobody else to hold up
+            ((client, indices),) = groups
+            answers: Mapping[int, dict[int, Any] | Exception] = {
+                0: await self._on_node(client, calls, indices)
+            }
+        else:
+            answers = await each_within_async(
+                {
+                    number: functools.partial(self._on_node, client, calls, indices)
+                    for number, (client, indices) in enumerate(groups)
+                },
+                within,
             )
-        )
+        _gather(groups, answers, replies, within)
         return replies
+
+    async def _on_node(
+        self, client: Any, calls: Sequence[_Call], indices: list[int]
+    ) -> dict[int, Any]:
+        """As ``RedisStore._on_node``."""
+        try:
+            try:
+                answers = await _send_pipeline_async(client, calls, indices)
+            except NoScriptError:
+                for script in {calls[index].script for index in indices}:
+                    await client.script_load(script.source)
+                answers = await _send_pipeline_async(client, calls, indices)
+            return dict(zip(indices, answers, strict=True))
+        except _DRIVER_ERRORS:
+            if not self._layout.sharded:
+                raise
+            replies: dict[int, Any] = {}
+            for index in indices:  # as in RedisStore._on_node
+                call = calls[index]
+                args = ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+                try:
+                    try:
+                        replies[index] = await self._client.execute_command(*args)
+                    except NoScriptError:
+                        await self._client.script_load(call.script.source)
+                        replies[index] = await self._client.execute_command(*args)
+                except _DRIVER_ERRORS as exc:
+                    replies[index] = _Unanswered(exc)
+            return replies
 
     async def release(self, key: str, token: str) -> Outcome:
         return await self._run(self._steps.release(key, token))
@@ -2181,9 +2250,9 @@ class _SentinelStore(RedisStore):
         self._master.check()
         return super()._run(call)
 
-    def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+    def _pipeline(self, calls: Sequence[_Call], within: float) -> list[Any]:
         self._master.check()
-        return super()._pipeline(calls)
+        return super()._pipeline(calls, within)
 
     def holder(self, key: str) -> Holder | None:
         self._master.check()
@@ -2246,9 +2315,9 @@ class _AsyncSentinelStore(AsyncRedisStore):
         await self._master.check()
         return await super()._run(call)
 
-    async def _pipeline(self, calls: Sequence[_Call]) -> list[Any]:
+    async def _pipeline(self, calls: Sequence[_Call], within: float) -> list[Any]:
         await self._master.check()
-        return await super()._pipeline(calls)
+        return await super()._pipeline(calls, within)
 
     async def holder(self, key: str) -> Holder | None:
         await self._master.check()
