@@ -99,13 +99,32 @@ def scrubbed(text: str, url: str) -> str:
 
 
 def split_url(url: str, store: str, form: str) -> SplitResult:
-    """``urlsplit(url)``; a URL that does not split is a ``ValueError`` naming it."""
+    """``urlsplit(url)``; a URL that does not split is a ``ValueError`` naming it.
+
+    A tab or line break is refused: ``urlsplit`` drops them without a word (as browsers
+    do), so ``etcd://a\tb:2379`` would name the host ``ab``."""
+    if any(c in url for c in "\t\r\n"):
+        raise ValueError(
+            f"{redacted(url)!r} is not a {store} URL ({form}): it has a tab or a line break in it"
+        )
     try:
         return urlsplit(url)
     except ValueError as exc:  # "Invalid IPv6 URL", …
         raise ValueError(
             f"{redacted(url)!r} is not a {store} URL ({form}): {scrubbed(str(exc), url)}"
         ) from None
+
+
+def check_host(host: str, url: str, store: str) -> None:
+    """A host name or address of a store URL: refused if it has a space or a control
+    character (found by review: ``memcached://cache host:11211`` was taken, and failed at
+    the first call with a ``StoreError`` about a name that no resolver would take)."""
+    bad = next((c for c in host if c.isspace() or ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise ValueError(
+            f"{redacted(url)!r}: the {store} host {host!r} has {bad!r} in it; a host is a"
+            " name or an address, without spaces or control characters"
+        )
 
 
 @functools.cache

@@ -902,6 +902,16 @@ BAD_URLS: list[tuple[str, object, dict[str, object], type[Exception], str, str |
     ("postgresql-port-not-ascii-digits", "postgresql://127.0.0.1:\u0663/db", {}, ValueError, "port must be a number from 1 to 65535, not '\u0663'", None),
     ("redis-cluster-port-not-ascii-digits", "redis+cluster://127.0.0.1:\u0663", {}, ValueError, "expected host:port[,host:port…], got '127.0.0.1:\u0663'", None),
     ("redis-database-not-ascii-digits", "redis://127.0.0.1:6379/\u0663", {}, ValueError, "the database must be a number (/0, /1, …), not '\u0663'", None),
+    # Found by review: a host with a space was taken, and failed at the first call
+    ("memcached-host-with-space", "memcached://cache host:11211", {}, ValueError, "the memcached host 'cache host' has ' ' in it; a host is a name or an address, without spaces or control characters", None),
+    ("redis-host-with-space", "redis://cache host:6379/0", {}, ValueError, "the Redis host 'cache host' has ' ' in it", None),
+    ("redis-cluster-host-with-space", "redis+cluster://127.0.0.1:7000,cache host:7001", {}, ValueError, "the Redis host 'cache host' has ' ' in it", None),
+    ("redis-sentinel-host-with-space", "redis+sentinel://sentinel one:26379/mymaster", {}, ValueError, "the Redis host 'sentinel one' has ' ' in it", None),
+    ("etcd-host-with-space", "etcd://my host:2379", {}, ValueError, "the etcd host 'my host' has ' ' in it", None),
+    # urlsplit drops tabs and line breaks without a word: 'a\tb' would be the host 'ab'
+    ("etcd-host-with-tab", "etcd://a\tb:2379", {}, ValueError, "is not a etcd URL (etcd[s]://[user:password@]host:port[,host:port…][?timeout=…&ca_file=…&cert_file=…]): it has a tab or a line break in it", None),
+    ("memcached-url-with-newline", "memcached://127.0.0.1:11211\n", {}, ValueError, "it has a tab or a line break in it", None),
+    ("redis-url-with-newline", "redis://127.0.0.1:6379/0\n", {}, ValueError, "it has a tab or a line break in it", None),
     ("memcached-no-host", "memcached://", {}, ValueError, "'memcached://' names no server: use memcached://host:port", None),
     ("memcached-port-not-a-number", "memcached://127.0.0.1:abc", {}, ValueError, "expected memcached://host[:port][,host[:port]…], got '127.0.0.1:abc'", None),
     ("memcached-port-out-of-range", "memcached://127.0.0.1:99999", {}, ValueError, "expected memcached://host[:port][,host[:port]…], got '127.0.0.1:99999'", None),

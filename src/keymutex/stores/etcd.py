@@ -160,6 +160,7 @@ from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, stop_task, translate_errors
+from keymutex._urls import check_host
 from keymutex.stores._doorbell import Doorbell, LoopDoorbell
 from keymutex.stores._settings import TLS_OPTIONS, digits, seconds, settings_of, tls_files
 
@@ -1911,6 +1912,7 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
             host, _, port = part.rpartition(":")
         if not host or not digits(port) or not 0 < int(port) < 65536:
             raise ValueError(f"{shown!r}: expected host:port[,host:port…], got {part!r}")
+        check_host(host, url, "etcd")
         endpoints.append(f"{'https' if tls else 'http'}://{host}:{int(port)}")
     return _Target(
         tuple(endpoints),

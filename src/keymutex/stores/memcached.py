@@ -207,7 +207,7 @@ from keymutex._store import (
     each_within,
     translate_errors,
 )
-from keymutex._urls import redacted, split_url
+from keymutex._urls import check_host, redacted, split_url
 from keymutex.stores._settings import count, digits, seconds
 
 __all__ = ["MemcachedStore", "Place", "QueuedWaiter", "Record", "Tombstone", "decode", "driver"]
@@ -1609,6 +1609,7 @@ def _server(part: str, url: str) -> str:
         )
     if not host.startswith("[") and ":" in host:
         raise ValueError(f"{redacted(url)!r}: write an IPv6 address in brackets, e.g. [::1]:11211")
+    check_host(host, url, "memcached")
     return f"{host}:{int(port)}"
 
 

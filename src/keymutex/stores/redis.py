@@ -88,7 +88,7 @@ from keymutex._store import (
     stop_task,
     translate_errors,
 )
-from keymutex._urls import redacted, scrubbed, split_url
+from keymutex._urls import check_host, redacted, scrubbed, split_url
 from keymutex.stores._doorbell import LoopDoorbell
 from keymutex.stores._settings import count, digits, seconds
 
@@ -2375,6 +2375,7 @@ def _nodes(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
             raise ValueError(f"{redacted(url)!r}: expected host:port[,host:port…], got {part!r}")
         if not 0 < int(port) <= 65535:
             raise ValueError(f"{redacted(url)!r}: port {port} of {part!r} is out of range 1-65535")
+        check_host(host, url, "Redis")
         nodes.append((host.strip("[]"), int(port)))
     return tuple(nodes)
 
@@ -2539,6 +2540,7 @@ def _parse(url: str, options: Mapping[str, object]) -> _Target:
     scheme = parts.scheme.lower()
     _check_tls(scheme, options, "Redis store option")
     if scheme in ("redis", "rediss", "unix"):
+        check_host(parts.hostname or "", url, "Redis")
         _check_single(url, parts)
         return _Target("single", url, (), "", 0, client_options)
     if parts.query:
