@@ -588,6 +588,9 @@ class _CallbackThreads:
                         return
                 continue
             if call is None:  # close()
+                with self._lock:  # a call submitted after close() starts a thread anew
+                    self._idle -= 1
+                    self._threads.discard(threading.current_thread())
                 return
             with self._lock:
                 self._waiting -= 1
@@ -861,18 +864,20 @@ class _Renewer:
 
     def close(self) -> None:
         """Stop renewing; wait for the calls already due (unless made by one of them):
-        the releases of leases renewed too late, before the store closes, and the
-        ``on_lost`` callbacks. Bounded, as ``AsyncLocks.aclose``: one may hang."""
+        the renewals left to end on their own and the releases of leases renewed too
+        late, before the store closes, then the ``on_lost`` callbacks, those of losses
+        the renewals left to end found included (found by review: closed first, their
+        threads had gone, and such a loss's ``on_lost`` was never called). Bounded,
+        as ``AsyncLocks.aclose``: one may hang."""
         with self._wakeup:
             self._closed = True
             self._wakeup.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._calls.close()
-        self._callbacks.close()
-        grace_ends = _clock.monotonic() + CALLBACK_GRACE
         self._calls.join(CALLBACK_GRACE)
-        self._callbacks.join(max(0.0, grace_ends - _clock.monotonic()))
+        self._callbacks.close()
+        self._callbacks.join(CALLBACK_GRACE)
 
 
 def _release_quietly(store: Store, lease: LeaseState) -> None:

@@ -51,6 +51,7 @@ __all__ = [
     "ThreadedAsyncStore",
     "Waiter",
     "WouldBlock",
+    "cancel_left",
     "each_within",
     "each_within_async",
     "stop_task",
@@ -312,20 +313,35 @@ def each_within(
 
 
 async def each_within_async(
-    jobs: Mapping[K, Callable[[], Awaitable[R]]], within: float
+    jobs: Mapping[K, Callable[[], Awaitable[R]]],
+    within: float,
+    left: set[asyncio.Future[Any]],
 ) -> dict[K, R | Exception]:
     """As ``each_within``, for coroutines: each runs as a task of the running loop. A
     task still running after ``within`` seconds is left to end (at its own timeout), not
-    cancelled (a cancelled command could leave its connection out of step); its outcome
-    is dropped, and its exception retrieved."""
+    cancelled (a cancelled command could leave its connection out of step): it goes in
+    ``left`` until it ends, its outcome dropped and its exception retrieved, so that its
+    owner can cancel it when it closes. Cancelled while it waits, this cancels the tasks
+    and waits for them to end (found by review: left behind, a renewal still running
+    after ``aclose()`` held a connection of the closed client)."""
     tasks = {key: asyncio.ensure_future(job()) for key, job in jobs.items()}
-    if tasks:
+    if not tasks:
+        return {}
+    try:
         await asyncio.wait(tasks.values(), timeout=within)
+    except BaseException:
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.wait(tasks.values())
+        for task in tasks.values():
+            if not task.cancelled():
+                task.exception()  # retrieved: the caller goes away with its own error
+        raise
     ended: dict[K, R | Exception] = {}
     for key, task in tasks.items():
         if not task.done():
-            _LEFT_RUNNING.add(task)
-            task.add_done_callback(_left_ended)
+            left.add(task)
+            task.add_done_callback(functools.partial(_left_ended, left))
         elif task.cancelled():
             raise asyncio.CancelledError
         elif (error := task.exception()) is not None:
@@ -337,12 +353,17 @@ async def each_within_async(
     return ended
 
 
-# Tasks that ``each_within_async`` stopped waiting for: kept until they end.
-_LEFT_RUNNING: set[asyncio.Future[Any]] = set()
+async def cancel_left(left: set[asyncio.Future[Any]]) -> None:
+    """Cancel the tasks ``each_within_async`` left running, and wait for them to end."""
+    tasks = list(left)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
 
 
-def _left_ended(task: asyncio.Future[Any]) -> None:
-    _LEFT_RUNNING.discard(task)
+def _left_ended(left: set[asyncio.Future[Any]], task: asyncio.Future[Any]) -> None:
+    left.discard(task)
     if not task.cancelled():
         task.exception()  # retrieved: an error of a renewal nobody waits for any more
 

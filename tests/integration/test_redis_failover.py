@@ -366,6 +366,48 @@ def test_a_paused_cluster_master_does_not_hold_up_the_renewals_of_the_others_asy
         assert asyncio.run(scenario(topology))
 
 
+@pytest.mark.timeout(120)
+def test_a_paused_cluster_master_costs_no_healthy_lease_when_leases_fall_due_one_at_a_time(
+    tmp_path: Path, namespace: str
+) -> None:
+    """Found by review: with leases taken one after another (as a web application does),
+    each falls due alone, and a batch of one lease on the paused master was not bounded:
+    it held a renewer thread for the socket timeout and then 5 s more per lease (asked
+    again one by one), the renewer's 8 call threads filled up, and the renewals of the
+    healthy masters' leases waited behind them until their deadlines."""
+    probe = [f"order:{n}" for n in range(90)]  # about 30 on each master
+    with (
+        servers.cluster(tmp_path, masters=3, extra_config=_PARTIAL_COVERAGE) as topology,
+        keymutex.Locks(topology.url, namespace=namespace) as locks,  # socket timeout 5 s
+    ):
+        on_victim = set()
+        for key in probe:
+            lease = locks.acquire(key, ttl=60)
+            names = topology.nodes[0].command("KEYS", "*")
+            assert isinstance(names, list)
+            if any(n.endswith(f"{namespace}:{key}") for n in names):
+                on_victim.add(key)
+            lease.release()
+        victims = sorted(on_victim)[:14]
+        healthy = sorted(set(probe) - on_victim)[:6]
+        assert len(victims) == 14
+        assert len(healthy) == 6
+        ttl = 9.0
+        leases = {}
+        for key in [*victims, *healthy]:  # spread over one renewal period
+            leases[key] = locks.acquire(key, ttl=ttl, renew=True)
+            time.sleep(ttl / 3 / 20)
+        topology.nodes[0].pause()
+        try:
+            time.sleep(ttl + 3)
+        finally:
+            topology.nodes[0].resume()
+        assert {key for key in healthy if leases[key].lost} == set()
+        assert {key for key in victims if leases[key].lost} == set(victims)
+        for key in healthy:
+            leases[key].release()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cluster_failover_of_a_master_keeps_leases_fences_and_waiting(

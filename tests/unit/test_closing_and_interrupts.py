@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -268,6 +269,39 @@ def test_close_waits_for_the_release_of_a_lease_renewed_too_late(
     locks.close()
     with keymutex.Locks(url) as other:
         assert other.holder("job") is None  # released before the store closed
+
+
+def test_close_reports_a_loss_found_by_a_renewal_it_waited_for(tmp_path: Path) -> None:
+    """Found by review: a renewal the renewer had left to end on its own (slow) found its
+    lease taken over just as ``close()`` ran; close had closed the callback threads
+    already (one had run before), and that loss's ``on_lost`` was never called."""
+    url = f"sqlite:///{tmp_path}/locks.db"
+    called: list[str] = []
+    with keymutex.Locks(url) as other:
+        locks = keymutex.Locks(url)
+        renew_many = locks._store.renew_many
+
+        def slow(requests: Any) -> Any:  # the renewer's call for "b" takes 2 s
+            if threading.current_thread().name == "keymutex-renewer-call" and any(
+                request.key == "b" for request in requests
+            ):
+                time.sleep(2.0)
+            return renew_many(requests)
+
+        locks._store.renew_many = slow  # type: ignore[method-assign]
+        locks.acquire("x", ttl=0.6, renew=True, on_lost=lambda lease: called.append(lease.key))
+        other.acquire("x", steal=True)
+        deadline = time.monotonic() + 10
+        while called != ["x"] and time.monotonic() < deadline:  # a callback thread ran
+            time.sleep(0.02)
+        assert called == ["x"]
+        b = locks.acquire("b", ttl=3, renew=True, on_lost=lambda lease: called.append(lease.key))
+        time.sleep(1.2)  # b's renewal went at ~1 s, and is answered at ~3 s
+        other.acquire("b", steal=True)  # that renewal will find it taken over
+        time.sleep(1.0)  # past the renewer's wait (a third of the TTL): left to end
+        locks.close()
+        assert b.lost
+        assert called == ["x", "b"]
 
 
 def _slowed(store: Any, name: str) -> tuple[threading.Event, threading.Event]:

@@ -83,6 +83,7 @@ from keymutex._store import (
     Capabilities,
     PartialRenewal,
     RenewRequest,
+    cancel_left,
     each_within,
     each_within_async,
     stop_task,
@@ -1601,24 +1602,41 @@ class _NodeClients:
     def __init__(self, open_node: Callable[[str, int], Any] | None) -> None:
         self._open_node = open_node
         self._clients: dict[str, Any] = {}
+        # Renewals of a batch left to end on its own may split the next batch meanwhile.
+        self._lock = threading.Lock()
+        self._closed = False
 
     def split(self, client: Any, calls: Sequence[_Call]) -> list[tuple[Any, list[int]]]:
         if self._open_node is None:
             return [(client, list(range(len(calls))))]
         groups: dict[str, list[int]] = {}
+        opened: dict[str, Any] = {}
         for index, call in enumerate(calls):
             node = client.get_node_from_key(call.keys[0])
-            if node.name not in self._clients:
-                self._clients[node.name] = self._open_node(node.host, node.port)
+            if node.name not in opened:
+                opened[node.name] = self._node(node.name, node.host, node.port)
             groups.setdefault(node.name, []).append(index)
-        return [(self._clients[name], indices) for name, indices in groups.items()]
+        return [(opened[name], indices) for name, indices in groups.items()]
+
+    def _node(self, name: str, host: str, port: int) -> Any:
+        assert self._open_node is not None
+        with self._lock:
+            if self._closed:  # found by review: a call left running opened clients again
+                raise redis.exceptions.ConnectionError("this Redis store is closed")
+            if name not in self._clients:
+                self._clients[name] = self._open_node(host, port)
+            return self._clients[name]
 
     def opened(self) -> list[Any]:
-        clients, self._clients = list(self._clients.values()), {}
+        """The node clients opened so far, to close: no more are opened after this."""
+        with self._lock:
+            self._closed = True
+            clients, self._clients = list(self._clients.values()), {}
         return clients
 
     def clients(self) -> list[Any]:
-        return list(self._clients.values())
+        with self._lock:
+            return list(self._clients.values())
 
 
 # RedisClusterException (no nodes reachable, slots not covered) is not a RedisError.
@@ -1667,11 +1685,16 @@ class _LazyCluster:
         self._make = make
         self._client: Any = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def _get(self) -> Any:
         client = self._client
         if client is None:
             with self._lock:
+                if self._closed:
+                    # Found by review: a renewal left to end on its own, failing as the
+                    # store closed, made a new client (its connections never closed).
+                    raise redis.exceptions.ConnectionError("this Redis store is closed")
                 if self._client is None:
                     self._client = self._make()
                 client = self._client
@@ -1682,6 +1705,7 @@ class _LazyCluster:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             client, self._client = self._client, None
         if client is not None:
             client.close()
@@ -1852,12 +1876,12 @@ class RedisStore:
         """
         replies: list[Any] = [None] * len(calls)
         groups = list(self._nodes.split(self._client, calls))
-        if len(groups) == 1:  # nobody else to hold up: no thread
+        if not self._layout.sharded:  # one server: nobody else to hold up, no thread
             ((client, indices),) = groups
             answers: Mapping[int, dict[int, Any] | Exception] = {
                 0: self._on_node(client, calls, indices)
             }
-        else:
+        else:  # found by review: a batch of one node's leases held a renewer thread too
             answers = each_within(
                 {
                     number: functools.partial(self._on_node, client, calls, indices)
@@ -1879,9 +1903,14 @@ class RedisStore:
                     client.script_load(script.source)
                 answers = _send_pipeline(client, calls, indices)
             return dict(zip(indices, answers, strict=True))
-        except _DRIVER_ERRORS:
+        except _DRIVER_ERRORS as exc:
             if not self._layout.sharded:
                 raise
+            if isinstance(exc, (redis.exceptions.TimeoutError, TimeoutError)):
+                # A node that does not answer (paused, partitioned) still owns its slots:
+                # asked again one call at a time, it would take a timeout each (found by
+                # review: 5 s per lease, on a thread of the renewer's all along).
+                return {index: _Unanswered(exc) for index in indices}
             # The node failed or gave its slots away (a failover): one call each
             # through the cluster client, which follows MOVED and learns the new
             # owners for the next tick. A new owner (a promoted replica) may lack
@@ -1966,6 +1995,9 @@ class AsyncRedisStore:
         self._client = client
         self._also_close = also_close
         self._nodes = nodes or _NodeClients(None)
+        self._left: set[asyncio.Future[Any]] = (
+            set()
+        )  # node renewals left to end (each_within_async)
         self._conns = None if layout.sharded else _AsyncConnections(client.connection_pool)
         self._steps = _Steps(layout)
         self._layout = layout
@@ -2055,7 +2087,7 @@ class AsyncRedisStore:
             await self._client.initialize()
         replies: list[Any] = [None] * len(calls)
         groups = list(self._nodes.split(self._client, calls))
-        if len(groups) == 1:  # nobody else to hold up
+        if not self._layout.sharded:  # one server: nobody else to hold up
             ((client, indices),) = groups
             answers: Mapping[int, dict[int, Any] | Exception] = {
                 0: await self._on_node(client, calls, indices)
@@ -2067,6 +2099,7 @@ class AsyncRedisStore:
                     for number, (client, indices) in enumerate(groups)
                 },
                 within,
+                self._left,
             )
         _gather(groups, answers, replies, within)
         return replies
@@ -2083,9 +2116,11 @@ class AsyncRedisStore:
                     await client.script_load(script.source)
                 answers = await _send_pipeline_async(client, calls, indices)
             return dict(zip(indices, answers, strict=True))
-        except _DRIVER_ERRORS:
+        except _DRIVER_ERRORS as exc:
             if not self._layout.sharded:
                 raise
+            if isinstance(exc, (redis.exceptions.TimeoutError, TimeoutError)):
+                return {index: _Unanswered(exc) for index in indices}  # as RedisStore's
             replies: dict[int, Any] = {}
             for index in indices:  # as in RedisStore._on_node
                 call = calls[index]
@@ -2140,6 +2175,7 @@ class AsyncRedisStore:
         return _AsyncRedisWaiter(hub, channel)
 
     async def aclose(self) -> None:
+        await cancel_left(self._left)  # renewals left to end on their own: ended first
         await self._hubs.aclose()
         if self._conns is not None:
             await self._conns.aclose()
