@@ -439,10 +439,20 @@ class _RenewalPlan:
         if self.active(lease):
             self._schedule(lease, now + max(0.01, min(0.25, lease._ttl / 10)))
 
-    def settle(self, lease: LeaseState, outcome: Outcome, sent_at: float) -> bool:
-        """Apply one renewal reply; ``True`` when it showed the lease lost."""
+    def settle(self, lease: LeaseState, outcome: Outcome, sent_at: float, now: float) -> bool:
+        """Apply one renewal reply (come back at ``now``); ``True`` when it showed the
+        lease lost.
+
+        A grant that comes back past the lease's deadline does not revive it: its holder
+        was told it was lost then (``lost``), even if the renewer had not marked it yet
+        (found in CI: a renewal left to end on its own answered after ``close()`` had
+        stopped the renewer, and revived a lease the test had seen lost; it was kept
+        from everyone for another TTL instead of released as renewed too late)."""
         if not self.active(lease):
             return False  # released meanwhile
+        if outcome.ok and now >= lease._deadline:
+            self.discard(lease)
+            return lease._mark_lost(None)
         if outcome.ok:
             lease._granted(outcome, sent_at, lease._ttl)
             self._schedule(lease, _renewal_due(lease, sent_at))
@@ -460,7 +470,7 @@ class _RenewalPlan:
         return [
             x
             for x, o in zip(batch, outcomes, strict=True)
-            if (self.failed(x, now) if o is None else self.settle(x, o, sent_at))
+            if (self.failed(x, now) if o is None else self.settle(x, o, sent_at, now))
         ]
 
     def failed(self, lease: LeaseState, now: float) -> bool:

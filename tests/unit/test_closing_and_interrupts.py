@@ -271,6 +271,36 @@ def test_close_waits_for_the_release_of_a_lease_renewed_too_late(
         assert other.holder("job") is None  # released before the store closed
 
 
+def test_a_renewal_answered_past_the_deadline_after_close_does_not_revive_the_lease(
+    tmp_path: Path,
+) -> None:
+    """Found in CI: a renewal the renewer had left to end on its own was answered past
+    the lease's deadline, after ``close()`` had stopped the renewer before it marked the
+    lease lost; the grant revived the lease, and the key stayed held for another TTL.
+    A grant that comes back past the deadline counts as too late: the lease is lost, and
+    released."""
+    url = f"sqlite:///{tmp_path}/locks.db"
+    locks = keymutex.Locks(url)
+    renew_many = locks._store.renew_many
+
+    def late(requests: Any) -> Any:  # reaches the store at 0.9 s, answered at 1.5 s
+        time.sleep(0.5)
+        outcomes = renew_many(requests)
+        time.sleep(0.6)
+        return outcomes
+
+    locks._store.renew_many = late  # type: ignore[method-assign]
+    # The renewer is late to look at deadlines (a loaded machine): it marks none.
+    locks._renewer._plan.overdue = lambda now: []  # type: ignore[method-assign]
+    lease = locks.acquire("job", ttl=1.2, renew=True)  # renewal sent at 0.4 s
+    time.sleep(1.3)  # past the 1.2-s deadline: lost to its holder, unmarked
+    assert lease.lost
+    locks.close()  # stops the renewer; waits for the renewal left to end on its own
+    assert lease.lost  # not revived by the grant that came back at 1.5 s
+    with keymutex.Locks(url) as other:
+        assert other.holder("job") is None  # released as renewed too late
+
+
 def test_close_reports_a_loss_found_by_a_renewal_it_waited_for(tmp_path: Path) -> None:
     """Found by review: a renewal the renewer had left to end on its own (slow) found its
     lease taken over just as ``close()`` ran; close had closed the callback threads
