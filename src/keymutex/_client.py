@@ -55,6 +55,7 @@ from keymutex._store import (
     Store,
     StoreOfTheLoop,
     Waiter,
+    cancel_left,
     max_ttl_of,
     stop_task,
 )
@@ -1635,11 +1636,7 @@ class _AsyncRenewer:
         self._closed = True
         task, self._task = self._task, None
         await stop_task(task)
-        late = list(self._late)  # calls left to end on their own: they go too, and end first
-        for call in late:
-            call.cancel()
-        if late:
-            await asyncio.wait(late)
+        await cancel_left(self._late)  # calls left to end on their own: they go too, first
         await self._end_callbacks(closer)
         if self._releases:  # before the store closes
             await asyncio.wait(self._releases)

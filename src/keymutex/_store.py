@@ -30,7 +30,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
@@ -239,7 +239,7 @@ async def stop_task(task: asyncio.Task[Any] | None) -> None:
         task.result()
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
+def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
 
@@ -330,12 +330,7 @@ async def each_within_async(
     try:
         await asyncio.wait(tasks.values(), timeout=within)
     except BaseException:
-        for task in tasks.values():
-            task.cancel()
-        await asyncio.wait(tasks.values())
-        for task in tasks.values():
-            if not task.cancelled():
-                task.exception()  # retrieved: the caller goes away with its own error
+        await cancel_left(tasks.values())
         raise
     ended: dict[K, R | Exception] = {}
     for key, task in tasks.items():
@@ -353,11 +348,13 @@ async def each_within_async(
     return ended
 
 
-async def cancel_left(left: set[asyncio.Future[Any]]) -> None:
-    """Cancel the tasks ``each_within_async`` left running, and wait for them to end."""
+async def cancel_left(left: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel tasks left running (by ``each_within_async``, by a renewer that stopped
+    waiting for a call), and wait for them to end; what they raised is retrieved."""
     tasks = list(left)
     for task in tasks:
         task.cancel()
+        task.add_done_callback(_retrieve)
     if tasks:
         await asyncio.wait(tasks)
 

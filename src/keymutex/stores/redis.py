@@ -1864,8 +1864,8 @@ class RedisStore:
         script (restarted, flushed, or never asked) is given it and asked again; one
         that cannot be reached fails its own calls alone (``_Unanswered``).
 
-        With several nodes (a cluster), each node's pipeline goes at once, on a thread
-        of its own, and is waited for ``within`` seconds at most (a third of the shortest
+        In a cluster, each node's pipeline goes at once, on a thread of its own (one
+        node's alone too), and is waited for ``within`` seconds at most (a third of the shortest
         TTL renewed): a node that has not answered by then fails its own calls, and the
         others' replies come back. Found by review: a paused master (``kill -STOP``, a
         hung host) held every other node's renewals of the batch up for its
