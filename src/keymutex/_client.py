@@ -34,7 +34,7 @@ import socket
 import string
 import threading
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -1027,6 +1027,41 @@ class _LockContext:
             self._locks._finish_lease(lease, block_failed=exc_type is not None)
 
 
+class _Contending:
+    """``Locks._contending``: a class, not a generator, as it runs at every acquire."""
+
+    __slots__ = ("_locks", "_request", "_token", "_waits")
+
+    def __init__(self, locks: Locks, request: _Request, token: str, waits: bool) -> None:
+        self._locks = locks
+        self._request = request
+        self._token = token
+        self._waits = waits
+
+    def __enter__(self) -> None:
+        if not self._locks._at_store.enter():
+            key = self._request.key
+            raise RuntimeError(_closed_while_waiting(self._locks, key, waited=self._waits))
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            # Drawn here: nobody else holds it. Unless no step with it reached the store.
+            request = self._request
+            if (
+                isinstance(exc, StoreError)
+                and request.token is None
+                and not isinstance(exc, NotSent)
+            ):
+                self._locks._give_backs.add(request.key, self._token, request.ttl)
+        finally:
+            self._locks._at_store.__exit__()
+
+
 class Locks:
     """Lease locks on a store chosen by URL; synchronous and thread-safe.
 
@@ -1297,8 +1332,7 @@ class Locks:
         with self._contending(request, token, waits=True):
             return self._contend_counted(request, token, deadline)
 
-    @contextlib.contextmanager
-    def _contending(self, request: _Request, token: str, *, waits: bool) -> Iterator[None]:
+    def _contending(self, request: _Request, token: str, *, waits: bool) -> _Contending:
         """An acquire at the store, counted in ``_at_store``: ``close()`` meanwhile
         leaves the store open until it has left; the last to leave closes it.
 
@@ -1308,17 +1342,7 @@ class Locks:
         ZooKeeper client that never connected then spent another ``timeout`` giving
         back, and ``keymutex run`` took twice as long to say the store was down).
         """
-        if not self._at_store.enter():
-            raise RuntimeError(_closed_while_waiting(self, request.key, waited=waits))
-        try:
-            yield
-        except StoreError as exc:
-            # Drawn here: nobody else holds it. Unless no step with it reached the store.
-            if request.token is None and not isinstance(exc, NotSent):
-                self._give_backs.add(request.key, token, request.ttl)
-            raise
-        finally:
-            self._at_store.__exit__()
+        return _Contending(self, request, token, waits)
 
     def _unless_closed(self, key: str, token: str, *, waited: bool) -> None:
         """A grant that landed as the client closed: nobody could release it. Given back."""
@@ -1331,7 +1355,8 @@ class Locks:
     ) -> tuple[float, Outcome]:
         notifies = self._store.capabilities.notifies
         at_store = self._store.capabilities.waits_at_store
-        backoff = None if notifies else Backoff()
+        paced = notifies or self._store.capabilities.paces_waits
+        backoff = None if paced else Backoff()
         # With a store that notifies, even the first try carries the waiter: a refusal
         # queues it in the same atomic step, so no release can slip in between.
         waiter = self._store.waiter(request.key) if notifies else None
@@ -2115,7 +2140,8 @@ class AsyncLocks:
     ) -> AsyncLease:
         notifies = self._store.capabilities.notifies
         at_store = self._store.capabilities.waits_at_store
-        backoff = None if notifies else Backoff()
+        paced = notifies or self._store.capabilities.paces_waits
+        backoff = None if paced else Backoff()
         waiting = _Waiting(await self._store.waiter(request.key)) if notifies else None
         outcome = None
         try:

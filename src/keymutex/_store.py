@@ -76,6 +76,10 @@ class Capabilities:
       lock server), answered at its turn or at the holder's expiry: the client lets it
       wait up to its own deadline rather than look again every second, which would
       send it to the back of the queue each time.
+    - ``paces_waits``: the store's waiter sets the pace of its own polling (memcached:
+      its patience, then its place in the queue): the client parks it for the step it
+      chooses, up to the holder's expiry and the caller's deadline, and adds no backoff
+      of its own, which would make it look sooner than it means to.
     """
 
     notifies: bool
@@ -84,6 +88,7 @@ class Capabilities:
     durable_fences: bool
     clock: str
     waits_at_store: bool = False
+    paces_waits: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -644,6 +644,60 @@ def test_a_waiter_polls_soon_after_a_change_and_less_often_further_back(
         store.close()
 
 
+def test_a_patient_waiter_that_sees_the_key_change_hands_looks_again_when_its_patience_ends(
+    memcached_url: str, namespace: str
+) -> None:
+    """Under barging a key that changed hands between two looks is busy: a look before
+    the waiter's patience ends could only steal it. While one holder keeps it, the
+    waiter polls on growing steps (the key may be freed for good any moment)."""
+    holder = open_store(memcached_url, namespace)
+    patient = open_store(memcached_url, namespace, patience=60)
+    try:
+        assert acquire(holder, "doc", TOKEN_A).ok
+        waiter = patient.waiter("doc")
+        for _ in range(3):  # the same lease at each look: soon again, a little later
+            assert acquire(patient, "doc", "1" * 24, waiter=waiter).ok is False
+            assert waiter.park(1.0) < POLL_LIMIT
+        assert holder.release("doc", TOKEN_A).ok
+        assert acquire(holder, "doc", TOKEN_A).ok  # the releaser took it back
+        assert acquire(patient, "doc", "1" * 24, waiter=waiter).ok is False
+        assert waiter.queued is False
+        assert waiter.park(120.0) > 59  # the rest of its patience
+        assert waiter.park(120.0) < POLL_LIMIT * 2  # (a step is taken once)
+    finally:
+        holder.close()
+        patient.close()
+
+
+def test_the_client_lets_a_memcached_waiter_set_its_own_pace(
+    memcached_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No client backoff under the waiter's own step: the client parks it up to the
+    holder's expiry or the caller's deadline, and the waiter chooses how long."""
+    holder = keymutex.Locks(memcached_url, namespace=namespace)
+    waiting = keymutex.Locks(memcached_url, namespace=namespace, patience=60)
+    asked: list[float] = []
+
+    class Recording(QueuedWaiter):
+        def wait(self, timeout: float) -> bool:
+            asked.append(timeout)
+            return super().wait(timeout)
+
+    store = waiting._store
+    assert isinstance(store, MemcachedStore)
+    monkeypatch.setattr(store, "waiter", lambda key: Recording(store, key, 60))
+    try:
+        with holder.lock("doc", ttl=30), pytest.raises(keymutex.Locked):
+            waiting.acquire("doc", timeout=0.6)
+        # The first wait may last to the deadline (0.6 s less the first try): a client
+        # backoff would have cut it to a step of 1 to 2 ms.
+        assert asked
+        assert asked[0] > 0.3, asked
+    finally:
+        holder.close()
+        waiting.close()
+
+
 # -- fences --------------------------------------------------------------------------
 
 
@@ -849,11 +903,14 @@ def test_round_trips_of_each_step(
                 before, _counts(memcached_server)
             )
 
-        # A free key: add and append to the index, in one write.
-        assert step(lambda: acquire(store, "doc", TOKEN_A)) == ([b"ms"], {"cmd_set": 2})
-        # Refused: the add fails, a read says who holds it.
+        # A free key: add, append to the index and a read (for a refusal), in one write.
+        assert step(lambda: acquire(store, "doc", TOKEN_A)) == (
+            [b"ms"],
+            {"cmd_set": 2, "cmd_get": 1},
+        )
+        # Refused: the same one write; its read says who holds the key.
         assert step(lambda: acquire(other, "doc", TOKEN_B)) == (
-            [b"ms", b"mg"],
+            [b"ms"],
             {"cmd_set": 2, "cmd_get": 1},
         )
         # Refused again while that lease lasts: the add and the read in one write, and

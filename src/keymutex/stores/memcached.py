@@ -46,9 +46,9 @@ the guarantee the earlier tombstone-by-``cas`` gave, in one command.
 
 **Steps** (round trips in brackets).
 
-- Acquire [1 when the key is free]: ``ms <item> … c ME`` (``add``, returning the new
-  CAS), with the ``append`` to the index in the same write. Not stored: ``mg`` the
-  item [+1] and decide: our own lease (the same token) is granted again; a live lease
+- Acquire [1 when the key is free, or held]: ``ms <item> … c ME`` (``add``, returning
+  the new CAS), with the ``append`` to the index and an ``mg`` of the item in the same
+  write (a grant ignores what the read found). Not stored: decide from that read: our own lease (the same token) is granted again; a live lease
   of someone else, or a tombstone that keeps the key for another waiter, refuses; a
   tombstone or an expired lease is replaced by ``ms … C<cas> c`` [+1] (the grantee's
   place taken out of the queue in that same write), as is a live lease when stealing;
@@ -154,10 +154,16 @@ line first:
   it is kept for the next waiter still there, for a whole hand-over time.
 - Nothing wakes the heir: a queued waiter polls ``POLL_FIRST`` after it saw the key
   change hands, then ``POLL_GROWTH`` times longer each time, at most ``POLL_LIMIT``
-  × (1 + the waiters before it), and never longer than the client's backoff step.
-  Before its patience runs out, a waiter polls on the same growing steps (not reset
-  when the key changes hands, as it does at every grant under barging), and looks
-  again when its patience ends.
+  × (1 + the waiters before it). The waiter sets this pace itself
+  (``Capabilities.paces_waits``): the client adds no backoff of its own, and parks
+  it no later than the holder's expiry and the caller's deadline.
+- Before its patience runs out, a waiter polls on the same growing steps while the
+  key stays with one holder (it may be freed for good any moment). Once it sees the
+  key change hands (under barging: the releaser took it back, or another client got
+  it), it looks again only when its patience ends, and queues then: the key is busy,
+  and an earlier look could only barge in. Such steals cost every holder's
+  throughput (each one moves the key to another process, and the loser polls): found
+  by measuring four processes on one key (``benchmarks/bench_peers.py``).
 - So a waiter waits about ``patience``, plus one hold per waiter queued before it,
   plus its poll delays — unless the key is freed by expiry, or a hand-over time runs
   out, when it goes to whoever tries first. What is not promised (``fair=False``):
@@ -215,7 +221,12 @@ __all__ = ["MemcachedStore", "Place", "QueuedWaiter", "Record", "Tombstone", "de
 _LOG = logging.getLogger("keymutex")
 
 CAPABILITIES = Capabilities(
-    notifies=False, fair=False, cross_process=True, durable_fences=False, clock="client-wall"
+    notifies=False,
+    fair=False,
+    cross_process=True,
+    durable_fences=False,
+    clock="client-wall",
+    paces_waits=True,  # QueuedWaiter
 )
 DEFAULT_PORT = 11211
 DEFAULT_SOCKET_TIMEOUT = 5.0
@@ -556,6 +567,7 @@ class Layout:
     def __init__(self, namespace: str, servers: Sequence[str]) -> None:
         self._namespace = namespace
         self._leases: dict[str, str] = {}  # key -> item name: a digest costs microseconds
+        self._listings: dict[str, tuple[str, bytes]] = {}  # item name -> (bucket, entry)
         self._hasher = RendezvousHash(nodes=list(servers))
         self.servers = tuple(servers)
         space = _digest(namespace)
@@ -592,6 +604,16 @@ class Layout:
 
     def shard_of(self, lease: str) -> _Shard:
         return self.shards[self.server_of(lease)]
+
+    def listing(self, lease: str) -> tuple[str, bytes]:
+        """Where ``lease`` is listed for ``holders``: its index bucket, and its entry."""
+        found = self._listings.get(lease)
+        if found is None:
+            if len(self._listings) >= _NAMES_KEPT:
+                self._listings.clear()
+            bucket = self.bucket_of(self.shard_of(lease), lease)
+            found = self._listings[lease] = (bucket, self.index_entry(lease))
+        return found
 
     @staticmethod
     def bucket_of(shard: _Shard, lease: str) -> str:
@@ -700,7 +722,7 @@ class Connection:
                 self._fill()
             value = self._buffer[:size]
             self._buffer = self._buffer[size + 2 :]
-        flags = {token[:1].decode(): token[1:].decode() for token in tokens}
+        flags = {token[:1].decode(): token[1:].decode() for token in tokens} if tokens else {}
         return Reply(code, flags, value, line)
 
     def idle_and_open(self) -> bool:
@@ -917,7 +939,8 @@ class QueuedWaiter:
 
     Until its patience runs out it polls ``POLL_FIRST`` after its first refusal, then
     each time ``POLL_GROWTH`` times later (and once more when its patience ends),
-    barging like any newcomer. Then it queues: it polls
+    barging like any newcomer; once it saw the key change hands, only when its
+    patience ends. Then it queues: it polls
     ``POLL_FIRST`` after it saw the key change hands (a grant, a release kept for
     another waiter), then each time ``POLL_GROWTH`` times later, up to ``POLL_LIMIT`` ×
     (1 + its place): the first in line finds the key kept for it within half the time
@@ -946,14 +969,17 @@ class QueuedWaiter:
     def saw(self, state: object, place: int) -> None:
         """After a refusal: the key's state (who holds it) and how many stand before us.
 
-        A queued waiter looks again soon after the key changed hands; one that is not
-        queued yet does not (under barging the key changes hands at every grant), it
-        keeps slowing down until its patience ends.
+        A queued waiter looks again soon after the key changed hands. One that is not
+        queued yet looks again only when its patience ends: the key is busy (under
+        barging it changes hands at every grant), and a look before then could only
+        steal it from the holders.
         """
         if state != self._seen:
-            self._seen = state
             if self.queued:
                 self._step = POLL_FIRST
+            elif self._seen is not None:
+                self._step = max(self._step, self._impatient_at - time.monotonic())
+            self._seen = state
         self._limit = POLL_LIMIT * (1 + place)
 
     def joined(self) -> None:
@@ -963,7 +989,7 @@ class QueuedWaiter:
 
     def park(self, timeout: float) -> float:
         """How long the next wait lasts: the polling step, at most ``timeout`` (the
-        client's backoff step), and not past the end of its patience."""
+        holder's expiry, the caller's deadline), and not past the end of its patience."""
         step = self._step
         self._step = min(step * POLL_GROWTH, self._limit)
         if not self.queued:
@@ -1043,9 +1069,8 @@ class MemcachedStore:
         # dropped unclosed, since another thread may have held a pool's lock at fork).
         self._pools = {server: self._make_pool(server) for server in self._layout.servers}
 
-    def _pool(self, name: str) -> tuple[_Shard, Pool]:
-        shard = self._layout.shard_of(name)
-        return shard, self._pools[shard.server]
+    def _pool(self, name: str) -> Pool:
+        return self._pools[self._layout.server_of(name)]
 
     def _read(self, session: Session, name: str) -> Reply:
         """A step's read of a lease item (value and CAS)."""
@@ -1099,13 +1124,13 @@ class MemcachedStore:
             self._held[name] = _clock.monotonic() + answer.remaining
         return answer
 
-    def _index(self, session: Session, shard: _Shard, name: str, appended: Reply | None) -> None:
+    def _index(self, session: Session, name: str, appended: Reply | None) -> None:
         """List a granted lease for ``holders``; best effort, never fails the grant.
 
         ``appended``: the reply to the append sent with the grant, or ``None`` when it
         is still to be sent. A missing bucket is created; one too large, compacted.
         """
-        bucket, entry = Layout.bucket_of(shard, name), Layout.index_entry(name)
+        bucket, entry = self._layout.listing(name)
         try:
             self._grants += 1
             if self._grants % COMPACT_EVERY == 0:
@@ -1172,7 +1197,7 @@ class MemcachedStore:
         waiter: Any,
     ) -> Outcome:
         name = self._layout.lease(key)
-        shard, pool = self._pool(name)
+        pool = self._pool(name)
         queued = waiter if isinstance(waiter, QueuedWaiter) and waiter.key == key else None
         me = None if queued is None else queued.id
         with (
@@ -1185,12 +1210,15 @@ class MemcachedStore:
             if not steal:
                 add = ms(name, record.encode(), f"T{exptime(ttl)}", "c", "ME")
                 if queued is None and not self._held_lately(name):
-                    # First try: the index entry goes in the same write.
-                    entry = Layout.index_entry(name)
-                    append = ms(Layout.bucket_of(shard, name), entry, "MA")
-                    added, appended = session.write(add + append, 2)
+                    # First try: the index entry goes in the same write, and so does a
+                    # read, which a refusal needs (a grant ignores it): one round trip
+                    # either way.
+                    bucket, entry = self._layout.listing(name)
+                    append = ms(bucket, entry, "MA")
+                    added, appended, reply = session.write(add + append + mg(name), 3)
                     if added.expect(b"HD", b"NS").code == b"HD":
-                        return self._granted(session, shard, name, record, added, appended)
+                        return self._granted(session, name, record, added, appended)
+                    reply.expect(b"VA", b"EN")
                 else:
                     # A waiter's poll, or a try at a key that refused us and is still
                     # held: the add and a read in one write, and no index entry. Refused,
@@ -1202,7 +1230,7 @@ class MemcachedStore:
                     if added.expect(b"HD", b"NS").code == b"HD":
                         if queued is not None:
                             queued.queued = False
-                        return self._granted(session, shard, name, record, added, None)
+                        return self._granted(session, name, record, added, None)
                     reply.expect(b"VA", b"EN")
             for _ in range(RACE_ATTEMPTS):
                 if reply is None:
@@ -1215,7 +1243,7 @@ class MemcachedStore:
                 if decided is not None:
                     if queued is not None:
                         queued.queued = False
-                    return self._granted(session, shard, name, decided[0], decided[1], None)
+                    return self._granted(session, name, decided[0], decided[1], None)
                 reply = None  # a lost race: look again
             # Every try lost a race: others keep writing this key, so it is not ours.
             now = time.time()
@@ -1281,7 +1309,6 @@ class MemcachedStore:
     def _granted(
         self,
         session: Session,
-        shard: _Shard,
         name: str,
         record: Record,
         stored: Reply,
@@ -1303,7 +1330,7 @@ class MemcachedStore:
         )
         self._remember(name, lease, stored.cas, session)
         self._held.pop(name, None)
-        self._index(session, shard, name, appended)
+        self._index(session, name, appended)
         return granted(lease, record.acquired_at)
 
     def renew(self, key: str, token: str, ttl: float) -> Outcome:
@@ -1450,7 +1477,7 @@ class MemcachedStore:
 
     def release(self, key: str, token: str) -> Outcome:
         name = self._layout.lease(key)
-        _, pool = self._pool(name)
+        pool = self._pool(name)
         with (
             translate_errors(*_DRIVER_ERRORS, what=f"memcached release of {key!r}"),
             pool.session() as session,
@@ -1494,7 +1521,7 @@ class MemcachedStore:
         unreachable) lapses ``GONE_SECONDS`` after it was last refreshed.
         """
         name = self._layout.lease(key)
-        _, pool = self._pool(name)
+        pool = self._pool(name)
         try:
             with (
                 translate_errors(*_DRIVER_ERRORS, what=f"memcached: leaving the queue of {key!r}"),
@@ -1533,7 +1560,7 @@ class MemcachedStore:
 
     def holder(self, key: str) -> Holder | None:
         name = self._layout.lease(key)
-        _, pool = self._pool(name)
+        pool = self._pool(name)
         with (
             translate_errors(*_DRIVER_ERRORS, what=f"memcached read of {key!r}"),
             pool.session() as session,
