@@ -31,8 +31,10 @@ from keymutex.stores.memcached import (
     EPOCH_ITEM,
     HANDOVER_SECONDS,
     INDEX_BUCKETS,
+    POLL_CEILING,
     POLL_FIRST,
     POLL_LIMIT,
+    QUEUE_LIMIT,
     RACE_ATTEMPTS,
     REFRESH_SECONDS,
     TOMBSTONE_SECONDS,
@@ -638,18 +640,21 @@ def test_a_waiter_polls_soon_after_a_change_and_less_often_further_back(
         assert waiter.park(0.0001) == 0.0001  # never longer than the client asked
         waiter.saw((1, True), 3)  # the same state, further back: slower
         assert max(waiter.park(1.0) for _ in range(30)) == pytest.approx(4 * POLL_LIMIT)
+        waiter.saw((1, True), QUEUE_LIMIT)  # without a place: within a hand-over still
+        assert max(waiter.park(2.0) for _ in range(30)) == pytest.approx(POLL_CEILING)
+        assert POLL_CEILING < HANDOVER_SECONDS
         waiter.saw((1, False), 0)  # the key changed hands: soon again
         assert waiter.park(1.0) == POLL_FIRST
     finally:
         store.close()
 
 
-def test_a_patient_waiter_that_sees_the_key_change_hands_looks_again_when_its_patience_ends(
+def test_a_patient_waiter_that_sees_the_key_change_hands_polls_on_its_longest_step(
     memcached_url: str, namespace: str
 ) -> None:
-    """Under barging a key that changed hands between two looks is busy: a look before
-    the waiter's patience ends could only steal it. While one holder keeps it, the
-    waiter polls on growing steps (the key may be freed for good any moment)."""
+    """Under barging a key that changed hands between two looks is busy: quick looks
+    could only steal it. While one holder keeps it, the waiter polls on growing steps
+    from the quickest (the key may be freed for good any moment)."""
     holder = open_store(memcached_url, namespace)
     patient = open_store(memcached_url, namespace, patience=60)
     try:
@@ -662,8 +667,10 @@ def test_a_patient_waiter_that_sees_the_key_change_hands_looks_again_when_its_pa
         assert acquire(holder, "doc", TOKEN_A).ok  # the releaser took it back
         assert acquire(patient, "doc", "1" * 24, waiter=waiter).ok is False
         assert waiter.queued is False
-        assert waiter.park(120.0) > 59  # the rest of its patience
-        assert waiter.park(120.0) < POLL_LIMIT * 2  # (a step is taken once)
+        # The longest step from now on, not the quick ones: a key freed for good is
+        # still found within it.
+        assert waiter.park(120.0) == pytest.approx(POLL_LIMIT)
+        assert waiter.park(120.0) == pytest.approx(POLL_LIMIT)
     finally:
         holder.close()
         patient.close()

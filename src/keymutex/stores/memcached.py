@@ -154,16 +154,18 @@ line first:
   it is kept for the next waiter still there, for a whole hand-over time.
 - Nothing wakes the heir: a queued waiter polls ``POLL_FIRST`` after it saw the key
   change hands, then ``POLL_GROWTH`` times longer each time, at most ``POLL_LIMIT``
-  × (1 + the waiters before it). The waiter sets this pace itself
-  (``Capabilities.paces_waits``): the client adds no backoff of its own, and parks
-  it no later than the holder's expiry and the caller's deadline.
+  × (1 + the waiters before it), and ``POLL_CEILING`` at most (shorter than
+  ``HANDOVER_SECONDS``; so does a waiter without a place). The waiter sets this pace
+  itself (``Capabilities.paces_waits``): the client adds no backoff of its own, and
+  parks it no later than the holder's expiry and the caller's deadline.
 - Before its patience runs out, a waiter polls on the same growing steps while the
   key stays with one holder (it may be freed for good any moment). Once it sees the
   key change hands (under barging: the releaser took it back, or another client got
-  it), it looks again only when its patience ends, and queues then: the key is busy,
-  and an earlier look could only barge in. Such steals cost every holder's
-  throughput (each one moves the key to another process, and the loser polls): found
-  by measuring four processes on one key (``benchmarks/bench_peers.py``).
+  it), it looks again every ``POLL_LIMIT`` (the longest step it would have grown to),
+  and when its patience ends, and queues then: the key is busy, and quick looks could
+  only barge in. Such steals cost every holder's throughput (each one moves the key to
+  another process, and the loser polls): found by measuring four processes on one key
+  (``benchmarks/bench_peers.py``).
 - So a waiter waits about ``patience``, plus one hold per waiter queued before it,
   plus its poll delays — unless the key is freed by expiry, or a hand-over time runs
   out, when it goes to whoever tries first. What is not promised (``fair=False``):
@@ -240,7 +242,7 @@ RACE_ATTEMPTS = 8
 # person does not notice.
 PATIENCE_SECONDS = 0.1
 # A release keeps the key this long for the first queued waiter: longer than any
-# waiter's poll interval (at most ``Backoff``'s 0.25 s).
+# waiter's poll interval (at most ``POLL_CEILING``).
 HANDOVER_SECONDS = 0.5
 # A queued waiter rewrites its place at most this often as it polls; a place not
 # rewritten for ``GONE_SECONDS`` belongs to a waiter that is gone, and is skipped.
@@ -250,10 +252,12 @@ QUEUE_LIMIT = 32  # places per key; a waiter beyond them polls without a place
 # A tombstone carries a queue: it lives as long as a place in it can.
 TOMBSTONE_SECONDS = math.ceil(GONE_SECONDS) + 1
 # A queued waiter looks again POLL_FIRST after it saw the key change hands, then each
-# time POLL_GROWTH times later, at most POLL_LIMIT × (1 + its place in the queue).
+# time POLL_GROWTH times later, at most POLL_LIMIT × (1 + its place in the queue), and
+# never more than POLL_CEILING later (a waiter without a place as well).
 POLL_FIRST = 0.001
 POLL_GROWTH = 1.5
 POLL_LIMIT = 0.05
+POLL_CEILING = 0.25
 _WAITER_ID_BYTES = 9  # 12 characters: a waiter's id only has to be unique per key
 # memcached reads an exptime above 30 days as an absolute UNIX time (by the server's
 # clock); longer leases get 0 ("no expiry": only eviction or a release removes them).
@@ -939,15 +943,15 @@ class QueuedWaiter:
 
     Until its patience runs out it polls ``POLL_FIRST`` after its first refusal, then
     each time ``POLL_GROWTH`` times later (and once more when its patience ends),
-    barging like any newcomer; once it saw the key change hands, only when its
-    patience ends. Then it queues: it polls
-    ``POLL_FIRST`` after it saw the key change hands (a grant, a release kept for
-    another waiter), then each time ``POLL_GROWTH`` times later, up to ``POLL_LIMIT`` ×
-    (1 + its place): the first in line finds the key kept for it within half the time
-    the last holder held it (and at most ``POLL_LIMIT``), those behind it look less
-    often. ``wait`` never parks longer than the client asked. ``close`` leaves the
-    queue (passing on the key if it was kept for this waiter); a waiter that was
-    granted the key has left it already.
+    barging like any newcomer; once it saw the key change hands, every ``POLL_LIMIT``.
+    Then it queues: it polls ``POLL_FIRST`` after it saw the key change hands (a
+    grant, a release kept for another waiter), then each time ``POLL_GROWTH`` times
+    later, up to ``POLL_LIMIT`` × (1 + its place), ``POLL_CEILING`` at most: the first
+    in line finds the key kept for it within half the time the last holder held it
+    (and at most ``POLL_LIMIT``), those behind it look less often. ``wait`` never
+    parks longer than the client asked. ``close`` leaves the queue (passing on the key
+    if it was kept for this waiter); a waiter that was granted the key has left it
+    already.
     """
 
     __slots__ = ("_impatient_at", "_limit", "_seen", "_step", "_store", "id", "key", "queued")
@@ -970,17 +974,18 @@ class QueuedWaiter:
         """After a refusal: the key's state (who holds it) and how many stand before us.
 
         A queued waiter looks again soon after the key changed hands. One that is not
-        queued yet looks again only when its patience ends: the key is busy (under
-        barging it changes hands at every grant), and a look before then could only
-        steal it from the holders.
+        queued yet looks again ``POLL_LIMIT`` later (or when its patience ends): the key
+        is busy (under barging it changes hands at every grant), and its quick looks
+        could only steal it from the holders; a key freed for good meanwhile is still
+        found within ``POLL_LIMIT``.
         """
         if state != self._seen:
             if self.queued:
                 self._step = POLL_FIRST
             elif self._seen is not None:
-                self._step = max(self._step, self._impatient_at - time.monotonic())
+                self._step = POLL_LIMIT  # (and not past the end of its patience: park)
             self._seen = state
-        self._limit = POLL_LIMIT * (1 + place)
+        self._limit = min(POLL_LIMIT * (1 + place), POLL_CEILING)
 
     def joined(self) -> None:
         """It wrote its place in the queue: look again soon."""
