@@ -48,11 +48,12 @@ the guarantee the earlier tombstone-by-``cas`` gave, in one command.
 
 - Acquire [1 when the key is free, or held]: ``ms <item> … c ME`` (``add``, returning
   the new CAS), with the ``append`` to the index and an ``mg`` of the item in the same
-  write (a grant ignores what the read found). Not stored: decide from that read: our own lease (the same token) is granted again; a live lease
-  of someone else, or a tombstone that keeps the key for another waiter, refuses; a
-  tombstone or an expired lease is replaced by ``ms … C<cas> c`` [+1] (the grantee's
-  place taken out of the queue in that same write), as is a live lease when stealing;
-  an item gone meanwhile is ``add``-ed again. A waiter's later tries, and a try at a
+  write (a grant ignores what the read found). Not stored: decide from that read: our
+  own lease (the same token) is granted again; a live lease of someone else, or a
+  tombstone that keeps the key for another waiter, refuses; a tombstone or an expired
+  lease is replaced by ``ms … C<cas> c`` [+1] (the grantee's place taken out of the
+  queue in that same write), as is a live lease when stealing; an item gone meanwhile
+  is ``add``-ed again. A waiter's later tries, and a try at a
   key that refused this store while the lease (or hand-over) that refused it lasts,
   send the ``add`` and the ``mg`` in one write [1], and no ``append`` (a grant then
   appends [+1]). A lost race starts again from a fresh ``mg``, at most
@@ -96,9 +97,10 @@ fences strictly increase across releases, expiries and steals. The write that gr
 cannot contain its own CAS, so the record of a new lease names only the epoch (as its
 connection read it) and the item's CAS completes it; every later write of that record
 (renewal, a waiter's place) is a compare-and-swap after a read, and writes the fence
-in. A lease's fence never changes during its life, and every reader sees the same one. The epoch (``km2:epoch``) is read once per connection; a
-client that finds it missing (a new or restarted server) writes the current wall
-clock in microseconds with ``add``. A restart resets the CAS counter and forgets the
+in. A lease's fence never changes during its life, and every reader sees the same
+one. The epoch (``km2:epoch``) is read once per connection; a client that finds it
+missing (a new or restarted server) writes the current wall clock in microseconds
+with ``add``. A restart resets the CAS counter and forgets the
 epoch; the new epoch is later by the time between the two, so fences keep increasing
 across a restart as long as the clients' clocks are right and the server made fewer
 than a million writes a second on average (all of its writes: other users of the same
