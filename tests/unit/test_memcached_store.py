@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -972,6 +973,51 @@ def test_the_pool_is_bounded(memcached_url: str, namespace: str) -> None:
             with pytest.raises(keymutex.StoreError, match="busy"):
                 store.holder("doc")
         assert store.holder("doc") is None  # the connection came back
+    finally:
+        store.close()
+
+
+def test_a_step_that_ends_after_the_store_closed_closes_its_connection(
+    memcached_url: str, namespace: str
+) -> None:
+    """Found in CI: a renewal left running on a thread of its own (a paused server,
+    waited for a third of the TTL) ended after its store closed, and gave its
+    connection back to the closed pool, where it stayed open until the garbage
+    collector warned of an unclosed socket during some later test."""
+    store = open_store(memcached_url, namespace)
+    pool = next(iter(store._pools.values()))
+    with pool.session() as session:
+        connection = session.connection
+        assert session.epoch > 0
+        store.close()
+    assert connection.sock.fileno() == -1  # closed, not kept in the closed pool
+    assert not pool._idle
+
+
+def _all_closed(connections: list[memcached.Connection]) -> None:
+    if any(connection.sock.fileno() != -1 for connection in connections):
+        raise SystemExit(1)
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_a_forked_child_closes_its_copies_of_the_pooled_sockets_and_not_the_parents(
+    memcached_url: str, namespace: str
+) -> None:
+    """Seen in the fork tests: the child dropped the parent's pools unclosed, and each
+    copied socket warned of being unclosed when the child's garbage collector found
+    it. The child closes its copies; the parent's connections go on working."""
+    store = open_store(memcached_url, namespace)
+    try:
+        assert acquire(store, "doc", TOKEN_A).ok
+        pool = next(iter(store._pools.values()))
+        pooled = list(pool._idle)
+        assert len(pooled) == 1
+        child = multiprocessing.get_context("fork").Process(target=_all_closed, args=(pooled,))
+        child.start()
+        child.join(20)
+        assert child.exitcode == 0, "the child's copy of the pooled socket is still open"
+        assert store.holder("doc") is not None
+        assert pool._idle == pooled  # reused: the parent's connection is still open
     finally:
         store.close()
 
