@@ -1089,7 +1089,12 @@ def test_a_silent_server_fails_a_step_within_the_timeout(
         locks.holders("")
         assert _step_backend(admin, application) != pid
         # (The resumed server process may have run the statement it was sent.)
-        if locks.holder("k") is not None:
+        if step == "release":
+            # The failed release is the client's to finish: it tries again in the
+            # background until it lands (found in CI: a release here, made before that
+            # landed, raised LockLost, "already released").
+            _wait_for(lambda: locks.holder("k") is None)
+        elif locks.holder("k") is not None:
             lease.release()
 
 
