@@ -2216,10 +2216,24 @@ class AsyncLocks:
             self._give_back(key, token)
 
     def _give_back(self, key: str, token: str) -> None:
-        """Release, in the background, a grant that a cancelled caller will never see."""
-        task = asyncio.ensure_future(self._release_quietly(key, token))
+        """Release, in the background, a grant that a cancelled caller will never see.
+
+        Called by an acquire still counted at the store; the release is counted too,
+        so the store closes after it. Found in CI: counted only by the acquire, which
+        then left, it could close the store under the release, whose Redis step, its
+        connection closed, took a new one from the closed pool and left it open.
+        """
+        counted = self._at_store.enter(beside=True)
+        task = asyncio.ensure_future(self._given_back(key, token, counted=counted))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _given_back(self, key: str, token: str, *, counted: bool) -> None:
+        try:
+            await self._release_quietly(key, token)
+        finally:
+            if counted:
+                await self._at_store.__aexit__()
 
     async def _release_quietly(self, key: str, token: str) -> None:
         try:
