@@ -30,7 +30,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
@@ -480,8 +480,11 @@ class StoreOfTheLoop:
     them: an ``AsyncLocks`` used by one ``asyncio.run`` after another (a module-level
     client; pytest-asyncio's loop per test) failed in the second with ``RuntimeError:
     Event loop is closed`` or "attached to a different loop". Each step takes the store of the running loop, opened at its
-    first step there; the stores of loops that have closed are closed as far as they
-    can be without their loop, in the background. Tokens work from any store
+    first step there, and closed when that loop shuts down (``asyncio.run`` and
+    ``asyncio.Runner`` close the loop's async generators before the loop: one of
+    ours, started with the store, closes it then). A loop closed without that (by
+    hand, ``loop.close()``) leaves its store to be closed as far as it can be without
+    its loop, in the background. Tokens work from any store
     instance, so leases granted in one loop are renewed and released in the next.
     Only for stores that say ``loop_bound = True`` (Redis, etcd, MongoDB, the lock
     server); the others work in one loop after another as they are (SQLite and memory
@@ -494,6 +497,11 @@ class StoreOfTheLoop:
         self._store = store  # the one used last: its capabilities, its extras
         self._stores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncStore]
         self._stores = weakref.WeakKeyDictionary()
+        # Per loop, the async generator that closes its store when the loop shuts down
+        # (the loop keeps its generators in a weak set: held here).
+        self._closers: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, AsyncGenerator[None, None]
+        ] = weakref.WeakKeyDictionary()
         self._closing: set[asyncio.Task[None]] = set()
 
     @property
@@ -510,6 +518,7 @@ class StoreOfTheLoop:
         if store is None:
             store, self._unused = self._unused or self._open(), None
             self._stores[loop] = store
+            self._closers[loop] = _started(self._close_at_shutdown())
             for ended in [x for x in self._stores if x.is_closed()]:
                 task = asyncio.ensure_future(_close_quietly(self._stores.pop(ended)))
                 self._closing.add(task)
@@ -541,9 +550,22 @@ class StoreOfTheLoop:
     async def waiter(self, key: str) -> AsyncWaiter:
         return await self._here().waiter(key)
 
+    async def _close_at_shutdown(self) -> AsyncGenerator[None, None]:
+        """Close the running loop's store when the loop shuts its async generators down,
+        unless ``aclose()`` did. Found in CI: a store of a loop that ``asyncio.run``
+        had ended kept its Redis connections open until the garbage collector warned
+        of them, during some later test. (No reference to the loop here: it is the
+        key of the weak dictionaries.)"""
+        try:
+            yield
+        finally:
+            store = self._stores.pop(asyncio.get_running_loop(), None)
+            if store is not None:
+                await _close_quietly(store)
+
     async def aclose(self) -> None:
         """Close the store of the running loop (and those of closed loops). The stores
-        of other loops still open are theirs: closed when collected."""
+        of other loops still open are theirs: closed when they shut down."""
         loop = asyncio.get_running_loop()
         for ended in [x for x in self._stores if x.is_closed()]:
             await _close_quietly(self._stores.pop(ended))
@@ -553,6 +575,18 @@ class StoreOfTheLoop:
         self._unused = None
         if store is not None:
             await store.aclose()
+
+
+def _started(generator: AsyncGenerator[None, None]) -> AsyncGenerator[None, None]:
+    """``generator`` run to its first ``yield`` (which it reaches without waiting), in
+    the running loop: the loop now knows it, and closes it when it shuts down."""
+    step = generator.asend(None)
+    try:
+        step.send(None)
+    except StopIteration:
+        return generator
+    step.close()
+    raise RuntimeError("an async generator that waits before its first yield")
 
 
 async def _close_quietly(store: AsyncStore) -> None:

@@ -1068,17 +1068,32 @@ def test_an_exception_a_signal_handler_raises_while_waiting_reaches_the_caller(
         signal.signal(signal.SIGALRM, previous)
 
 
-@pytest.mark.filterwarnings("ignore::ResourceWarning")  # the first loop's sockets
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def _named(server: redis.Redis, namespace: str) -> int:
+    """How many connections the store of ``namespace`` has open at the server."""
+    return sum(1 for c in server.client_list() if c["name"] == namespace)
+
+
+def _until_none_named(server: redis.Redis, namespace: str) -> int:
+    for _ in range(200):  # the server sees a closed connection go shortly after
+        if not _named(server, namespace):
+            break
+        time.sleep(0.01)
+    return _named(server, namespace)
+
+
 def test_an_async_client_works_in_one_event_loop_after_another(
-    redis_url: str, namespace: str
+    server: redis.Redis, redis_url: str, namespace: str
 ) -> None:
     """Found by review: an ``AsyncLocks`` used by a second ``asyncio.run`` (a
     module-level client; pytest-asyncio's loop per test) failed with ``RuntimeError:
     Event loop is closed``: redis.asyncio's connections belong to the first loop. The
     store is opened again in the next loop (``StoreOfTheLoop``); a lease granted in the
-    first is renewed and released in the second."""
-    locks = keymutex.AsyncLocks(redis_url, namespace=namespace)
+    first is renewed and released in the second.
+
+    And found in CI: the store of a loop that had ended kept its connections open until
+    the garbage collector warned of them, in some later test. Each loop's store is
+    closed when ``asyncio.run`` ends it."""
+    locks = keymutex.AsyncLocks(redis_url, namespace=namespace, client_name=namespace)
 
     async def first() -> keymutex.AsyncLease:
         return await locks.acquire("kept", ttl=5.0, timeout=0)
@@ -1099,9 +1114,10 @@ def test_an_async_client_works_in_one_event_loop_after_another(
         await kept.release()
 
     kept = asyncio.run(first())
+    assert _until_none_named(server, namespace) == 0, "the first loop's connections"
     asyncio.run(second(kept))
+    assert _until_none_named(server, namespace) == 0, "the second loop's connections"
     asyncio.run(locks.aclose())
-    gc.collect()  # the first loop's sockets, which cannot be closed without it: here
 
 
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -1184,3 +1200,42 @@ def test_a_lease_in_its_last_millisecond_is_read_as_held() -> None:
     assert _hash_reply("k", fields, 1500) is not None
     assert _hash_reply("k", fields, -2) is None  # gone between the two reads
     assert _hash_reply("k", [None, None, None, None], -2) is None
+
+
+def test_a_step_that_ends_after_the_store_closed_closes_its_connection(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    """Found in CI (the async store's, below): a step whose connection the store's
+    close closed under it was tried again on a new connection, which it kept in the
+    closed store, open until the garbage collector warned during some later test."""
+    store = keymutex.Locks(redis_url, namespace=namespace, client_name=namespace)._store
+    conns = store._conns
+    conns.call("PING")  # a connection used before: a broken one is replaced
+    replies: list[object] = []
+    step = threading.Thread(target=lambda: replies.append(conns.call("BLPOP", namespace, 0.5)))
+    step.start()
+    deadline = time.monotonic() + 5
+    while not any(c["name"] == namespace and c["cmd"] == "blpop" for c in server.client_list()):
+        assert time.monotonic() < deadline, "the step never reached the server"
+        time.sleep(0.01)
+    store.close()  # closes the connection under the step, which takes a new one
+    step.join(10)
+    assert replies == [None]  # the step ended on a new connection
+    assert _until_none_named(server, namespace) == 0, "a connection was left open"
+
+
+@pytest.mark.asyncio
+async def test_an_async_step_that_ends_after_the_store_closed_closes_its_connection(
+    server: redis.Redis, redis_url: str, namespace: str
+) -> None:
+    store = keymutex.AsyncLocks(redis_url, namespace=namespace, client_name=namespace)._store
+    conns = store._conns
+    await conns.call("PING")
+    step = asyncio.ensure_future(conns.call("BLPOP", namespace, 0.5))
+    deadline = time.monotonic() + 5
+    while not any(c["name"] == namespace and c["cmd"] == "blpop" for c in server.client_list()):
+        assert time.monotonic() < deadline, "the step never reached the server"
+        await asyncio.sleep(0.01)
+    await store.aclose()
+    assert await step is None  # the step ended on a new connection
+    assert _until_none_named(server, namespace) == 0, "a connection was left open"

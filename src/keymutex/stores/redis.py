@@ -1450,9 +1450,18 @@ class _Connections:
         self._pid = os.getpid()
         self._kept_at_most = _kept_at_most(pool)
         self._keeping = threading.Lock()  # with a limit: the count and the append together
+        self._closed = False
 
     def _keep(self, conn: Any) -> None:
-        """Keep ``conn`` for the next step, or give it back to the pool (see there)."""
+        """Keep ``conn`` for the next step, or give it back to the pool (see there).
+
+        After ``close()``, disconnected: a step that ended then (its connection closed
+        under it, and the step tried again on a new one) kept a connection that nothing
+        would close."""
+        if self._closed:
+            conn.disconnect()
+            self._pool.release(conn)
+            return
         if self._kept_at_most is None:
             self._free.append(conn)
             return
@@ -1510,6 +1519,7 @@ class _Connections:
             self._pool.release(conn)
 
     def close(self) -> None:
+        self._closed = True
         free, self._free = self._free, []
         if self._pid == os.getpid():
             for conn in free:
@@ -1544,10 +1554,14 @@ class _AsyncConnections:
         self._pool = pool
         self._free: list[Any] = []
         self._kept_at_most = _kept_at_most(pool)
+        self._closed = False
 
     async def _keep(self, conn: Any) -> None:
         """As ``_Connections._keep`` (one event loop: no lock needed)."""
-        if self._kept_at_most is None or len(self._free) < self._kept_at_most:
+        if self._closed:
+            await conn.disconnect()
+            await self._pool.release(conn)
+        elif self._kept_at_most is None or len(self._free) < self._kept_at_most:
             self._free.append(conn)
         else:
             await self._pool.release(conn)
@@ -1587,6 +1601,7 @@ class _AsyncConnections:
             await self._pool.release(conn)
 
     async def aclose(self) -> None:
+        self._closed = True
         free, self._free = self._free, []
         for conn in free:
             await self._pool.release(conn)
