@@ -578,15 +578,12 @@ class StoreOfTheLoop:
 
 
 def _started(generator: AsyncGenerator[None, None]) -> AsyncGenerator[None, None]:
-    """``generator`` run to its first ``yield`` (which it reaches without waiting), in
-    the running loop: the loop now knows it, and closes it when it shuts down."""
-    step = generator.asend(None)
-    try:
-        step.send(None)
-    except StopIteration:
-        return generator
-    step.close()
-    raise RuntimeError("an async generator that waits before its first yield")
+    """``generator`` run to its first ``yield`` (which it reaches without waiting: the
+    step ends at once), in the running loop: the loop now knows it, and closes it when
+    it shuts down."""
+    with contextlib.suppress(StopIteration):
+        generator.asend(None).send(None)
+    return generator
 
 
 async def _close_quietly(store: AsyncStore) -> None:
