@@ -208,6 +208,19 @@ class _Config:
         )
 
 
+def _pacing(store: Store | AsyncStore) -> tuple[bool, Backoff | None]:
+    """How a refused waiter of ``store`` parks: whether at the store, and the backoff of
+    a store that cannot wake its waiters (``None`` for one that can).
+
+    Read again once the waiter is made: a store may learn what it can do at its first
+    step. Found by review: a MongoDB store learns at its first call that the server has
+    change streams, and the first wait of each client still polled on backoff steps.
+    """
+    capabilities = store.capabilities
+    paced = capabilities.notifies or capabilities.paces_waits
+    return capabilities.waits_at_store, None if paced else Backoff()
+
+
 def _key_template(template: object, function: Callable[..., Any]) -> inspect.Signature:
     """Check that ``template`` only names parameters of ``function``; its signature."""
     if not isinstance(template, str):
@@ -1353,13 +1366,10 @@ class Locks:
     def _contend_counted(
         self, request: _Request, token: str, deadline: Deadline
     ) -> tuple[float, Outcome]:
-        notifies = self._store.capabilities.notifies
-        at_store = self._store.capabilities.waits_at_store
-        paced = notifies or self._store.capabilities.paces_waits
-        backoff = None if paced else Backoff()
         # With a store that notifies, even the first try carries the waiter: a refusal
         # queues it in the same atomic step, so no release can slip in between.
-        waiter = self._store.waiter(request.key) if notifies else None
+        waiter = self._store.waiter(request.key) if self._store.capabilities.notifies else None
+        at_store, backoff = _pacing(self._store)
         try:
             while True:
                 sent_at = _clock.monotonic()
@@ -1371,6 +1381,7 @@ class Locks:
                     raise Locked(request.key, outcome.holder)
                 if waiter is None:
                     waiter = self._store.waiter(request.key)
+                    at_store, backoff = _pacing(self._store)
                 waiter.wait(park_time(deadline, outcome.remaining, backoff, at_store=at_store))
                 if self._closed:
                     raise RuntimeError(_closed_while_waiting(self, request.key))
@@ -2139,10 +2150,8 @@ class AsyncLocks:
         self, request: _Request, token: str, deadline: Deadline
     ) -> AsyncLease:
         notifies = self._store.capabilities.notifies
-        at_store = self._store.capabilities.waits_at_store
-        paced = notifies or self._store.capabilities.paces_waits
-        backoff = None if paced else Backoff()
         waiting = _Waiting(await self._store.waiter(request.key)) if notifies else None
+        at_store, backoff = _pacing(self._store)
         outcome = None
         try:
             while True:
@@ -2154,6 +2163,7 @@ class AsyncLocks:
                     raise Locked(request.key, outcome.holder)
                 if waiting is None:
                     waiting = _Waiting(await self._store.waiter(request.key))
+                    at_store, backoff = _pacing(self._store)
                 await waiting.waiter.wait(
                     park_time(deadline, outcome.remaining, backoff, at_store=at_store)
                 )
