@@ -601,7 +601,7 @@ def test_a_server_without_hello_is_asked_with_is_master() -> None:
         def __init__(self) -> None:
             self.asked: list[str] = []
 
-        def command(self, name: str) -> dict[str, Any]:
+        def command(self, name: str, **options: object) -> dict[str, Any]:
             self.asked.append(name)
             if name == "hello":
                 raise OperationFailure("no such command: 'hello'", code=59)
@@ -634,7 +634,7 @@ def test_a_server_without_hello_is_asked_with_is_master() -> None:
         prepared(_unauthorized)  # another failure of hello is not retried as isMaster
 
 
-def _unauthorized(name: str) -> dict[str, Any]:
+def _unauthorized(name: str, **options: object) -> dict[str, Any]:
     raise OperationFailure(f"not authorized to run {name}", code=13)
 
 
@@ -735,6 +735,59 @@ def test_a_failed_lookup_of_an_srv_name_is_a_store_error(monkeypatch: pytest.Mon
     # An SRV name with a port is still a bad URL, whatever the resolver.
     with pytest.raises(ValueError, match="not a usable MongoDB URL"):
         keymutex.Locks("mongodb+srv://cluster0.example.com:27017/app")
+
+
+def test_a_query_split_by_semicolons_is_read_as_pymongo_reads_it() -> None:
+    """Found by review: the query was split by '&' alone, so "?appname=a;w=1;…" named
+    only appname, and the store's defaults then overrode the URL's w and timeouts."""
+    url = "mongodb://h/app?appname=billing;w=1;serverSelectionTimeoutMS=30000;socketTimeoutMS=0"
+    assert parse(url, {}).client_options == {"connectTimeoutMS": 5000}
+    store = mongodb.driver.open(url.replace("h/", "127.0.0.1:9/"), namespace="n", options={})
+    try:
+        assert store._collection.write_concern.document == {"w": 1}  # the URL's choice
+    finally:
+        store.close()
+    with pytest.raises(ValueError, match="unknown option 'nosuchoption'"):
+        parse("mongodb://h/app?w=1;nosuchoption=2", {})
+    with pytest.raises(ValueError, match=r"w=0 \(unacknowledged writes\)"):
+        parse("mongodb://h/app?appname=a;w=0", {})
+
+
+@pytest.mark.parametrize("query", ["datetime_conversion=datetime_ms", "server_api=1"])
+def test_an_option_value_pymongo_refuses_is_a_bad_url(query: str) -> None:
+    """Found by review: these came out of Locks() as pymongo's raw KeyError and
+    TypeError."""
+    with pytest.raises(ValueError, match="not a usable MongoDB URL"):
+        keymutex.Locks(f"mongodb://127.0.0.1:9/?{query}")
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["datetime_conversion=DATETIME_MS", "tz_aware=false", "datetime_conversion=DATETIME_AUTO"],
+)
+def test_replies_decode_the_same_whatever_the_url_says_of_dates(query: str) -> None:
+    """Found by review: with ?datetime_conversion=DATETIME_MS pymongo decoded dates as
+    DatetimeMS, and every grant, ours too, read as "not a keymutex lease"."""
+    acquired = datetime.datetime(2026, 11, 29, 6, 0, tzinfo=datetime.UTC)
+    stored = bson.encode(
+        {
+            "_id": "n/k",
+            "k": "k",
+            "t": "token",
+            "o": "host:1",
+            "f": 7,
+            "a": acquired,
+            "e": acquired + datetime.timedelta(seconds=30),
+        }
+    )
+    store = mongodb.driver.open(f"mongodb://127.0.0.1:9/?{query}", namespace="n", options={})
+    try:
+        doc = bson.decode(stored, codec_options=store._collection.codec_options)
+    finally:
+        store.close()
+    holder = mongodb.decode_holder(doc)
+    assert holder.acquired_at == acquired.timestamp()
+    assert holder.expires_at == acquired.timestamp() + 30
 
 
 def test_the_database_comes_from_the_url_else_keymutex() -> None:

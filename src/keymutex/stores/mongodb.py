@@ -84,6 +84,7 @@ import dns.exception
 import pymongo
 import pymongo.asynchronous.collection
 import pymongo.collection
+from bson.codec_options import CodecOptions
 from pymongo import AsyncMongoClient, MongoClient, ReadPreference, ReturnDocument
 from pymongo.common import URI_OPTIONS_VALIDATOR_MAP
 from pymongo.errors import ConfigurationError, DuplicateKeyError, OperationFailure, PyMongoError
@@ -412,7 +413,11 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
     parts = split_url(url, "MongoDB", "mongodb://… or mongodb+srv://…")
     if parts.scheme.lower() not in ("mongodb", "mongodb+srv"):
         raise ValueError(f"{redacted(url)!r} is not a mongodb:// or mongodb+srv:// URL")
-    query = parse_qsl(parts.query, keep_blank_values=True)
+    # Split as pymongo does: by ';' when the query has no '&' (found by review: read by
+    # '&' alone, "?appname=a;w=1" named only appname, and the store's defaults then
+    # overrode the URL's w and timeouts).
+    separator = ";" if ";" in parts.query and "&" not in parts.query else "&"
+    query = parse_qsl(parts.query, keep_blank_values=True, separator=separator)
     given = {name.lower(): name for name, _ in query}
     if parts.query:
         for lowered, name in given.items():
@@ -425,7 +430,8 @@ def parse(url: str, options: Mapping[str, object]) -> Target:
         try:
             # pymongo only warns about an unknown option, and then ignores it.
             parsed = split_options(parts.query, validate=True, warn=False)
-        except (ConfigurationError, ValueError, OSError) as exc:  # OSError: tlsCAFile=…
+        # OSError: tlsCAFile=…; KeyError: datetime_conversion=…; TypeError: server_api=…
+        except (ConfigurationError, ValueError, OSError, KeyError, TypeError) as exc:
             raise ValueError(
                 f"{redacted(url)!r} is not a usable MongoDB URL: {scrubbed(str(exc), url)}"
             ) from None
@@ -470,11 +476,17 @@ def _database_name(client: Any, target: Target) -> str:
     return str(client.get_default_database(default=DEFAULT_DATABASE).name)
 
 
+# How replies are decoded whatever the URL says (found by review: with
+# ?datetime_conversion=DATETIME_MS dates came back as DatetimeMS, and every grant,
+# ours too, read as "not a keymutex lease").
+_CODEC_OPTIONS: CodecOptions[dict[str, Any]] = CodecOptions(tz_aware=True, tzinfo=datetime.UTC)
+
+
 def _collection(client: Any, target: Target) -> Any:
     """The leases' collection, read on the primary whatever the URL's readPreference:
     a secondary's copy may name a holder that has released, or none for a held key."""
     return client[_database_name(client, target)].get_collection(
-        target.collection, read_preference=ReadPreference.PRIMARY
+        target.collection, read_preference=ReadPreference.PRIMARY, codec_options=_CODEC_OPTIONS
     )
 
 
@@ -617,11 +629,11 @@ class MongoStore:
             with translate_errors(PyMongoError, what="MongoDB hello"):
                 sent = time.time()
                 try:
-                    hello = self._client.admin.command("hello")
+                    hello = self._client.admin.command("hello", codec_options=_CODEC_OPTIONS)
                 except OperationFailure as exc:
                     if exc.code != _COMMAND_NOT_FOUND:
                         raise
-                    hello = self._client.admin.command("isMaster")
+                    hello = self._client.admin.command("isMaster", codec_options=_CODEC_OPTIONS)
             self._clock.learn_from_hello(hello, sent, time.time())
             try:
                 self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
@@ -841,11 +853,13 @@ class AsyncMongoStore:
             with translate_errors(PyMongoError, what="MongoDB hello"):
                 sent = time.time()
                 try:
-                    hello = await self._client.admin.command("hello")
+                    hello = await self._client.admin.command("hello", codec_options=_CODEC_OPTIONS)
                 except OperationFailure as exc:
                     if exc.code != _COMMAND_NOT_FOUND:
                         raise
-                    hello = await self._client.admin.command("isMaster")
+                    hello = await self._client.admin.command(
+                        "isMaster", codec_options=_CODEC_OPTIONS
+                    )
             self._clock.learn_from_hello(hello, sent, time.time())
             try:
                 await self._collection.create_index(
