@@ -634,6 +634,99 @@ def test_a_server_without_hello_is_asked_with_is_master() -> None:
         prepared(_unauthorized)  # another failure of hello is not retried as isMaster
 
 
+class _IndexedCollection:
+    """A collection whose ``create_index`` fails as told, then succeeds."""
+
+    def __init__(self, *failures: Exception) -> None:
+        self.failures = list(failures)
+        self.made = 0
+
+    def create_index(self, *args: object, **kwargs: object) -> str:
+        self.made += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return "keymutex_gc"
+
+
+def _standalone(name: str, **options: object) -> dict[str, Any]:
+    return {"isWritablePrimary": True}
+
+
+@pytest.mark.parametrize(
+    ("failure", "made_again"),
+    [
+        (OperationFailure("operation exceeded time limit", code=50), True),
+        (OperationFailure("a mongos could not reach the shard", code=6), True),
+        (OperationFailure("not authorized on keymutex", code=13), False),
+        (OperationFailure("index keymutex_gc exists with other options", code=85), False),
+    ],
+)
+def test_the_ttl_index_is_made_again_unless_trying_again_cannot_mend_it(
+    failure: Exception,
+    made_again: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: a failure to make the TTL index was logged once and never tried
+    again, even one that passes (a time limit, an election), and a collection dropped
+    under a running store lost its index for good: documents were never collected."""
+    store = mongodb.driver.open("mongodb://127.0.0.1:9/", namespace="n", options={})
+    client = store._client
+    try:
+        store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
+        store._client.admin.command = _standalone  # type: ignore[attr-defined]
+        collection = _IndexedCollection(failure)
+        store._collection = collection
+        with caplog.at_level(logging.WARNING, logger="keymutex"):
+            store._prepare()
+        assert collection.made == 1
+        assert "cannot create the TTL index" in caplog.text
+        store._prepare()
+        assert collection.made == 1, "not again before INDEX_RECHECK"
+        later = time.monotonic() + mongodb.INDEX_RECHECK
+        monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
+        store._prepare()
+        store._prepare()
+        assert collection.made == (2 if made_again else 1), "once again when due"
+        later += mongodb.INDEX_RECHECK  # made: made again later (a dropped collection)
+        store._prepare()
+        assert collection.made == (3 if made_again else 1)
+    finally:
+        store._client = client
+        store.close()
+
+
+@pytest.mark.asyncio
+async def test_the_async_store_makes_the_ttl_index_again_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = mongodb.driver.open_async("mongodb://127.0.0.1:9/", namespace="n", options={})
+    client = store._client
+
+    async def standalone(name: str, **options: object) -> dict[str, Any]:
+        return _standalone(name)
+
+    class Collection(_IndexedCollection):
+        async def create_index(self, *args: object, **kwargs: object) -> str:  # type: ignore[override]
+            return super().create_index(*args, **kwargs)
+
+    try:
+        store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
+        store._client.admin.command = standalone  # type: ignore[attr-defined]
+        collection = Collection(OperationFailure("operation exceeded time limit", code=50))
+        store._collection = collection
+        await store._prepare()
+        await store._prepare()
+        assert collection.made == 1, "not again before INDEX_RECHECK"
+        later = time.monotonic() + mongodb.INDEX_RECHECK
+        monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
+        await store._prepare()
+        assert collection.made == 2
+    finally:
+        store._client = client
+        await store.aclose()
+
+
 def _unauthorized(name: str, **options: object) -> dict[str, Any]:
     raise OperationFailure(f"not authorized to run {name}", code=13)
 

@@ -39,7 +39,10 @@ grant the primary alone acknowledged may be rolled back, and the key granted aga
 ``readPreference``. A TTL index on ``e`` (``expireAfterSeconds=GC_GRACE``) deletes a
 document a day after its last lease ended: the next grant then starts from the
 server's clock in microseconds, larger than every earlier fence unless the primary's
-clock went back more than the time elapsed since. Hence ``durable_fences=True``.
+clock went back more than the time elapsed since. Hence ``durable_fences=True``. A
+store makes that index at its first step, and again every ``INDEX_RECHECK`` seconds
+while it is used (a no-op while the index is there): after a failure that may pass,
+and after the collection was dropped, the index comes back.
 
 **Renew** and **release** are one conditional update each (``{_id, t: token, e >
 $$NOW}``): ``e`` moves on, or the token is removed and ``e`` set to now (``$unset``
@@ -90,6 +93,7 @@ from pymongo.common import URI_OPTIONS_VALIDATOR_MAP
 from pymongo.errors import ConfigurationError, DuplicateKeyError, OperationFailure, PyMongoError
 from pymongo.uri_parser import split_options
 
+from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, stop_task, translate_errors
@@ -106,6 +110,12 @@ CAPABILITIES = Capabilities(
 DEFAULT_DATABASE = "keymutex"
 DEFAULT_COLLECTION = "keymutex_locks"
 GC_GRACE = 24 * 3600  # seconds a document outlives its last lease (TTL index on ``e``)
+# Seconds between two makings of the TTL index, while the store is used: it is made again
+# after a failure that may pass, and after the collection was dropped (which drops it).
+INDEX_RECHECK = 600.0
+# What trying again will not mend: no privilege, or an index on ``e`` already there
+# with other options or under another name.
+_INDEX_FINAL_CODES = frozenset({13, 85, 86})
 # Timeouts pymongo gets unless the URL sets them: a lock call must not hang for 30 s.
 DEFAULT_TIMEOUTS_MS = {
     "serverSelectionTimeoutMS": 5000,
@@ -606,6 +616,37 @@ class _Watcher:
             self._thread.join(WATCH_AWAIT_MS / 1000 * 4)
 
 
+class _IndexPlan:
+    """When a store makes its TTL index (again): at its first step, then every
+    ``INDEX_RECHECK`` seconds while used (a no-op while the index is there), and never
+    again after a failure that trying again will not mend."""
+
+    __slots__ = ("_due",)
+
+    def __init__(self) -> None:
+        self._due: float | None = 0.0
+
+    def take(self) -> bool:
+        """Whether to make it now; if so, the next time is set already (one caller)."""
+        now = _clock.monotonic()
+        if self._due is None or now < self._due:
+            return False
+        self._due = now + INDEX_RECHECK
+        return True
+
+    def failed(self, exc: PyMongoError) -> None:
+        # Locks work without the index; only the garbage collection of documents does not.
+        if isinstance(exc, OperationFailure) and exc.code in _INDEX_FINAL_CODES:
+            self._due = None
+            _LOG.warning("MongoDB: cannot create the TTL index on 'e': %s", exc)
+        else:
+            _LOG.warning(
+                "MongoDB: cannot create the TTL index on 'e' (tried again in %.0f s): %s",
+                INDEX_RECHECK,
+                exc,
+            )
+
+
 class MongoStore:
     """The MongoDB store for one namespace (see the module for the guarantees)."""
 
@@ -618,10 +659,16 @@ class MongoStore:
         self._prepared = False
         self._prepare_mutex = threading.Lock()
         self._watcher: _Watcher | None = None
+        self._index = _IndexPlan()
 
     def _prepare(self) -> None:
-        """Once per store: ask the server what it is, and make sure of the TTL index."""
+        """Once per store: ask the server what it is; and the TTL index, now and then."""
         if self._prepared:
+            if self._index.take():
+                try:
+                    self._make_index()
+                except PyMongoError as exc:
+                    self._index.failed(exc)
             return
         with self._prepare_mutex:
             if self._prepared:
@@ -635,16 +682,21 @@ class MongoStore:
                         raise
                     hello = self._client.admin.command("isMaster", codec_options=_CODEC_OPTIONS)
             self._clock.learn_from_hello(hello, sent, time.time())
-            try:
-                self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
-            except OperationFailure as exc:  # e.g. no privilege: locks work, GC does not
-                _LOG.warning("MongoDB: cannot create the TTL index on 'e': %s", exc)
-            except PyMongoError as exc:
-                raise StoreError(f"MongoDB index creation: {exc}") from exc
+            if self._index.take():
+                try:
+                    self._make_index()
+                except OperationFailure as exc:
+                    self._index.failed(exc)
+                except PyMongoError as exc:  # unreachable since the hello: as the steps are
+                    self._index = _IndexPlan()
+                    raise StoreError(f"MongoDB index creation: {exc}") from exc
             if notifies(hello):
                 self._watcher = _Watcher(self._collection, self._namespace)
                 self.capabilities = replace(CAPABILITIES, notifies=True)
             self._prepared = True
+
+    def _make_index(self) -> None:
+        self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
 
     def try_acquire(
         self,
@@ -841,9 +893,15 @@ class AsyncMongoStore:
         self._prepared = False
         self._prepare_lock: asyncio.Lock | None = None
         self._watcher: _AsyncWatcher | None = None
+        self._index = _IndexPlan()
 
     async def _prepare(self) -> None:
         if self._prepared:
+            if self._index.take():
+                try:
+                    await self._make_index()
+                except PyMongoError as exc:
+                    self._index.failed(exc)
             return
         if self._prepare_lock is None:
             self._prepare_lock = asyncio.Lock()
@@ -861,18 +919,21 @@ class AsyncMongoStore:
                         "isMaster", codec_options=_CODEC_OPTIONS
                     )
             self._clock.learn_from_hello(hello, sent, time.time())
-            try:
-                await self._collection.create_index(
-                    "e", expireAfterSeconds=GC_GRACE, name="keymutex_gc"
-                )
-            except OperationFailure as exc:
-                _LOG.warning("MongoDB: cannot create the TTL index on 'e': %s", exc)
-            except PyMongoError as exc:
-                raise StoreError(f"MongoDB index creation: {exc}") from exc
+            if self._index.take():
+                try:
+                    await self._make_index()
+                except OperationFailure as exc:
+                    self._index.failed(exc)
+                except PyMongoError as exc:
+                    self._index = _IndexPlan()
+                    raise StoreError(f"MongoDB index creation: {exc}") from exc
             if notifies(hello):
                 self._watcher = _AsyncWatcher(self._collection, self._namespace)
                 self.capabilities = replace(CAPABILITIES, notifies=True)
             self._prepared = True
+
+    async def _make_index(self) -> None:
+        await self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
 
     async def try_acquire(
         self,
