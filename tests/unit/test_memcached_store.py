@@ -964,6 +964,31 @@ def test_a_dead_pooled_connection_is_replaced_before_a_write(tmp_path: Path) -> 
             store.close()
 
 
+def test_a_steal_sent_again_on_a_new_connection_takes_its_fence_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a steal starts with a read, which goes again down a new
+    connection when the pooled one turns out dead (a host gone without a FIN: nothing
+    to read while idle, a reset at the first send). The grant kept the dead
+    connection's epoch, so after a restart its fence fell below those the restarted
+    server had already granted."""
+    with MemcachedServer(tmp_path / "restarted").start() as server:
+        stealer = keymutex.Locks(server.url, namespace="n", ttl=30)
+        other = keymutex.Locks(server.url, namespace="n", ttl=30)
+        try:
+            stealer.acquire("doc").release()  # its connection stays in its pool
+            server.restart()
+            taken = other.acquire("doc")  # the new epoch, from the clock: fences go up
+            # As if the host had gone without a FIN: the dead socket looks idle.
+            monkeypatch.setattr(memcached.Connection, "idle_and_open", lambda self: True)
+            stolen = stealer.acquire("doc", steal=True)
+            assert stolen.fence > taken.fence
+            assert other.holder("doc") == locks_holder(stealer, stolen)
+        finally:
+            stealer.close()
+            other.close()
+
+
 def test_the_pool_is_bounded(memcached_url: str, namespace: str) -> None:
     store = open_store(memcached_url, namespace, max_connections=1, socket_timeout=0.2)
     try:

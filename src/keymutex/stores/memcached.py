@@ -1332,7 +1332,12 @@ class MemcachedStore:
         queue = () if current is None else current.queue
         places = tuple(p for p in present(queue, now) if p.waiter != me) if queue else ()
         ttl = wanted.expires_at - wanted.acquired_at
-        record = replace(wanted, acquired_at=now, expires_at=now + ttl, queue=places)
+        # The epoch of the connection that writes it (found by review: a steal's first
+        # read, sent again on a new connection when the pooled one was dead, kept the
+        # dead one's epoch: after a restart, a fence below those already granted).
+        record = replace(
+            wanted, acquired_at=now, expires_at=now + ttl, queue=places, epoch=session.epoch
+        )
         over = "ME" if current is None else f"C{reply.cas}"
         (stored,) = session.write(ms(name, record.encode(), f"T{exptime(ttl)}", "c", over), 1)
         if stored.expect(b"HD", b"NS", b"EX", b"NF").code == b"HD":
