@@ -9,6 +9,7 @@ never imitated. Round trips are counted as the writes the store sends on its soc
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import multiprocessing
@@ -1470,3 +1471,32 @@ def test_bad_urls_and_options(
         parse(url, options)
     with pytest.raises(error):
         keymutex.Locks(url, **options)
+
+
+def test_a_store_forgets_its_oldest_writes_while_other_threads_write(
+    memcached_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: once a store remembered ``OWN_WRITES_KEPT`` writes (leases
+    granted here and released elsewhere by token), each grant forgot the oldest with
+    ``next(iter(…))``; another thread of the same ``Locks`` granting in between made it
+    raise RuntimeError, out of an acquire whose grant was written: the key stayed held
+    by nobody for its TTL. Here another thread's grant lands at that very moment."""
+
+    class Meddled(collections.OrderedDict[str, Any]):
+        def __iter__(self) -> Iterator[str]:
+            iterating = super().__iter__()
+            self[f"another thread's grant {len(self)}"] = None
+            return iterating
+
+    monkeypatch.setattr(memcached, "OWN_WRITES_KEPT", 2)
+    here = keymutex.Locks(memcached_url, namespace=namespace, ttl=60)
+    elsewhere = keymutex.Locks(memcached_url, namespace=namespace, ttl=60)
+    try:
+        here._store._written = Meddled()  # type: ignore[attr-defined]
+        for turn in range(4):
+            lease = here.acquire(f"doc:{turn}", timeout=0)
+            elsewhere.release(lease.key, lease.token)
+        assert len(here._store._written) <= 2  # type: ignore[attr-defined]
+    finally:
+        here.close()
+        elsewhere.close()

@@ -185,6 +185,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import functools
 import hashlib
@@ -1088,7 +1089,10 @@ class MemcachedStore:
         self._grants = random.randrange(COMPACT_EVERY)
         # Each lease this store granted or renewed, by item name: its last write, so
         # that a release or renewal can compare-and-swap it without reading it first.
-        self._written: dict[str, _Written] = {}
+        # Oldest first: forgotten by ``popitem``, which threads sharing the store cannot
+        # break (found by review: ``next(iter(…))`` raised RuntimeError when another
+        # thread wrote meanwhile, out of an acquire whose grant was written).
+        self._written: collections.OrderedDict[str, _Written] = collections.OrderedDict()
         # Keys this store was refused, by item name: until when (_clock.monotonic) the
         # lease or hand-over that refused it lasts. A try before then is most likely refused
         # again, and sends no index entry (see ``try_acquire``).
@@ -1121,7 +1125,10 @@ class MemcachedStore:
         written = self._written
         written.pop(name, None)
         while len(written) >= OWN_WRITES_KEPT:  # leases lost and never released
-            written.pop(next(iter(written)), None)
+            try:
+                written.popitem(last=False)
+            except KeyError:  # emptied by other threads meanwhile
+                break
         written[name] = _Written(record, cas, session.incarnation)
 
     def _own(self, name: str, token: str, session: Session) -> _Written | None:
