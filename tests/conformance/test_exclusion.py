@@ -211,11 +211,13 @@ def test_lease_held_here_excludes_another_process(
 def test_lease_of_a_killed_process_expires(
     make_locks: Callable[..., keymutex.Locks], store_url: str, namespace: str
 ) -> None:
-    # Story 1: a worker dies mid-pipeline; its lock must not stay forever.
+    # Story 1: a worker dies mid-pipeline; its lock must not stay forever. A TTL of 2 s,
+    # renewed every 0.7 s: found on a loaded machine with a TTL of 0.5 s, the lease had
+    # lapsed before the second client (TLS and auth to etcd) asked for the key.
     context = multiprocessing.get_context("spawn")
     report = context.Queue()
     doomed = context.Process(
-        target=_workers.hold_until_killed, args=(store_url, namespace, "user:7", 0.5, report)
+        target=_workers.hold_until_killed, args=(store_url, namespace, "user:7", 2.0, report)
     )
     doomed.start()
     try:
