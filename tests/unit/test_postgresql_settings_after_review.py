@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ import psycopg
 import pytest
 
 import keymutex
+from keymutex.stores.postgresql import LOCK_SPACE
 
 WAIT = 10.0
 
@@ -147,3 +149,47 @@ def test_a_table_of_something_else_is_refused_and_left_alone(
         (f"{table}_meta", f"{table}_fence"),
     ).fetchone()
     assert found == (0,)
+
+
+def test_a_roles_extra_float_digits_does_not_round_the_times(
+    postgresql_url: str, namespace: str
+) -> None:
+    """Found by review: the steps return epoch seconds as text, and a role's or
+    database's negative extra_float_digits rounded them (acquired_at off by years)."""
+    url = f"{postgresql_url}?options=-c%20extra_float_digits%3D-14&table={_table()}"
+    with keymutex.Locks(url, namespace=namespace) as locks:
+        before = time.time()
+        lease = locks.acquire("k", ttl=30, timeout=0)
+        after = time.time()
+        assert before - 1 <= lease.acquired_at <= after + 1
+        holder = locks.holder("k")
+        assert holder is not None
+        assert holder.expires_at == pytest.approx(lease.acquired_at + 30, abs=0.01)
+        lease.release()
+
+
+def test_first_clients_spelling_the_table_apart_create_it_one_at_a_time(
+    postgresql_url: str, admin: psycopg.Connection[Any], namespace: str
+) -> None:
+    """Found by review: the lock that serialises the table's creators was named by the
+    table as spelt, so a client of "T" and one of "public.T" took two locks, both
+    created the table at once, and one failed on a catalog unique index. Here a
+    creator of "T" holds the lock while a client of "public.T" makes its first step."""
+    table = _table()
+    created = threading.Event()
+
+    def first_step() -> None:
+        url = f"{postgresql_url}?table=public.{table}"
+        with keymutex.Locks(url, namespace=namespace) as locks:
+            locks.holder("k")
+            created.set()
+
+    with admin.transaction():
+        admin.execute(
+            "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (LOCK_SPACE, f"schema {table}")
+        )
+        other = threading.Thread(target=first_step)
+        other.start()
+        assert not created.wait(1.0), "the table was made while another was making it"
+    other.join(WAIT)
+    assert created.is_set()

@@ -198,13 +198,15 @@ def _check_table(value: object) -> str:
 # are constants), and check the recorded schema version (raises if it differs).
 # Creators are serialised by a transaction-scoped advisory lock: CREATE ... IF NOT
 # EXISTS alone can still fail on a catalog unique index when two sessions create the
-# same table at the same moment. Clients of version 1 that are still running go on
+# same table at the same moment. The lock is named by the bare table name, which every
+# spelling of it shares (found by review: keymutex_leases and public.keymutex_leases
+# took two locks, and one of two first clients failed). Clients of version 1 that are still running go on
 # working on the upgraded table (their column "contended" stays, unused), without
 # hand-overs; newly started ones refuse it.
 _SCHEMA = """
 DO $keymutex$
 BEGIN
-    PERFORM pg_advisory_xact_lock({lock_space}, hashtext('schema {table}'));
+    PERFORM pg_advisory_xact_lock({lock_space}, hashtext('schema {relname}'));
     IF current_setting('server_encoding') <> 'UTF8' THEN
         RAISE EXCEPTION 'keymutex needs a UTF8 database, not %',
             current_setting('server_encoding');
@@ -1741,9 +1743,11 @@ class _Target:
         # The isolation: found by review, a role's or database's repeatable read or
         # serializable failed contended acquires and releases ("could not serialize
         # access"): each statement's snapshot is taken before it waits for the gate.
+        # extra_float_digits: found by review, a role's -14 rounded the epoch seconds
+        # the steps return as text (acquired_at off by years).
         return (
             f"SET statement_timeout = {math.ceil(self.timeout * 900)}; SET lock_timeout = 0;"
-            " SET default_transaction_isolation = 'read committed'"
+            " SET default_transaction_isolation = 'read committed'; SET extra_float_digits = 3"
         ).encode()
 
 
