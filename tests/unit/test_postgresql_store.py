@@ -162,8 +162,9 @@ def test_each_step_is_one_statement(
         # row, it then runs the upsert that refuses (or grants). From then on the key
         # counts as contended for a while, and tries go to the upsert at once.
         "acquire, then a refused try (with the holder)": 1 + 2,
-        # Queued, then LISTEN, then a look again (a hand-over before the LISTEN).
-        "first waiter's first try": 2,
+        # Queued; then registered with the listener, which rings it once it listens,
+        # for a look again (a hand-over before the LISTEN): not in this call.
+        "first waiter's first try": 1,
         "first waiter's next try": 1,
         "first waiter leaving the queue": 1,
         # The store listens already: no second look.
@@ -585,8 +586,24 @@ def _token() -> str:
     return secrets.token_urlsafe(18)
 
 
+def _listening(store: Any, key: str) -> None:
+    """Make the listener of ``store`` listen, with a waiter refused ``key`` (it is
+    registered after its refusal, and rung once the listener listens: a hand-over
+    notified before went unheard), which then leaves the queue."""
+    waiter = store.waiter(key)
+    try:
+        outcome = store.try_acquire(
+            key, token=_token(), ttl=30.0, owner="waiter", info=None, steal=False, waiter=waiter
+        )
+        assert not outcome.ok
+        assert waiter.wait(5.0), "not rung once the listener listened"
+    finally:
+        waiter.close()
+
+
 def _queue(store: Any, key: str, waiters: int) -> list[Any]:
     """``waiters`` waiters of ``store`` queued for ``key`` (refused, listening), in order."""
+    _listening(store, key)
     queued = []
     for _ in range(waiters):
         waiter = store.waiter(key)
@@ -1297,7 +1314,7 @@ def test_connections_have_keepalives_and_a_tcp_user_timeout() -> None:
     assert target.connect_kwargs["tcp_user_timeout"] == 2500
     assert target.setup() == (
         b"SET statement_timeout = 2250; SET lock_timeout = 0;"
-        b" SET default_transaction_isolation = 'read committed'"
+        b" SET default_transaction_isolation = 'read committed'; SET extra_float_digits = 3"
     )
     # What the URL says wins.
     target = _parse("postgresql://h/db?keepalives=0&tcp_user_timeout=100&timeout=1", {})
@@ -1484,3 +1501,78 @@ def test_an_unqualified_table_another_schema_already_has_is_not_made_again(
         assert admin.execute("SELECT to_regclass(%s)", (f"public.{table}",)).fetchone() == (None,)
     finally:
         admin.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.fixture
+def limited_url(postgresql_url: str, admin: psycopg.Connection[Any], table: str) -> Iterator[str]:
+    """The URL of a role allowed one connection, on ``table`` (made by the admin first):
+    a store with ``max_size=1`` gets its one step connection, never its listener."""
+    role = f"limited_{uuid.uuid4().hex[:8]}"
+    with keymutex.Locks(f"{postgresql_url}?table={table}") as maker:
+        maker.holder("k")  # the table and its companions exist
+    admin.execute(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 1")
+    admin.execute(f"GRANT ALL ON {table}, {table}_meta, {table}_fence TO {role}")
+    yield postgresql_url.replace("://postgres@", f"://{role}@", 1) + f"?table={table}"
+    admin.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,)
+    )
+    admin.execute(f"DROP OWNED BY {role}")
+    admin.execute(f"DROP ROLE {role}")
+
+
+def _queue_of(admin: psycopg.Connection[Any], table: str, namespace: str) -> list[str]:
+    row = admin.execute(
+        f"SELECT waiters FROM {table} WHERE namespace = %s AND key = 'k'", (namespace,)
+    ).fetchone()
+    return [] if row is None or row[0] is None else list(row[0])
+
+
+def test_a_waiter_whose_listener_cannot_connect_still_gives_up_at_its_timeout(
+    postgresql_url: str,
+    admin: psycopg.Connection[Any],
+    table: str,
+    namespace: str,
+    limited_url: str,
+) -> None:
+    """Found by review: a refused waiter waited for the store's listener to connect for
+    ``connect_timeout``, whatever its own timeout, then failed with ``StoreError``, and
+    its place stayed in the queue (the key was handed to it after the release). Here
+    the listener can never connect (the role may hold one connection)."""
+    with (
+        keymutex.Locks(f"{postgresql_url}?table={table}", namespace=namespace) as holder_side,
+        keymutex.Locks(
+            limited_url, namespace=namespace, max_size=1, connect_timeout=10
+        ) as waiting,
+    ):
+        lease = holder_side.acquire("k", ttl=30)
+        waiting.holder("k")  # its one connection is open
+        began = time.monotonic()
+        with pytest.raises(keymutex.Locked):
+            waiting.acquire("k", timeout=0.5)
+        assert time.monotonic() - began < 5, "it waited for the listener, not its timeout"
+        assert _queue_of(admin, table, namespace) == [], "its place stayed in the queue"
+        lease.release()
+
+
+@pytest.mark.asyncio
+async def test_an_async_waiter_whose_listener_cannot_connect_gives_up_at_its_timeout(
+    postgresql_url: str,
+    admin: psycopg.Connection[Any],
+    table: str,
+    namespace: str,
+    limited_url: str,
+) -> None:
+    async with (
+        keymutex.AsyncLocks(f"{postgresql_url}?table={table}", namespace=namespace) as holder_side,
+        keymutex.AsyncLocks(
+            limited_url, namespace=namespace, max_size=1, connect_timeout=10
+        ) as waiting,
+    ):
+        lease = await holder_side.acquire("k", ttl=30)
+        await waiting.holder("k")
+        began = time.monotonic()
+        with pytest.raises(keymutex.Locked):
+            await waiting.acquire("k", timeout=0.5)
+        assert time.monotonic() - began < 5, "it waited for the listener, not its timeout"
+        assert _queue_of(admin, table, namespace) == [], "its place stayed in the queue"
+        await lease.release()

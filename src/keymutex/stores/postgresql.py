@@ -62,8 +62,10 @@
   and the releaser cannot barge back in ahead of the queue. Each store has one
   dedicated listener connection (``LISTEN`` on a channel of its table and namespace),
   read by one thread (or one task for the async store) and shared by all its waiters;
-  a waiter is registered with it before its first try if it listens already, else it
-  listens after the first refusal and tries once more, so no hand-over is missed. A
+  a waiter is registered with it before its first try if it listens already, else
+  after the first refusal, without waiting for it: the listener rings it once it
+  listens (at once if it does already), and it tries again, so no hand-over is missed
+  and no wait outlasts the caller's timeout. A
   waiter that gives up leaves the queue (passing on a key just handed to it), unless
   its last try went unanswered (``_UNANSWERED``); one that vanished costs the others
   at most ``HANDOVER_MS`` plus their one-second recheck, and its place lapses
@@ -1468,11 +1470,11 @@ _LISTENER_SETUP = (
 class _Listener:
     """One ``LISTEN`` connection per sync store, read by one daemon thread.
 
-    ``join`` registers a waiter and returns once the connection is listening: a
-    notification sent after that reaches the waiter. A notification carries the id of
-    the waiter a key was handed over to, and rings that waiter only. After the
-    connection drops, the thread reconnects and rings every waiter (it may have missed
-    a hand-over).
+    ``join`` registers a waiter, and the waiter is rung once the connection listens (at
+    once if it does already): a hand-over notified before went unheard, so it looks
+    again. A notification carries the id of the waiter a key was handed over to, and
+    rings that waiter only. After the connection drops, the thread reconnects and rings
+    every waiter (it may have missed a hand-over).
     """
 
     def __init__(
@@ -1505,19 +1507,23 @@ class _Listener:
             self._closing.set()
         self._waiters = {}
 
-    def join(self, waiter: _PostgresWaiter, timeout: float) -> None:
+    def join(self, waiter: _PostgresWaiter) -> None:
+        """Register ``waiter`` without waiting for the connection to listen (found by
+        review: waiting for it here took ``connect_timeout`` whatever the caller's
+        timeout, then failed the acquire with ``StoreError``)."""
         with self._mutex:
             if self._closing.is_set():
                 raise RuntimeError("this store is closed")
             self._waiters[waiter.id] = waiter
             waiter.registered = True
+            listening = self._listening.is_set()
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="keymutex-postgresql-listener", daemon=True
                 )
                 self._thread.start()
-        if not self._listening.wait(timeout):
-            raise StoreError(f"PostgreSQL: could not LISTEN within {timeout:g} s")
+        if listening:  # a hand-over notified before it was registered went unheard
+            waiter.ring()
 
     def try_join(self, waiter: _PostgresWaiter) -> bool:
         """Register a waiter without waiting, if the connection is listening already."""
@@ -1554,8 +1560,9 @@ class _Listener:
                 session.simple(_LISTENER_SETUP, self._timeout)
                 session.simple(f"LISTEN {self._channel}".encode(), self._timeout)
                 self._listening.set()
-                if failures:
-                    self._ring_all()  # hand-overs during the outage were not heard
+                # Hand-overs notified before were not heard: to the waiters registered
+                # while it connected, or during an outage.
+                self._ring_all()
                 failures = 0
                 self._pump(session.pgconn)
             except Exception as exc:  # the driver's, a timeout, or a socket closed under it
@@ -1655,7 +1662,8 @@ class _AsyncListener:
         self._listening = asyncio.Event()
         self._waiters = {}
 
-    async def join(self, waiter: _AsyncPostgresWaiter, timeout: float) -> None:
+    def join(self, waiter: _AsyncPostgresWaiter) -> None:
+        """As the sync listener's: registered now, rung once the connection listens."""
         if self._closed:
             raise RuntimeError("this store is closed")
         self._waiters[waiter.id] = waiter
@@ -1663,11 +1671,8 @@ class _AsyncListener:
         if self._task is None or self._task.done():
             self._listening = asyncio.Event()
             self._task = asyncio.create_task(self._run(), name="keymutex-postgresql-listener")
-        try:
-            async with asyncio.timeout(timeout):
-                await self._listening.wait()
-        except TimeoutError:
-            raise StoreError(f"PostgreSQL: could not LISTEN within {timeout:g} s") from None
+        elif self._listening.is_set():  # a hand-over notified before it went unheard
+            waiter.ring()
 
     def try_join(self, waiter: _AsyncPostgresWaiter) -> bool:
         if self._closed or not self._listening.is_set():
@@ -1695,9 +1700,9 @@ class _AsyncListener:
                     await conn.execute(_LISTENER_SETUP.decode())
                     await conn.execute(f"LISTEN {self._channel}")
                 self._listening.set()
-                if failures:  # hand-overs during the outage were not heard
-                    for waiter in list(self._waiters.values()):
-                        waiter.ring()
+                # Hand-overs notified before were not heard (as in the sync listener).
+                for waiter in list(self._waiters.values()):
+                    waiter.ring()
                 failures = 0
                 # Notifications that came with LISTEN's reply are yielded first.
                 async for notify in conn.notifies():
@@ -1852,14 +1857,11 @@ class PostgresStore:
                 waiter.queued = True
                 waiter.on_close = functools.partial(self._leave, key, waiter.id)
                 if not waiter.registered:
-                    # Queued now, but not listening yet: listen, then look again, for a
-                    # hand-over notified before the LISTEN would go unheard.
-                    with translate_errors(*_DRIVER_ERRORS, what=f"PostgreSQL LISTEN for {key!r}"):
-                        self._listener.join(waiter, self._target.connect_timeout)
-                    flow = steps.acquire(
-                        key, token, ttl, owner, info, steal, waiter.id, queued=True
-                    )
-                    outcome = self._run(flow)
+                    # Queued now, not registered yet: a hand-over notified before the
+                    # listener listens goes unheard, so it rings the waiter once it
+                    # does, and the waiter looks again. Meanwhile the caller parks, by
+                    # its own deadline.
+                    self._listener.join(waiter)
         except StoreError:
             waiter.on_close = None  # see _UNANSWERED
             raise
@@ -2005,12 +2007,7 @@ class AsyncPostgresStore:
                 waiter.queued = True
                 waiter.on_close = functools.partial(self._leave, key, waiter.id)
                 if not waiter.registered:
-                    with translate_errors(*_DRIVER_ERRORS, what=f"PostgreSQL LISTEN for {key!r}"):
-                        await self._listener.join(waiter, self._target.connect_timeout)
-                    flow = steps.acquire(
-                        key, token, ttl, owner, info, steal, waiter.id, queued=True
-                    )
-                    outcome = await self._run(flow)
+                    self._listener.join(waiter)  # as in the sync store
         except StoreError:
             waiter.on_close = None  # see _UNANSWERED
             raise
