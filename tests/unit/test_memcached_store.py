@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -1500,3 +1501,29 @@ def test_a_store_forgets_its_oldest_writes_while_other_threads_write(
     finally:
         here.close()
         elsewhere.close()
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"VA x c1\r\n", b"VA\r\n", b"HD c\xff\r\n"],
+)
+def test_a_malformed_reply_is_a_protocol_error(sent: bytes) -> None:
+    """Found by review: a reply memcached would never send (a proxy's, or a stream out of
+    step) came out of a step as ValueError or IndexError, not as StoreError."""
+    mine, server = socket.socketpair()
+    connection = Connection(mine)
+    try:
+        server.sendall(sent)
+        with pytest.raises(memcached.ProtocolError):
+            connection.reply()
+    finally:
+        connection.close()
+        server.close()
+
+
+def test_a_reply_without_the_number_asked_for_is_a_protocol_error() -> None:
+    reply = memcached.Reply(b"HD", {}, None, b"HD")
+    with pytest.raises(memcached.ProtocolError):
+        _ = reply.cas
+    with pytest.raises(memcached.ProtocolError):
+        _ = memcached.Reply(b"VA", {"t": "x"}, b"", b"VA 0 tx").seconds_left

@@ -669,14 +669,20 @@ class Reply:
 
     @property
     def cas(self) -> int:
-        return int(self.flags["c"])
+        return self._number("c")
 
     @property
     def seconds_left(self) -> int | None:
         """An item's own time left in whole seconds, as ``mg … t`` says (``None``: it
         never expires; memcached answers -1)."""
-        left = int(self.flags["t"])
+        left = self._number("t")
         return None if left < 0 else left
+
+    def _number(self, flag: str) -> int:
+        try:
+            return int(self.flags[flag])
+        except (KeyError, ValueError):
+            raise ProtocolError(f"no number {flag} in the reply {self.line!r}") from None
 
     def expect(self, *codes: bytes) -> Reply:
         """This reply, if its code is one of ``codes``; else ``ProtocolError``."""
@@ -723,13 +729,16 @@ class Connection:
             # stream stays in step; the caller decides (``expect``).
             return Reply(code, {}, None, line)
         value = None
-        if code == b"VA":
-            size = int(tokens.pop(0))
-            while len(self._buffer) < size + 2:
-                self._fill()
-            value = self._buffer[:size]
-            self._buffer = self._buffer[size + 2 :]
-        flags = {token[:1].decode(): token[1:].decode() for token in tokens} if tokens else {}
+        try:  # what memcached sends parses; anything else is a ProtocolError (StoreError)
+            if code == b"VA":
+                size = int(tokens.pop(0))
+                while len(self._buffer) < size + 2:
+                    self._fill()
+                value = self._buffer[:size]
+                self._buffer = self._buffer[size + 2 :]
+            flags = {token[:1].decode(): token[1:].decode() for token in tokens}
+        except (IndexError, ValueError):  # UnicodeDecodeError among them
+            raise ProtocolError(f"a malformed reply from memcached: {line[:80]!r}") from None
         return Reply(code, flags, value, line)
 
     def idle_and_open(self) -> bool:
@@ -917,7 +926,10 @@ class Session:
             batch = names[start : start + READ_BATCH]
             commands = b"".join(b"mg %s v c k q\r\n" % name.encode() for name in batch)
             for reply in self.read(commands + b"mn\r\n", -1):
-                found[reply.flags["k"]] = reply
+                name = reply.expect(b"VA").flags.get("k")
+                if name is None:
+                    raise ProtocolError(f"a read with no item name: {reply.line!r}")
+                found[name] = reply
         return found
 
     def discard(self) -> None:
