@@ -1576,3 +1576,37 @@ async def test_an_async_waiter_whose_listener_cannot_connect_gives_up_at_its_tim
         assert time.monotonic() - began < 5, "it waited for the listener, not its timeout"
         assert _queue_of(admin, table, namespace) == [], "its place stayed in the queue"
         await lease.release()
+
+
+def test_an_async_store_checks_its_schema_in_one_loop_after_another(
+    postgresql_url: str, namespace: str, table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the lock that serialises the schema check was an asyncio.Lock
+    made once; one that made a task wait is bound to that task's loop. Checked by two
+    tasks at once in an ``asyncio.run`` where it failed, then in the next, it raised
+    RuntimeError ("bound to a different event loop") instead of checking."""
+    locks = keymutex.AsyncLocks(f"{postgresql_url}?table={table}", namespace=namespace)
+    store = locks._store
+    exchange = store._exchange
+    starting = True
+
+    async def server_starting(run: Any) -> Any:
+        if starting and not store._ready:  # type: ignore[attr-defined]
+            await asyncio.sleep(0.05)
+            raise psycopg.OperationalError("the database system is starting up")
+        return await exchange(run)
+
+    monkeypatch.setattr(store, "_exchange", server_starting)
+
+    async def two_at_once() -> list[Any]:
+        return await asyncio.gather(locks.holder("a"), locks.holder("b"), return_exceptions=True)
+
+    first = asyncio.run(two_at_once())
+    assert all(isinstance(result, keymutex.StoreError) for result in first), first
+    starting = False
+    assert asyncio.run(two_at_once()) == [None, None]
+
+    async def close() -> None:
+        await locks.aclose()
+
+    asyncio.run(close())

@@ -1915,7 +1915,10 @@ class AsyncPostgresStore:
         self._target = target
         self._timeout = target.timeout
         self._steps = _Steps(target.table, namespace)
-        self._opening: asyncio.Lock | None = None
+        # The schema check's lock, and the loop it belongs to: an asyncio.Lock that made
+        # a task wait is bound to that task's loop (found by review: contended in one
+        # asyncio.run, then in the next, it raised RuntimeError).
+        self._opening: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._ready = False
         self._closed = False
         self._sessions = _AsyncSessions(
@@ -1955,9 +1958,10 @@ class AsyncPostgresStore:
         return result
 
     async def _check_schema(self) -> None:
-        if self._opening is None:
-            self._opening = asyncio.Lock()
-        async with self._opening:
+        loop = asyncio.get_running_loop()
+        if self._opening is None or self._opening[0] is not loop:
+            self._opening = (loop, asyncio.Lock())
+        async with self._opening[1]:
             if not self._ready:
                 await self._exchange(lambda s: s.simple(self._steps.sql.schema, self._timeout))
                 self._ready = True
