@@ -958,6 +958,15 @@ def _renewed_too_late(batch: Sequence[L], outcomes: Sequence[Outcome | None]) ->
     return [x for x, o in zip(batch, outcomes, strict=True) if o is not None and o.ok and x._lost]
 
 
+def _renewed_past_deadline(lease: LeaseState) -> bool:
+    """A renewal by ``renew()`` that came back after the lease's deadline (or after it
+    was marked lost): its holder was told it was lost then (``on_lost``), so it is not
+    revived; it is released, as the renewer releases a lease renewed too late. Found by
+    review: ``renew()`` returned as renewed a lease that ``lost`` said was gone, and the
+    store kept the key from everyone for another TTL."""
+    return lease._lost or _clock.monotonic() >= lease._deadline
+
+
 def _dead_on_arrival(lease: LeaseState) -> bool:
     """A grant that came back past its deadline (the store answered after the lease's
     time, as after an outage): lost already, and given back at once if its token was
@@ -1475,7 +1484,11 @@ class Locks:
                 else:
                     sent_at = _clock.monotonic()
                     outcome = self._store.renew(lease.key, lease.token, ttl)
-                    if outcome.ok:
+                    if outcome.ok and _renewed_past_deadline(lease):
+                        if lease._drawn:
+                            _release_quietly(self._store, lease)
+                        outcome = Outcome(False)
+                    elif outcome.ok:
                         lease._granted(outcome, sent_at, ttl)
                         self._renewer.renewed(lease, sent_at)  # maybe to a shorter TTL
                         return
@@ -2310,7 +2323,11 @@ class AsyncLocks:
                 else:
                     sent_at = _clock.monotonic()
                     outcome = await self._store.renew(lease.key, lease.token, ttl)
-                    if outcome.ok:
+                    if outcome.ok and _renewed_past_deadline(lease):  # as in Locks
+                        if lease._drawn:
+                            await _release_quietly_async(self._store, lease)
+                        outcome = Outcome(False)
+                    elif outcome.ok:
                         lease._granted(outcome, sent_at, ttl)
                         self._renewer.renewed(lease, sent_at)  # maybe to a shorter TTL
                         return

@@ -13,6 +13,8 @@
   although another client held the key.
 - ``locks.release(key, token)`` of a lease this client renews left it to the renewer,
   which then called it lost.
+- ``lease.renew()`` answered after the lease's deadline returned as renewed a lease
+  that ``lost`` said was gone, and the store kept the key for another TTL.
 
 On ``memory://`` and SQLite: these are client behaviours, the same on every store. A
 store that does not answer is simulated by holding back its ``renew_many`` calls.
@@ -563,3 +565,52 @@ async def test_renew_by_token_answers_the_lease_itself_async(url: str) -> None:
             await asyncio.sleep(3 * 0.3)
             assert lost == []
         assert lost == []
+
+
+# --- renew() answered past the lease's deadline ------------------------------------------
+
+LATE_TTL = 0.5
+
+
+def test_a_renew_answered_past_the_deadline_does_not_revive_the_lease() -> None:
+    """Found by review: ``lease.renew()`` whose answer came back after the lease's
+    deadline returned as renewed, though ``lost`` said it was gone (and ``on_lost`` had
+    been called), and the store kept the key from everyone for another TTL."""
+    locks = keymutex.Locks("memory://", namespace="renewed-late", ttl=LATE_TTL)
+    renew = locks._store.renew
+
+    def slow(key: str, token: str, ttl: float) -> Outcome:
+        outcome = renew(key, token, ttl)  # the store renews it...
+        time.sleep(LATE_TTL + 0.2)  # ... and its answer comes back past the deadline
+        return outcome
+
+    locks._store.renew = slow  # type: ignore[method-assign]
+    try:
+        lease = locks.acquire("doc")
+        with pytest.raises(keymutex.LockLost):
+            lease.renew()
+        assert lease.lost
+        assert locks.holder("doc") is None, "the key was kept for a lease told lost"
+    finally:
+        locks.close()
+
+
+@pytest.mark.asyncio
+async def test_an_async_renew_answered_past_the_deadline_does_not_revive_the_lease() -> None:
+    locks = keymutex.AsyncLocks("memory://", namespace="renewed-late", ttl=LATE_TTL)
+    renew = locks._store.renew
+
+    async def slow(key: str, token: str, ttl: float) -> Outcome:
+        outcome = await renew(key, token, ttl)
+        await asyncio.sleep(LATE_TTL + 0.2)
+        return outcome
+
+    locks._store.renew = slow  # type: ignore[method-assign]
+    try:
+        lease = await locks.acquire("doc")
+        with pytest.raises(keymutex.LockLost):
+            await lease.renew()
+        assert lease.lost
+        assert await locks.holder("doc") is None, "the key was kept for a lease told lost"
+    finally:
+        await locks.aclose()
