@@ -142,10 +142,11 @@ class LeaseState:
 
     @property
     def remaining(self) -> float:
-        """Seconds left by this process's monotonic clock (0 once past, and once the
-        lease is known to be lost: found by review, a lease taken over went on showing
-        the seconds to its old deadline, to code that checks ``remaining``)."""
-        if self._lost:
+        """Seconds left by this process's monotonic clock (0 once past, once the lease is
+        known to be lost, and once released: found by review, a lease taken over, or
+        released, went on showing the seconds to its old deadline, to code that checks
+        ``remaining``)."""
+        if self._lost or self._released:
             return 0.0
         return max(0.0, self._deadline - _clock.monotonic())
 

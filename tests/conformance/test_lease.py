@@ -64,6 +64,8 @@ def test_acquired_lease_is_a_context_manager(locks: keymutex.Locks) -> None:
     with locks.acquire("doc") as lease:
         assert_is_holder_of(locks.holder("doc"), lease)
     assert locks.holder("doc") is None
+    # Released: no time left, though not lost (found by review: it went on counting).
+    assert (lease.remaining, lease.lost) == (0.0, False)
     with pytest.raises(keymutex.LockLost):
         lease.release()
 
@@ -73,6 +75,7 @@ async def test_acquired_lease_is_a_context_manager_async(alocks: keymutex.AsyncL
     async with await alocks.acquire("doc") as lease:
         assert_is_holder_of(await alocks.holder("doc"), lease)
     assert await alocks.holder("doc") is None
+    assert (lease.remaining, lease.lost) == (0.0, False)
     with pytest.raises(keymutex.LockLost):
         await lease.release()
 
