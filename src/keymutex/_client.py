@@ -1533,6 +1533,24 @@ class Locks:
                 raise
 
 
+async def _taken_at_once(lock: asyncio.Lock) -> bool:
+    """Take ``lock`` if that needs no wait; ``False`` (not taken) otherwise.
+
+    ``asyncio.Lock`` has no non-blocking acquire, and ``locked()`` is not enough: a lock
+    just let go of may be promised to a waiter that has not run yet, and ``acquire``
+    then waits for that waiter's turn. Found by review: the renewer waited there behind
+    an owner's ``renew()`` of one lease on a hung store, and renewed no other lease.
+    """
+    if lock.locked():
+        return False
+    try:
+        async with asyncio.timeout(0):  # fires only if ``acquire`` has to wait
+            await lock.acquire()
+    except TimeoutError:
+        return False
+    return True
+
+
 class _AsyncRenewer:
     """One task that renews every renewing lease of an ``AsyncLocks``, in batches."""
 
@@ -1600,11 +1618,10 @@ class _AsyncRenewer:
             mine: list[AsyncLease] = []
             for lease in batch:
                 assert isinstance(lease, AsyncLease)
-                if lease._renewing.locked():
-                    self._plan.later(lease, now)
-                else:
-                    await lease._renewing.acquire()  # free: returns at once
+                if await _taken_at_once(lease._renewing):
                     mine.append(lease)
+                else:
+                    self._plan.later(lease, now)
             if mine:
                 await self._renew(mine)  # frees the batch's leases, now or when the call ends
 

@@ -23,6 +23,7 @@ store that does not answer is simulated by holding back its ``renew_many`` calls
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import time
@@ -612,5 +613,43 @@ async def test_an_async_renew_answered_past_the_deadline_does_not_revive_the_lea
             await lease.renew()
         assert lease.lost
         assert await locks.holder("doc") is None, "the key was kept for a lease told lost"
+    finally:
+        await locks.aclose()
+
+
+# --- the async renewer and an owner's renew() of one lease ------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_async_renewer_does_not_wait_behind_an_owners_renew() -> None:
+    """Found by review: the renewer took a lease's lock when ``locked()`` said it was
+    free, but a lock just let go of may be promised to a waiting ``renew()`` that has
+    not run yet: the renewer waited for that call's turn and its whole store call (a
+    hung store for that key), and renewed no other lease: ``b`` was lost."""
+    locks = keymutex.AsyncLocks("memory://", namespace="renewer-behind-renew", ttl=5.0)
+    renew = locks._store.renew
+    hangs: dict[str, float] = {}
+
+    async def slow_for_a(key: str, token: str, ttl: float) -> Outcome:
+        await asyncio.sleep(hangs.get(key, 0.0))
+        return await renew(key, token, ttl)
+
+    locks._store.renew = slow_for_a  # type: ignore[method-assign]
+    try:
+        a = await locks.acquire("a", ttl=3.0, renew=True)
+        b = await locks.acquire("b", ttl=1.0, renew=True)
+        hangs["a"] = 0.15
+        # Renewed to a TTL so short that the renewer wants it again as this returns...
+        first = asyncio.create_task(a.renew(ttl=0.3))
+        await asyncio.sleep(0.01)
+        hangs["a"] = 3.0
+        # ... when the lock of ``a`` goes to this call, queued behind it, which hangs.
+        second = asyncio.create_task(a.renew(ttl=5.0))
+        await first
+        await asyncio.sleep(2.0)
+        assert not b.lost, "no lease was renewed while one owner's renewal hung"
+        second.cancel()
+        with contextlib.suppress(asyncio.CancelledError, keymutex.LockLost):
+            await second
     finally:
         await locks.aclose()
