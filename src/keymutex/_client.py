@@ -1309,25 +1309,22 @@ class Locks:
         token = _new_token() if request.token is None else request.token
         try:
             if request.steal or request.timeout == 0:
-                sent_at, outcome = self._attempt_once(request, token)
-            else:
-                deadline = Deadline(request.timeout)
-                if request.token is not None and self._gate.locked(request.key):
-                    # A token named by the caller (the lock server's clients) may hold
-                    # the key already: a retry whose first answer was lost. Queued at
-                    # the gate behind waiters for its own lease, it waited out its
-                    # timeout, refused, the key kept from all. One try first. (With
-                    # the gate free, the first try of _contend answers it at once.)
-                    with contextlib.suppress(Locked):
-                        sent_at, outcome = self._attempt_once(request, token)
-                        return self._granted(request, token, outcome, sent_at)
-                if not self._gate.acquire(request.key, timeout=deadline.remaining()):
-                    raise Locked(request.key, self._holder_if_known(request.key))
-                try:
-                    sent_at, outcome = self._contend(request, token, deadline)
-                finally:
-                    self._gate.release(request.key)
-            return self._granted(request, token, outcome, sent_at)
+                return self._attempt_once(request, token)
+            deadline = Deadline(request.timeout)
+            if request.token is not None and self._gate.locked(request.key):
+                # A token named by the caller (the lock server's clients) may hold
+                # the key already: a retry whose first answer was lost. Queued at
+                # the gate behind waiters for its own lease, it waited out its
+                # timeout, refused, the key kept from all. One try first. (With
+                # the gate free, the first try of _contend answers it at once.)
+                with contextlib.suppress(Locked):
+                    return self._attempt_once(request, token)
+            if not self._gate.acquire(request.key, timeout=deadline.remaining()):
+                raise Locked(request.key, self._holder_if_known(request.key))
+            try:
+                return self._contend(request, token, deadline)
+            finally:
+                self._gate.release(request.key)
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 # Interrupted (KeyboardInterrupt, SystemExit): the store may have granted
@@ -1335,11 +1332,14 @@ class Locks:
                 self._give_back(request.key, token)
             raise
 
-    def _attempt_once(self, request: _Request, token: str) -> tuple[float, Outcome]:
-        """(when the try was sent, its granting outcome); ``Locked`` if refused.
+    def _attempt_once(self, request: _Request, token: str) -> Lease:
+        """One try: the lease, or ``Locked`` if refused.
 
         Counted as a contender, like a wait: ``close()`` meanwhile leaves the store open
-        until the try is answered, and a grant that lands after it is given back.
+        until the try is answered and the lease made (or the grant given back). Found by
+        review: the lease was made after the count was left, so a ``close()`` in between
+        closed the store, and a grant that then could not be renewed was given back to
+        a closed store: the key stayed held by nobody for its TTL.
         """
         with self._contending(request, token, waits=False):
             sent_at = _clock.monotonic()
@@ -1347,12 +1347,15 @@ class Locks:
             if not outcome.ok:
                 raise Locked(request.key, outcome.holder)
             self._unless_closed(request.key, token, waited=False)
-            return sent_at, outcome
+            return self._granted(request, token, outcome, sent_at)
 
-    def _contend(self, request: _Request, token: str, deadline: Deadline) -> tuple[float, Outcome]:
+    def _contend(self, request: _Request, token: str, deadline: Deadline) -> Lease:
         """Try, wait, try again until granted: as ``_attempt_once``, by ``deadline``."""
         with self._contending(request, token, waits=True):
-            return self._contend_counted(request, token, deadline)
+            sent_at, outcome = self._contend_counted(request, token, deadline)
+            # Once its waiter is closed (a round trip on some stores): closed meanwhile?
+            self._unless_closed(request.key, token, waited=True)
+            return self._granted(request, token, outcome, sent_at)
 
     def _contending(self, request: _Request, token: str, *, waits: bool) -> _Contending:
         """An acquire at the store, counted in ``_at_store``: ``close()`` meanwhile
@@ -1384,7 +1387,6 @@ class Locks:
                 sent_at = _clock.monotonic()
                 outcome = self._try(request, token, waiter)
                 if outcome.ok:
-                    self._unless_closed(request.key, token, waited=True)
                     return sent_at, outcome
                 if deadline.passed():
                     raise Locked(request.key, outcome.holder)

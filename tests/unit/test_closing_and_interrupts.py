@@ -136,6 +136,41 @@ def test_a_key_handed_to_a_waiter_as_its_client_closes_is_given_back(url: str) -
             waiting.acquire("doc", timeout=1)
 
 
+def test_a_grant_whose_waiter_closes_as_its_client_closes_is_given_back(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the lease was made after the acquire had left the calls at the
+    store; a ``close()`` that came while its waiter closed (a round trip on some stores)
+    closed the store, the lease could not be renewed, and its give-back met a closed
+    store: the key stayed held by nobody for its TTL."""
+    with keymutex.Locks(url) as holder:
+        lease = holder.acquire("doc")
+        waiting = keymutex.Locks(url)
+        closing = threading.Event()
+        probe = waiting._store.waiter("probe")
+        kind = type(probe)
+        probe.close()
+        close = kind.close
+
+        def slow_close(waiter: Any) -> None:
+            closing.set()
+            time.sleep(0.5)  # a round trip: leaving the queue, UNLISTEN…
+            close(waiter)
+
+        monkeypatch.setattr(kind, "close", slow_close)
+        thread, result = _acquire_in_thread(lambda: waiting.acquire("doc", timeout=30, renew=True))
+        time.sleep(0.3)  # waiting
+        lease.release()  # the waiter is granted the key, then closes
+        assert closing.wait(10)
+        waiting.close()  # meanwhile
+        thread.join(10)
+        assert not thread.is_alive()
+        assert len(result) == 1
+        assert isinstance(result[0], RuntimeError), result
+        assert holder.holder("doc") is None  # given back, not held for its TTL
+        holder.acquire("doc", timeout=0).release()
+
+
 @pytest.mark.asyncio
 async def test_a_key_handed_to_an_async_waiter_as_its_client_closes_is_given_back(
     url: str,
