@@ -728,6 +728,8 @@ class _Renewer:
         self._calls = _CallbackThreads("keymutex-renewer-call")
         self._callbacks = _CallbackThreads()
         self._closed = False
+        # Done at close(): a renewal call waited for is then left to end on its own.
+        self._stop: Future[None] = Future()
         # When the thread looks at the plan next (-inf: it is at work and will look
         # soon). A lease due later needs no wake-up: a thread switch per lock() saved.
         self._until = -math.inf
@@ -838,13 +840,18 @@ class _Renewer:
                 with self._wakeup:
                     leave_at = _leave_at(self._plan, sent_at, give_up)
                     until = min(leave_at, self._plan.next_deadline() or math.inf)
-                if futures.wait([call], max(0.0, until - _clock.monotonic())).done:
+                wait = max(0.0, until - _clock.monotonic())
+                waited: list[Future[Any]] = [call, self._stop]
+                done, _ = futures.wait(waited, wait, futures.FIRST_COMPLETED)
+                if call in done:
                     break
                 now = _clock.monotonic()
                 with self._wakeup:
                     overdue = self._plan.overdue(now)
                 self._notify(overdue)
-                if now >= leave_at:
+                # Closed: not waited for here until a third of the TTL (found by review:
+                # close() took that long with a hung store), but within close()'s grace.
+                if now >= leave_at or self._stop.done():
                     # Left to end on its own: the other leases go on meanwhile.
                     call.add_done_callback(functools.partial(self._settle, batch, sent_at, True))
                     return
@@ -896,6 +903,8 @@ class _Renewer:
         with self._wakeup:
             self._closed = True
             self._wakeup.notify()
+        if not self._stop.done():
+            self._stop.set_result(None)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._calls.close()

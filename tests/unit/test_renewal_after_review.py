@@ -653,3 +653,36 @@ async def test_the_async_renewer_does_not_wait_behind_an_owners_renew() -> None:
             await second
     finally:
         await locks.aclose()
+
+
+# --- close() while a renewal hangs --------------------------------------------------------
+
+
+def test_close_does_not_wait_a_third_of_the_ttl_for_a_hung_renewal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the renewer thread waited for a renewal call until a third of
+    the TTL after it was sent, whatever ``close()`` said, and ``close()`` waited for the
+    thread: 100 s with a TTL of 300 s, not the grace the docs give."""
+    monkeypatch.setattr(_client, "CALLBACK_GRACE", 0.5)
+    locks = keymutex.Locks("memory://", namespace="close-hung-renewal", ttl=9.0)
+    renew_many = locks._store.renew_many
+    hung, calls = threading.Event(), threading.Event()
+
+    def hangs(requests: Sequence[RenewRequest]) -> list[Outcome]:
+        calls.set()
+        hung.wait(PATIENCE)  # a store that stopped answering
+        return renew_many(requests)
+
+    locks._store.renew_many = hangs  # type: ignore[method-assign]
+    try:
+        locks.acquire("doc", renew=True)
+        assert calls.wait(PATIENCE), "the lease was never renewed"
+        began = time.monotonic()
+        locks.close()
+        # The call is left to end on its own thread, waited for within the grace; before,
+        # until a third of the TTL (3 s) after it was sent.
+        assert time.monotonic() - began < 2.5
+    finally:
+        hung.set()
+        locks.close()
