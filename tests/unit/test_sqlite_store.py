@@ -410,24 +410,65 @@ async def test_async_steps_never_hold_the_event_loop_while_the_database_is_busy(
         # Another process's long write transaction: SQLite's write lock is taken.
         other = sqlite3.connect(db, isolation_level=None)
         other.execute("BEGIN IMMEDIATE")
-        ticks = 0
-
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        acquire = asyncio.create_task(locks.acquire("doc", timeout=0))
-        await asyncio.sleep(0.3)
-        assert not acquire.done()  # the step waits for the write lock...
-        assert ticks > 0  # ...in a worker thread: the loop went on
-        other.execute("COMMIT")
-        other.close()
-        lease = await acquire
-        ticker.cancel()
+        lease = await _acquired_in_a_thread_while_busy(locks, other)
         assert (await locks.holder("doc")) is not None
+        await lease.release()
+
+
+async def _acquired_in_a_thread_while_busy(
+    locks: keymutex.AsyncLocks, other: sqlite3.Connection
+) -> keymutex.AsyncLease:
+    """Acquire "doc" while ``other`` holds the write lock, which it lets go after
+    0.3 s: meanwhile the step waits in a worker thread, and the event loop goes on."""
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    acquire = asyncio.create_task(locks.acquire("doc", timeout=0))
+    await asyncio.sleep(0.3)
+    assert not acquire.done()  # the step waits for the write lock...
+    assert ticks > 0  # ...in a worker thread: the loop went on
+    other.execute("COMMIT")
+    other.close()
+    lease = await acquire
+    ticker.cancel()
+    return lease
+
+
+def _remove_database(db: Path) -> None:
+    for path in db.parent.glob(f"{db.name}*"):  # with its -wal and -shm
+        path.unlink()
+
+
+@pytest.mark.asyncio
+async def test_an_async_step_that_reopens_the_file_never_holds_the_event_loop_either(
+    tmp_path: Path,
+) -> None:
+    """Found by review: a step that first reopened the file (replaced, or after a fork)
+    committed the opening's own transaction, which ended the step's inline part: its own
+    transaction then waited for a busy file on the event loop's thread, up to the busy
+    timeout. Here the file is replaced, and another process takes the write lock just
+    after the store has reopened it."""
+    db = tmp_path / "locks.db"
+    async with keymutex.AsyncLocks(f"sqlite:///{db}") as locks:
+        await (await locks.acquire("warm-up", timeout=0)).release()
+        _remove_database(db)  # replaced: the next step reopens the file at the path
+        inner = locks._store._store  # type: ignore[attr-defined]
+        open_file = inner._open_file
+        other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+
+        def reopened_then_busy() -> sqlite3.Connection:
+            conn = open_file()
+            other.execute("BEGIN IMMEDIATE")  # another process's long write transaction
+            return conn
+
+        inner._open_file = reopened_then_busy
+        lease = await _acquired_in_a_thread_while_busy(locks, other)
         await lease.release()
 
 

@@ -671,7 +671,7 @@ class SqliteStore:
 
     def _connection(self) -> sqlite3.Connection:
         if os.getpid() != self._pid:  # forked: a SQLite connection must not cross a fork
-            self._conn = self._connect()  # if it fails, the next step tries again
+            self._conn = self._reconnect()  # if it fails, the next step tries again
             self._pid = os.getpid()
         elif self._file_identity() != self._identity:
             # The file was deleted or replaced under this connection, which would go on
@@ -679,9 +679,21 @@ class SqliteStore:
             # Its leases went with it: from the file at the path now, renew and release
             # find them gone (LockLost).
             _LOG.warning("SQLite database %r was replaced or removed; reopening", self._path)
-            old, self._conn = self._conn, self._connect()
+            old, self._conn = self._conn, self._reconnect()
             old.close()
         return self._conn
+
+    def _reconnect(self) -> sqlite3.Connection:
+        """A new connection, made by a step: an inline attempt stays one. Opening
+        commits a transaction of its own, which ends an attempt's inline part (found by
+        review: the step's own transaction then waited for a busy file on the event
+        loop's thread, up to the busy timeout)."""
+        attempting = self._mutex.attempting
+        inline = getattr(attempting, "on", False)
+        try:
+            return self._connect()
+        finally:
+            attempting.on = inline
 
     def _file_identity(self) -> tuple[int, int] | None:
         """The file at the path now (``None``: none there, or none this process can see).
