@@ -1099,3 +1099,66 @@ def test_renewals_do_not_move_a_lease_that_etcds_minimum_ttl_keeps_long(
         assert held is not None
         assert held.fence == lease.fence
         lease.release()
+
+
+def test_a_release_after_a_renewal_that_failed_half_way_frees_the_key(
+    etcd_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a renewal to another TTL moves the key to its token's other
+    lease, then revokes the first; when that revoke failed (etcd unreachable for that
+    one request) both leases lived on, the release revoked the first, said released,
+    and the key stayed held on the second for the new TTL."""
+    post = httpx.Client.post
+    state = {"armed": False, "moved": False}
+
+    def revoke_fails_after_the_move(client: httpx.Client, url: Any, **kwargs: Any) -> Any:
+        if state["armed"]:
+            if str(url).endswith("/v3/kv/txn") and b"request_put" in kwargs.get("content", b""):
+                state["moved"] = True
+            elif str(url).endswith("/v3/lease/revoke") and state["moved"]:
+                state["armed"] = False
+                raise httpx.ConnectError("etcd unreachable for this request")
+        return post(client, url, **kwargs)
+
+    monkeypatch.setattr(httpx.Client, "post", revoke_fails_after_the_move)
+    with (
+        keymutex.Locks(etcd_url, namespace=namespace, ttl=5) as locks,
+        keymutex.Locks(etcd_url, namespace=namespace) as other,
+    ):
+        lease = locks.acquire("doc")
+        state["armed"] = True
+        with pytest.raises(keymutex.StoreError):
+            lease.renew(ttl=60)  # moved to the other lease; the first not revoked
+        assert state["moved"]
+        assert not state["armed"], "the revoke after the move was not made"
+        lease.release()
+        assert other.holder("doc") is None, "released, yet the key is still held"
+        other.acquire("doc", timeout=0).release()
+
+
+def test_waiters_that_leave_one_after_another_share_one_linger_timer(
+    etcd_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: each waiter that left while the watch stream ran started a
+    thread of its own to close the stream once it had lingered, 5 s later: a thread per
+    ``lock()`` piled up (430 after 4 s of a loop), and one that could not start failed
+    an acquire that had been granted. One timer does it, and still closes the stream."""
+    monkeypatch.setattr(etcd_store, "LINGER", 0.5)
+    with (
+        keymutex.Locks(etcd_url, namespace=namespace, ttl=5) as locks,
+        keymutex.Locks(etcd_url, namespace=namespace, ttl=5) as other,
+    ):
+        held = other.acquire("doc")
+        threading.Timer(0.3, held.release).start()
+        with locks.lock("doc", timeout=10):  # refused once: the watch stream starts
+            pass
+        for _ in range(50):
+            with locks.lock("doc", timeout=10):  # a waiter each, which leaves
+                pass
+        timers = [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+        assert len(timers) <= 1, f"{len(timers)} linger timers"
+        hub = locks._store._hub  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 20
+        while hub._thread is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hub._thread is None, "the watch stream was not closed once it lingered"

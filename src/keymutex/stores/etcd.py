@@ -1435,12 +1435,17 @@ class _WatchHub:
         self._stream: httpx.Response | None = None
         self._closed = False
         self._pid = os.getpid()
+        # The one timer that closes the stream once it has lingered unused. Found by
+        # review: a timer thread for each waiter that left piled up (5 s × the acquire
+        # rate), and one that could not start failed an acquire granted meanwhile.
+        self._linger: threading.Timer | None = None
 
     def join(self, waiter: _EtcdWaiter) -> None:
         with self._mutex:
             if self._pid != os.getpid():  # forked: the parent's stream is not ours
                 self._pid, self._thread, self._stream = os.getpid(), None, None
                 self._state = _WatchState(self._state.layout)
+                self._linger = None
             self._state.add(waiter.key, waiter)
 
     def leave(self, waiter: _EtcdWaiter) -> None:
@@ -1448,9 +1453,31 @@ class _WatchHub:
             self._state.remove(waiter.key, waiter)
             idle = not self._state.waiters and self._thread is not None
         if idle:  # close the stream once it has lingered unused
-            timer = threading.Timer(LINGER + 0.1, self.poke)
+            self._linger_for(LINGER + 0.1)
+
+    def _linger_for(self, seconds: float) -> None:
+        with self._mutex:
+            if self._linger is not None or self._closed:
+                return  # the timer under way looks then, and again if need be
+            self._linger = timer = threading.Timer(seconds, self._lingered)
             timer.daemon = True
+        try:
             timer.start()
+        except RuntimeError as exc:  # no thread to be had: the stream stays open a while
+            with self._mutex:
+                self._linger = None
+            _LOG.warning("etcd: cannot time the watch stream's close: %s", exc)
+
+    def _lingered(self) -> None:
+        with self._mutex:
+            self._linger = None
+            idle_since = None if self._thread is None else self._state.idle_since
+        if idle_since is not None:
+            left = LINGER + 0.1 - (time.monotonic() - idle_since)
+            if left > 0:  # a waiter came and went since: look again when it has lingered
+                self._linger_for(left)
+                return
+        self.poke()
 
     def begin(self, waiter: _EtcdWaiter) -> None:
         with self._mutex:
@@ -1550,7 +1577,9 @@ class _WatchHub:
     def close(self) -> None:
         with self._mutex:
             self._closed = True
-            thread = self._thread
+            thread, linger = self._thread, self._linger
+        if linger is not None:
+            linger.cancel()
         self.poke()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2.0)
@@ -1710,6 +1739,15 @@ class _Granted:
         with self._mutex:
             return self._pairs.pop((key, token), 0) is None
 
+    def forget(self, requests: Sequence[RenewRequest]) -> None:
+        """After a renewal that failed or was interrupted: it may have moved a key to
+        its token's other lease and not revoked the first (both alive), so the release
+        reads where the key is. Found by review: the release revoked the first lease,
+        said released, and the key stayed held on the second for its TTL."""
+        with self._mutex:
+            for request in requests:
+                self._pairs.pop((request.key, request.token), None)
+
 
 class EtcdStore:
     """The etcd store for one namespace (sync, on ``httpx.Client``)."""
@@ -1757,9 +1795,13 @@ class EtcdStore:
     def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
         if not requests:
             return []
-        return self._transport.run(
-            _renew_many(self._layout, requests), f"etcd renewal of {len(requests)} lease(s)"
-        )
+        try:
+            return self._transport.run(
+                _renew_many(self._layout, requests), f"etcd renewal of {len(requests)} lease(s)"
+            )
+        except BaseException:
+            self._granted.forget(requests)
+            raise
 
     def release(self, key: str, token: str) -> Outcome:
         flow = _release(self._layout, key, token, granted=self._granted.pop(key, token))
@@ -1839,9 +1881,13 @@ class AsyncEtcdStore:
     async def renew_many(self, requests: Sequence[RenewRequest]) -> list[Outcome]:
         if not requests:
             return []
-        return await self._transport.run(
-            _renew_many(self._layout, requests), f"etcd renewal of {len(requests)} lease(s)"
-        )
+        try:
+            return await self._transport.run(
+                _renew_many(self._layout, requests), f"etcd renewal of {len(requests)} lease(s)"
+            )
+        except BaseException:  # cancelled too: as in EtcdStore
+            self._granted.forget(requests)
+            raise
 
     async def release(self, key: str, token: str) -> Outcome:
         flow = _release(self._layout, key, token, granted=self._granted.pop(key, token))
