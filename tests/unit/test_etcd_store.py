@@ -1162,3 +1162,39 @@ def test_waiters_that_leave_one_after_another_share_one_linger_timer(
         while hub._thread is not None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert hub._thread is None, "the watch stream was not closed once it lingered"
+
+
+@pytest.mark.parametrize("body", [b"[]", b'{"x": 1}', b'{"result": 1}\n'])
+def test_a_url_naming_a_service_that_is_not_etcd_is_a_store_error(body: bytes) -> None:
+    """Found by review: an HTTP service that answers 200 with JSON other than etcd's
+    (the wrong port, a proxy) gave AttributeError, KeyError or TypeError, not
+    StoreError, and a holder read of it said the key was free."""
+    import http.server
+
+    class NotEtcd(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotEtcd)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"etcd://127.0.0.1:{server.server_address[1]}"
+        with keymutex.Locks(url, namespace="not-etcd", timeout=2) as locks:
+            with pytest.raises(keymutex.StoreError):
+                locks.holder("doc")
+            with pytest.raises(keymutex.StoreError):
+                locks.acquire("doc", timeout=0)
+            with pytest.raises(keymutex.StoreError):
+                locks.renew("doc", "t" * 24)
+    finally:
+        server.shutdown()
+        server.server_close()

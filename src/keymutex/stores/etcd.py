@@ -984,16 +984,30 @@ def _decode(call: _Call, response: httpx.Response) -> Any:
                 results.append(_result(json.loads(line)))
         return results
     reply = response.json()
+    if not isinstance(reply, dict):
+        raise ValueError(f"not an etcd reply: {response.text[:80]!r}")
     if response.status_code != 200 or "error" in reply:
         raise _ReplyError(_int(reply.get("code")), str(reply.get("message") or reply))
+    if "header" not in reply:  # every reply of etcd's gateway has one
+        raise ValueError(f"not an etcd reply: {response.text[:80]!r}")
     return reply
 
 
-def _result(message: Mapping[str, Any]) -> Any:
+def _result(message: Any) -> Any:
+    """One line of a streamed reply. Anything but etcd's is a ``ValueError`` (found by
+    review: a URL naming another service gave AttributeError, KeyError or TypeError
+    instead of StoreError, and a holder read of it said the key was free)."""
+    if not isinstance(message, dict) or not ("result" in message or "error" in message):
+        raise ValueError(f"not an etcd reply: {str(message)[:80]!r}")
     if "error" in message:
         error = message["error"]
+        if not isinstance(error, dict):
+            raise ValueError(f"not an etcd error: {str(error)[:80]!r}")
         raise _ReplyError(_int(error.get("grpc_code", error.get("code"))), str(error))
-    return message["result"]
+    result = message["result"]
+    if not isinstance(result, dict):
+        raise ValueError(f"not an etcd result: {str(result)[:80]!r}")
+    return result
 
 
 def _content(call: _Call) -> bytes:
