@@ -100,20 +100,27 @@ def test_a_roles_lock_timeout_does_not_fail_steps(postgresql_url: str, namespace
         assert locks.holder("hot") is None
 
 
+# A role's idle_session_timeout, and a wait well past it (the waiter's step connection is
+# used again every second; the listener idles all along).
+IDLE_MS = 2000
+IDLE_WAIT = 3.5
+
+
 def test_a_roles_idle_session_timeout_does_not_end_the_listener(
     postgresql_url: str, admin: psycopg.Connection[Any], namespace: str, caplog: Any
 ) -> None:
     """The listener connection idles by design: a role's idle_session_timeout ended it
     every few moments, each time ringing every waiter and logging a warning. (The
-    timeout is a second, not less: found in CI, a loaded machine took longer than
-    200 ms between opening a step connection and its first statement, and the server
-    had ended it.)"""
-    url = f"{postgresql_url}?options=-c%20idle_session_timeout%3D1000&table={_table()}"
+    timeout is 2 s: found in CI, a loaded machine took longer than 200 ms between
+    opening a step connection and its first statement, and the server had ended it;
+    and with 1 s, the waiter's step connection, idle for its one-second recheck, was
+    ended by the server as it was used again.)"""
+    url = f"{postgresql_url}?options=-c%20idle_session_timeout%3D{IDLE_MS}&table={_table()}"
     caplog.set_level(logging.WARNING, logger="keymutex")
     with keymutex.Locks(url, namespace=namespace) as locks:
         held = locks.acquire("k")
         with pytest.raises(keymutex.Locked):
-            locks.acquire("k", timeout=2.5)  # a waiter listens, idle, for 2.5 s
+            locks.acquire("k", timeout=IDLE_WAIT)  # a waiter listens, idle, that long
         held.release()
     assert [r.getMessage() for r in caplog.records if "listener" in r.getMessage()] == []
 
@@ -122,12 +129,12 @@ def test_a_roles_idle_session_timeout_does_not_end_the_listener(
 async def test_a_roles_idle_session_timeout_does_not_end_the_async_listener(
     postgresql_url: str, namespace: str, caplog: Any
 ) -> None:
-    url = f"{postgresql_url}?options=-c%20idle_session_timeout%3D1000&table={_table()}"
+    url = f"{postgresql_url}?options=-c%20idle_session_timeout%3D{IDLE_MS}&table={_table()}"
     caplog.set_level(logging.WARNING, logger="keymutex")
     async with keymutex.AsyncLocks(url, namespace=namespace) as locks:
         held = await locks.acquire("k")
         with pytest.raises(keymutex.Locked):
-            await locks.acquire("k", timeout=2.5)
+            await locks.acquire("k", timeout=IDLE_WAIT)
         await held.release()
     assert [r.getMessage() for r in caplog.records if "listener" in r.getMessage()] == []
 

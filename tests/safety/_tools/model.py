@@ -100,7 +100,7 @@ class Model:
         return view.lost or (not view.released and self.clock() >= view.deadline)
 
     def remaining(self, view: LeaseView) -> float:
-        if view.lost:  # known lost: no time left, whatever the deadline
+        if view.lost or view.released:  # known lost, or released: no time left
             return 0.0
         return max(0.0, view.deadline - self.clock())
 
