@@ -587,3 +587,55 @@ def test_unreachable_server_is_a_store_error(
     assert retries
     assert {(r.name, r.levelno) for r in retries} == {("keymutex.zookeeper", logging.DEBUG)}
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_slow_orphan_pass_does_not_delete_a_node_granted_since(
+    zookeeper_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a create whose reply was lost leaves an orphan entry; a pass
+    over the orphans started at the reconnect copied it, and was slow; meanwhile the
+    acquire retried with the same token, its own pass deleted the nothing there was,
+    and it was granted; then the slow pass deleted every node of that token's digest:
+    the granted one. Another client was granted the key while its holder held it.
+    Here the first pass waits, between its copy and its listing, for the acquire."""
+    with (
+        keymutex.Locks(zookeeper_url, namespace=namespace, ttl=30) as locks,
+        keymutex.Locks(zookeeper_url, namespace=namespace, ttl=30) as other,
+    ):
+        from keymutex.stores import zookeeper
+
+        store: Any = locks._store
+        token = "t" * 24
+        store._orphans.add((store._parent("doc"), zookeeper._digest(token)))  # a lost reply
+        children = store._children
+        go, listing = threading.Event(), threading.Event()
+
+        def slow_listing(parent: str) -> Any:
+            if threading.current_thread() is passing:
+                listing.set()
+                go.wait(PATIENCE)
+            return children(parent)
+
+        monkeypatch.setattr(store, "_children", slow_listing)
+        passing = threading.Thread(target=store._clean_orphans)
+        passing.start()
+        assert listing.wait(PATIENCE)  # the slow pass has copied the orphans
+        granted: list[Any] = []
+        acquiring = threading.Thread(
+            target=lambda: granted.append(
+                store.try_acquire(
+                    "doc", token=token, ttl=30.0, owner="o", info=None, steal=False, waiter=None
+                )
+            )
+        )
+        acquiring.start()
+        acquiring.join(0.5)  # granted now (before the fix), or waiting for the pass
+        go.set()
+        passing.join(PATIENCE)
+        acquiring.join(PATIENCE)
+        assert granted, "the acquire did not end"
+        assert granted[0].ok
+        holder = other.holder("doc")
+        assert holder is not None, "the granted node was deleted by the slow pass"
+        assert holder.fence == granted[0].holder.fence
+        assert store.release("doc", token).ok

@@ -320,6 +320,12 @@ class ZooKeeperStore:
         self._session_timeout = session_timeout
         self._leases: dict[tuple[str, str], _Node] = {}
         self._orphans: set[tuple[str, str]] = set()  # (key node path, token digest)
+        # One pass over the orphans at a time: an entry leaves the set once its nodes are
+        # deleted, so a step that still finds its own entry waits for every pass that
+        # copied it. Found by review: a pass started at a reconnect, slow, deleted the
+        # node a retried acquire with the same token had just been granted (another
+        # client was granted the key while its holder still held it).
+        self._orphan_pass = threading.Lock()
         self._handovers: dict[tuple[str, int], float] = {}  # (path, mzxid) -> first seen
         self._waiters: weakref.WeakSet[_ZooKeeperWaiter] = weakref.WeakSet()
         self._offset_ms = 0.0  # the leader's wall clock minus ours, from our last write
@@ -994,14 +1000,15 @@ class ZooKeeperStore:
 
     def _clean_orphans(self) -> None:
         """Delete the nodes of creates whose reply was lost (see the module)."""
-        with self._mutex:
-            orphans = list(self._orphans)
-        for parent, digest in orphans:
-            for name in self._children(parent) or []:
-                if name.startswith(digest + "-"):
-                    self._delete(f"{parent}/{name}")
+        with self._orphan_pass:
             with self._mutex:
-                self._orphans.discard((parent, digest))
+                orphans = list(self._orphans)
+            for parent, digest in orphans:
+                for name in self._children(parent) or []:
+                    if name.startswith(digest + "-"):
+                        self._delete(f"{parent}/{name}")
+                with self._mutex:
+                    self._orphans.discard((parent, digest))
 
     def _clean_orphans_quietly(self) -> None:
         try:
