@@ -1029,20 +1029,30 @@ class _Run:
                 self._task.cancel()
         elif self.phase == "starting":
             self.pending.append(signum)
-        elif self.phase == "running":
-            assert self.process is not None
+        elif self.phase == "running" and self.process is not None:
             if self.process.returncode is None:
                 self._forward(signum)
             else:  # the child has ended: only the release is left, which may hang
                 self._abandon_release(signum)
+        else:
+            # "ended": the command could not be started, and the release is under way;
+            # "done": the release is over, the client closes (a release that failed is
+            # tried once more then, and may hang as long). Found by review: the signal
+            # was ignored until then, and keymutex exited 0.
+            self._abandon_release(signum)
 
     def _abandon_release(self, signum: int) -> NoReturn:
         """Exit at once, 128+N: the release waits for a store that does not answer (a
         closing client would wait for it too, and so would the interpreter's exit, for
         the thread it runs in). The lease expires by its TTL."""
+        what = (
+            f"closing the store after {self.name} ended"
+            if self.phase == "done"
+            else f"releasing {self.key!r} after {self.name} ended"
+        )
         _tell(
-            f"keymutex: {signal.Signals(signum).name} while releasing {self.key!r} after"
-            f" {self.name} ended; the lease expires by its TTL"
+            f"keymutex: {signal.Signals(signum).name} while {what}; the lease, if still"
+            " held, expires by its TTL"
         )
         _die_by(signum)
         os._exit(128 + signum)
@@ -1186,18 +1196,24 @@ class _Run:
                     "/bin/sh", *script, env=env, preexec_fn=orphaned
                 )
         except FileNotFoundError:
+            self.phase = "ended"
             _tell(f"keymutex: {self.name}: command not found{self._key_hint()}")
             return EX_NOTFOUND
         except PermissionError:
+            self.phase = "ended"
             _tell(f"keymutex: {self.name}: permission denied")
             return EX_NOEXEC
         except OSError as exc:
+            self.phase = "ended"
             _tell(f"keymutex: {self.name}: cannot execute: {exc.strerror or exc}")
             return EX_NOEXEC
         self.process = process
         self.phase = "running"
+        # Signals that came before it ran: the terminal's did not reach it (found by
+        # review: a Ctrl-C just after the grant was taken for one the terminal had sent
+        # the command too, and the command ran to its end under the lock).
         for signum in self.pending:
-            self._forward(signum)
+            _signal(process, signum, descendants=signum in ENDING_SIGNALS)
         if self.lost:
             _signal(process, signal.SIGTERM, descendants=True)
         watch = asyncio.create_task(self._watch(lease))
