@@ -1527,3 +1527,31 @@ def test_a_reply_without_the_number_asked_for_is_a_protocol_error() -> None:
         _ = reply.cas
     with pytest.raises(memcached.ProtocolError):
         _ = memcached.Reply(b"VA", {"t": "x"}, b"", b"VA 0 tx").seconds_left
+
+
+def test_a_lease_granted_as_another_client_makes_its_bucket_is_listed(
+    memcached_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: our append found no index bucket; another client made it before
+    our own make of it, which was refused; compacting the bucket then found only live
+    entries, took it for full, and our lease was never listed by ``holders()`` (48
+    clients granted at once in a new namespace: up to ten of them unlisted)."""
+    store = open_store(memcached_url, namespace)
+    other = open_store(memcached_url, namespace)
+    layout = store._layout
+    bucket_of = {key: layout.listing(layout.lease(key))[0] for key in map(str, range(200))}
+    ours = "0"
+    theirs = next(k for k, b in bucket_of.items() if k != ours and b == bucket_of[ours])
+    index = store._index
+
+    def another_client_makes_the_bucket(session: Session, name: str, appended: Any) -> None:
+        assert acquire(other, theirs, TOKEN_B).ok  # its grant makes the bucket, listed
+        index(session, name, appended)
+
+    monkeypatch.setattr(store, "_index", another_client_makes_the_bucket)
+    try:
+        assert acquire(store, ours, TOKEN_A).ok
+        assert sorted(h.key for h in store.holders("")) == sorted([ours, theirs])
+    finally:
+        store.close()
+        other.close()

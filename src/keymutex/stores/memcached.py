@@ -1196,10 +1196,15 @@ class MemcachedStore:
                     (created,) = session.write(ms(bucket, entry, "T0", "ME"), 1)
                     if created.expect(b"HD", b"NS").code == b"HD":
                         return
+                    # Made by another client since our append: append to it now. Found
+                    # by review: compacting it found only live entries ("full"), and a
+                    # lease granted as a bucket was first made was never listed.
+                    (appended,) = session.write(ms(bucket, entry, "MA"), 1)
+                    if appended.code == b"HD":
+                        return
                 # The bucket is there and took no more: memcached 1.6 answers NS, not
                 # SERVER_ERROR, to an append that would take an item past its size limit
-                # (-I, 1 MB by default). Or it was created since our append: compacting
-                # it then costs little.
+                # (-I, 1 MB by default).
                 if not self._compact(session, bucket):
                     _LOG.warning(
                         "memcached: could not list %s for holders(): %s is full of live leases",
