@@ -1555,3 +1555,21 @@ def test_a_lease_granted_as_another_client_makes_its_bucket_is_listed(
     finally:
         store.close()
         other.close()
+
+
+def test_an_acquire_retried_for_its_own_lease_lists_it_again(
+    memcached_url: str, namespace: str, raw: Client
+) -> None:
+    """A grant whose reply was lost, asked for again with the same token (the lock
+    server's clients do), is answered "ours already". A waiter's grant is listed by a
+    write after it, which may have been lost with the reply: the lease was then never
+    listed by ``holders()``. Here its listing is gone when it is asked again."""
+    store = open_store(memcached_url, namespace)
+    try:
+        assert acquire(store, "doc", TOKEN_A).ok
+        raw.delete(store._layout.listing(store._layout.lease("doc"))[0])  # the listing lost
+        assert store.holders("") == []
+        assert acquire(store, "doc", TOKEN_A).ok  # ours already
+        assert [h.key for h in store.holders("")] == ["doc"]
+    finally:
+        store.close()

@@ -1328,6 +1328,9 @@ class MemcachedStore:
             if holder is not None:
                 if holder.token == wanted.token:  # ours already (a retried acquire)
                     self._remember(name, holder, reply.cas, session)
+                    # Its listing may have been lost with the reply to the grant (a
+                    # waiter's grant is listed after it, by a write of its own).
+                    self._index(session, name, None)
                     return outcome(True, holder, now)
                 refused = outcome(False, holder, now)
             elif isinstance(current, Tombstone) and kept_for(current, now) not in (None, me):
