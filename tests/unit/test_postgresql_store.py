@@ -1610,3 +1610,25 @@ def test_an_async_store_checks_its_schema_in_one_loop_after_another(
         await locks.aclose()
 
     asyncio.run(close())
+
+
+def test_a_lease_asked_twice_in_one_batch_renewal_is_renewed_for_both(
+    postgresql_url: str, namespace: str
+) -> None:
+    """Found by review: the batch renewal joined the renewed rows back by position, so
+    the second copy of a lease (the lock server passes a client's list on as it is) was
+    reported lost though it had just been renewed; memory and SQLite renew both."""
+    with keymutex.Locks(postgresql_url, namespace=namespace) as locks:
+        lease = locks.acquire("doc", ttl=30)
+        other = locks.acquire("other", ttl=30)
+        request = RenewRequest("doc", lease.token, 60.0)
+        outcomes = locks._store.renew_many(
+            [request, request, RenewRequest("other", "not-its-token", 60.0)]
+        )
+        assert [o.ok for o in outcomes] == [True, True, False]
+        assert outcomes[0].holder == outcomes[1].holder
+        assert outcomes[0].holder.fence == lease.fence
+        assert outcomes[2].holder is not None
+        assert outcomes[2].holder.fence == other.fence
+        lease.release()
+        other.release()

@@ -414,7 +414,10 @@ RETURNING owner, info::text, fence, extract(epoch FROM acquired_at)::float8,
 # Params: namespace, keys, tokens, ttls (s): arrays of one length.
 # Returns one row per request, in order: position (1-based), renewed, then owner, info,
 # fence, acquired_at (epoch s), remaining (s) of the lease after the renewal, or of the
-# key's current holder (all NULL when the key is free) when not renewed.
+# key's current holder (all NULL when the key is free) when not renewed. A (key, token)
+# asked twice is renewed once, by one of its ttls, and both requests say renewed: the
+# renewed rows are joined back by key and token (found by review: joined by position,
+# the second copy of a lease just renewed was reported lost).
 _RENEW_MANY = """
 WITH request AS (
     SELECT * FROM unnest(%(keys)s, %(tokens)s, %(ttls)s)
@@ -426,10 +429,10 @@ renewed AS (
     FROM request
     WHERE held.namespace = %(namespace)s AND held.key = request.key
       AND held.token = request.token AND held.expires_at > clock_timestamp()
-    RETURNING request.seq, held.owner, held.info, held.fence, held.acquired_at,
+    RETURNING held.key, held.token, held.owner, held.info, held.fence, held.acquired_at,
               held.expires_at
 )
-SELECT request.seq, renewed.seq IS NOT NULL,
+SELECT request.seq, renewed.key IS NOT NULL,
        coalesce(renewed.owner, holder.owner),
        coalesce(renewed.info, holder.info)::text,
        coalesce(renewed.fence, holder.fence),
@@ -437,9 +440,9 @@ SELECT request.seq, renewed.seq IS NOT NULL,
        extract(epoch FROM coalesce(renewed.expires_at, holder.expires_at)
                           - clock_timestamp())::float8
 FROM request
-LEFT JOIN renewed ON renewed.seq = request.seq
+LEFT JOIN renewed ON renewed.key = request.key AND renewed.token = request.token
 LEFT JOIN {table} AS holder
-    ON renewed.seq IS NULL AND holder.namespace = %(namespace)s
+    ON renewed.key IS NULL AND holder.namespace = %(namespace)s
    AND holder.key = request.key AND holder.expires_at > clock_timestamp()
 ORDER BY request.seq
 """
