@@ -1632,3 +1632,27 @@ def test_a_lease_asked_twice_in_one_batch_renewal_is_renewed_for_both(
         assert outcomes[2].holder.fence == other.fence
         lease.release()
         other.release()
+
+
+def test_forgetting_keys_contended_long_ago_is_safe_while_other_threads_add_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the keys contended lately were filtered by iterating the dict
+    that other threads of the store add to: RuntimeError out of a step, in principle.
+    Here another thread's key lands while the filter iterates."""
+    from keymutex.stores import postgresql
+
+    class Meddled(dict[str, float]):
+        def items(self) -> Any:
+            iterating = iter(super().items())
+            first = next(iterating)
+            self[f"another thread's {len(self)}"] = 0.0
+            yield first
+            yield from iterating
+
+    monkeypatch.setattr(postgresql, "CONTENDED_KEYS", 2)
+    steps = postgresql._Steps("keymutex_leases", "n")
+    steps._busy = Meddled({"a": 0.0, "b": 0.0})  # both long since no longer contended
+    steps._contend("c")
+    assert steps._contended("c")
+    assert not steps._contended("a")

@@ -868,7 +868,10 @@ class _Steps:
         """Remember that ``key`` is contended: a refusal, or a hand-over, came just now."""
         now = time.monotonic()
         if len(self._busy) >= CONTENDED_KEYS:
-            self._busy = {k: until for k, until in self._busy.items() if until > now}
+            # From a copy, made at once: other threads add to the dict meanwhile, and
+            # iterating it then would raise RuntimeError (found by review).
+            busy = dict(self._busy)
+            self._busy = {k: until for k, until in busy.items() if until > now}
             if len(self._busy) >= CONTENDED_KEYS:
                 self._busy = {}
         self._busy[key] = now + CONTENDED_FOR
