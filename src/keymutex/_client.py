@@ -221,6 +221,12 @@ def _pacing(store: Store | AsyncStore) -> tuple[bool, Backoff | None]:
     return capabilities.waits_at_store, None if paced else Backoff()
 
 
+# _looked_again_at_once: a waiter made only after a refusal, of a store that turns out
+# to wake its waiters (it learnt so at that first step), may have missed a release
+# between the refusal and its joining: it tries again at once rather than park until
+# the next recheck (found by review: a second, as the first wait of a MongoDB client).
+
+
 def _key_template(template: object, function: Callable[..., Any]) -> inspect.Signature:
     """Check that ``template`` only names parameters of ``function``; its signature."""
     if not isinstance(template, str):
@@ -823,7 +829,8 @@ class _Renewer:
         """Renew ``batch`` in one store call, and take in its outcome (``_settle``).
 
         The call is waited for until another lease falls due (once it has run
-        ``SLOW_RENEWAL``), and a third of the batch's shortest TTL at most. One that
+        ``SLOW_RENEWAL``), and a third of the batch's shortest TTL at most, or until
+        ``close()``. One that
         takes longer is left to end on its own thread and settled then, while this
         thread goes on with the other leases.
         Found by review: a Redis Cluster master that stopped answering (``kill -STOP``,
@@ -1402,6 +1409,8 @@ class Locks:
                 if waiter is None:
                     waiter = self._store.waiter(request.key)
                     at_store, backoff = _pacing(self._store)
+                    if self._store.capabilities.notifies:
+                        continue  # _looked_again_at_once
                 waiter.wait(park_time(deadline, outcome.remaining, backoff, at_store=at_store))
                 if self._closed:
                     raise RuntimeError(_closed_while_waiting(self, request.key))
@@ -1496,8 +1505,7 @@ class Locks:
                     sent_at = _clock.monotonic()
                     outcome = self._store.renew(lease.key, lease.token, ttl)
                     if outcome.ok and _renewed_past_deadline(lease):
-                        if lease._drawn:
-                            _release_quietly(self._store, lease)
+                        _release_quietly(self._store, lease)
                         outcome = Outcome(False)
                     elif outcome.ok:
                         lease._granted(outcome, sent_at, ttl)
@@ -1627,12 +1635,17 @@ class _AsyncRenewer:
                 continue
             # A lease its owner is renewing right now is looked at again shortly.
             mine: list[AsyncLease] = []
-            for lease in batch:
-                assert isinstance(lease, AsyncLease)
-                if await _taken_at_once(lease._renewing):
-                    mine.append(lease)
-                else:
-                    self._plan.later(lease, now)
+            try:
+                for lease in batch:
+                    assert isinstance(lease, AsyncLease)
+                    if await _taken_at_once(lease._renewing):  # may yield: cancellable
+                        mine.append(lease)
+                    else:
+                        self._plan.later(lease, now)
+            except BaseException:  # cancelled by aclose(): nothing renews those taken
+                for lease in mine:
+                    lease._renewing.release()
+                raise
             if mine:
                 await self._renew(mine)  # frees the batch's leases, now or when the call ends
 
@@ -2205,6 +2218,8 @@ class AsyncLocks:
                 if waiting is None:
                     waiting = _Waiting(await self._store.waiter(request.key))
                     at_store, backoff = _pacing(self._store)
+                    if self._store.capabilities.notifies:
+                        continue  # _looked_again_at_once
                 await waiting.waiter.wait(
                     park_time(deadline, outcome.remaining, backoff, at_store=at_store)
                 )
@@ -2352,8 +2367,7 @@ class AsyncLocks:
                     sent_at = _clock.monotonic()
                     outcome = await self._store.renew(lease.key, lease.token, ttl)
                     if outcome.ok and _renewed_past_deadline(lease):  # as in Locks
-                        if lease._drawn:
-                            await _release_quietly_async(self._store, lease)
+                        await _release_quietly_async(self._store, lease)
                         outcome = Outcome(False)
                     elif outcome.ok:
                         lease._granted(outcome, sent_at, ttl)

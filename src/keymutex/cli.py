@@ -996,7 +996,10 @@ class _Run:
     keymutex with 128+N), ``starting`` the child (signals are kept, and forwarded once
     it runs), ``running`` (signals are forwarded as they come; once the child has
     ended, the release is under way, and a signal ends keymutex at once with 128+N:
-    the lease expires by its TTL), ``done``. Everything runs on the event loop,
+    the lease expires by its TTL), ``ended`` (the child could not be started, or the
+    lease was lost before it was: the release is under way, and a signal ends keymutex
+    as in ``running``), ``done`` (the release is over, the client closes: a signal ends
+    keymutex likewise). Everything runs on the event loop,
     so the phase changes only between awaits. A signal that keymutex was started
     ignoring (``nohup``, a script's ``&``) is left ignored, for the child too.
     """
@@ -1045,10 +1048,11 @@ class _Run:
         """Exit at once, 128+N: the release waits for a store that does not answer (a
         closing client would wait for it too, and so would the interpreter's exit, for
         the thread it runs in). The lease expires by its TTL."""
+        after = f"after {self.name} ended" if self.process else f"({self.name} was not started)"
         what = (
-            f"closing the store after {self.name} ended"
+            f"closing the store {after}"
             if self.phase == "done"
-            else f"releasing {self.key!r} after {self.name} ended"
+            else f"releasing {self.key!r} {after}"
         )
         _tell(
             f"keymutex: {signal.Signals(signum).name} while {what}; the lease, if still"
@@ -1136,6 +1140,8 @@ class _Run:
             async with lease:
                 if not self.lost:
                     status = await self._child(lease)
+                else:  # lost before it started: it will not be; the release is left
+                    self.phase = "ended"
         except LockLost as exc:
             self.lost = True
             self.new_holder = exc.holder

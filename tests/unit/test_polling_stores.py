@@ -179,3 +179,25 @@ async def test_the_first_wait_of_an_async_store_that_learns_it_notifies_waits_to
     assert store.parks[0] > 0.25, f"parked on backoff steps: {store.parks}"
     assert store.tries <= 3, f"{store.tries} tries: the waiter polled instead of waiting"
     await got.release()
+
+
+def test_a_release_before_the_first_waiter_joins_is_not_missed() -> None:
+    """Found by review of the test above's fix: the waiter of a store that learns at
+    its first step that it notifies is made after the first refusal; a release between
+    the two was unheard, and the waiter parked a whole recheck (a second). It looks
+    again at once."""
+    holder = keymutex.Locks("memory://", namespace="learns-late")
+    waiting = keymutex.Locks("memory://", namespace="learns-late")
+    store = SyncLearningStore(waiting._store)
+    waiting._store = store  # type: ignore[assignment]
+    lease = holder.acquire("doc", ttl=30)
+    make_waiter = store.waiter
+
+    def released_before_joining(key: str) -> RecordingWaiter:
+        lease.release()  # between the refusal and the waiter: nobody hears it
+        return make_waiter(key)
+
+    store.waiter = released_before_joining  # type: ignore[method-assign]
+    got = waiting.acquire("doc", timeout=10)
+    assert store.parks == [], f"parked {store.parks} though the key was free"
+    got.release()
