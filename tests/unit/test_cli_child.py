@@ -78,3 +78,31 @@ def test_a_signal_once_the_command_is_over_ends_keymutex_by_it(
     with pytest.raises(_Exited) as ended:
         run.on_signal(signal.SIGTERM)
     assert ended.value.args == (128 + signal.SIGTERM,)
+
+
+@pytest.mark.asyncio
+async def test_a_signal_while_a_lease_lost_before_the_start_is_released_ends_keymutex(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: when the lease was lost before the command started, a signal
+    during the release was kept, as if the command were about to start."""
+
+    def exited(status: int) -> None:
+        raise _Exited(status)
+
+    monkeypatch.setattr(cli, "_die_by", lambda signum: None)
+    monkeypatch.setattr(os, "_exit", exited)
+    run = _Run("job", ["sleep", "30"], quiet=True, info=None)
+    run.lost = True  # before the command could start: it will not
+
+    class Releasing:
+        async def __aenter__(self) -> Releasing:
+            return self
+
+        async def __aexit__(self, *exc_info: object) -> None:
+            run.on_signal(signal.SIGTERM)  # while the release waits for the store
+
+    with pytest.raises(_Exited) as ended:
+        await run._hold(Releasing())  # type: ignore[arg-type]
+    assert ended.value.args == (128 + signal.SIGTERM,)
+    assert run.process is None
