@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from keymutex import _clock
+from keymutex import _clock, _process
 from keymutex._errors import LockLost
 
 if TYPE_CHECKING:
@@ -123,7 +122,7 @@ class LeaseState:
         self._drawn = False
         self._new_holder: Holder | None = None
         self._mutex = threading.Lock()
-        self._pid = os.getpid()  # a forked child holds a copy, not the lease
+        self._pid = _process.pid()  # a forked child holds a copy, not the lease
         self._granted(outcome, sent_at, ttl)
 
     def _granted(self, outcome: Outcome, sent_at: float, ttl: float) -> None:
@@ -157,7 +156,7 @@ class LeaseState:
 
     def _check_process(self) -> None:
         """A lease is renewed and released only by the process it was granted to."""
-        if self._pid != os.getpid():
+        if self._pid != _process.pid():
             raise LockLost(
                 self.key,
                 None,

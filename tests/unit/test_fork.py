@@ -6,6 +6,7 @@ import functools
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -120,3 +121,37 @@ def test_children_forked_from_a_parent_renewing_on_sqlite_can_use_its_store(
             pids.append(_forked(functools.partial(_acquire_a_free_key, locks)))
             time.sleep(0.005)
         assert _exit_codes(pids) == Counter({0: len(pids)})
+
+
+NAMED_THE_WRONG_PROCESS, RELEASED_THE_PARENTS_LEASE, OWNED_AS_THE_PARENT = 4, 5, 6
+
+
+def _a_child_of_its_own(locks: keymutex.Locks, parents: keymutex.Lease) -> int:
+    try:
+        parents.release()
+    except keymutex.LockLost as exc:
+        if f"process {os.getppid()}," not in str(exc):
+            return NAMED_THE_WRONG_PROCESS
+    else:
+        return RELEASED_THE_PARENTS_LEASE
+    with locks.lock("child", timeout=2, renew=False):
+        holder = locks.holder("child")
+        if holder is None or holder.owner != f"{socket.gethostname()}:{os.getpid()}":
+            return OWNED_AS_THE_PARENT
+    return 0
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_a_forked_child_is_another_process_to_its_leases_and_owners(tmp_path: Path) -> None:
+    """This process's id is read once per process (``keymutex._process``), not by a
+    system call at each step: a forked child must still be told apart from its
+    parent. It cannot release the parent's lease (that is the parent's to end), and its
+    own grants name it as their owner."""
+    with keymutex.Locks(f"sqlite:///{tmp_path}/locks.db") as locks:
+        parents = locks.acquire("parent", ttl=60, renew=False)
+        pids = [_forked(functools.partial(_a_child_of_its_own, locks, parents)) for _ in range(3)]
+        assert _exit_codes(pids) == Counter({0: len(pids)})
+        holder = locks.holder("parent")
+        assert holder is not None
+        assert holder.owner == f"{socket.gethostname()}:{os.getpid()}"
+        parents.release()

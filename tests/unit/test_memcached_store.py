@@ -1300,6 +1300,44 @@ def test_a_paused_server_does_not_cost_another_servers_renewing_lease(tmp_path: 
             healthy.release()
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP, and wait until every thread has stopped: ``kill`` returns before (found
+    on a loaded machine: a request sent at once was still answered)."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = Path(f"/proc/{pid}/task")
+    while not all(
+        (task / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        for task in tasks.iterdir()
+    ):
+        time.sleep(0.001)
+
+
+def test_a_server_that_stops_answering_fails_the_step_at_the_socket_timeout(
+    tmp_path: Path,
+) -> None:
+    """Each send and receive is bounded by the kernel (``SO_RCVTIMEO``, ``SO_SNDTIMEO``
+    on a blocking socket, see ``memcached.bound``), not by Python's own timeout: a
+    paused server fails the step with ``StoreError`` saying so, not a hang, and the
+    connection it left out of step is not used again."""
+    with (
+        MemcachedServer(tmp_path).start() as server,
+        keymutex.Locks(server.url, namespace=uuid.uuid4().hex[:8], socket_timeout=0.5) as locks,
+    ):
+        locks.acquire("warm", timeout=0).release()  # a pooled connection, reused below
+        _stop(server.process.pid)
+        try:
+            with pytest.raises(keymutex.StoreError) as caught:
+                locks.acquire("k", timeout=0)
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert isinstance(caught.value.__cause__, TimeoutError)
+        assert "did not answer in time" in str(caught.value.__cause__)
+        # The paused server answers the lost request late; a step on another
+        # connection is not confused by it.
+        with locks.lock("k2", timeout=2, renew=False) as lease:
+            assert locks.holder("k2") == locks_holder(locks, lease)
+
+
 def test_a_paused_server_does_not_hold_up_the_renewals_of_leases_shorter_than_its_timeout(
     tmp_path: Path,
 ) -> None:

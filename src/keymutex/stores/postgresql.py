@@ -115,6 +115,7 @@ import psycopg.conninfo
 import psycopg.errors
 from psycopg import pq
 
+from keymutex import _process
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, stop_task, translate_errors
@@ -1142,7 +1143,7 @@ class _Sessions:
         self._open = 0
         self._waiting = 0  # threads waiting for a connection (nobody, nearly always)
         self._closed = False
-        self._pid = os.getpid()
+        self._pid = _process.pid()
         self._abandoned: list[object] = []
         _FORK_AWARE.add(self)
 
@@ -1152,7 +1153,7 @@ class _Sessions:
         self._mutex = threading.Lock()
         self._changed = threading.Condition(self._mutex)
         self._abandoned.append(self._free)
-        self._free, self._open, self._waiting, self._pid = [], 0, 0, os.getpid()
+        self._free, self._open, self._waiting, self._pid = [], 0, 0, _process.pid()
 
     def take(self) -> _Session:
         doomed = []
@@ -1203,8 +1204,8 @@ class _Sessions:
     def give(self, session: _Session) -> None:
         now = time.monotonic()
         with self._mutex:
-            if self._closed or self._pid != os.getpid():
-                stale = session if self._pid == os.getpid() else None
+            if self._closed or self._pid != _process.pid():
+                stale = session if self._pid == _process.pid() else None
             else:
                 session.idle_since = now
                 self._free.append(session)
@@ -1224,7 +1225,7 @@ class _Sessions:
             self.give(session)
             return
         with self._mutex:
-            same_process = self._pid == os.getpid()
+            same_process = self._pid == _process.pid()
             if same_process:
                 self._open -= 1
                 self._notify()
@@ -1235,7 +1236,7 @@ class _Sessions:
         with self._mutex:
             self._closed = True
             free, self._free = self._free, []
-            same_process = self._pid == os.getpid()
+            same_process = self._pid == _process.pid()
             self._changed.notify_all()
         if same_process:
             for session in free:
@@ -1495,7 +1496,7 @@ class _Listener:
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
-        self._pid = os.getpid()
+        self._pid = _process.pid()
         self._abandoned: list[object] = []
         _FORK_AWARE.add(self)
 
@@ -1505,7 +1506,7 @@ class _Listener:
         self._mutex = threading.Lock()
         self._abandoned.append((self._wake_r, self._wake_w))
         self._wake_r, self._wake_w = os.pipe()
-        self._pid = os.getpid()
+        self._pid = _process.pid()
         self._thread = None
         self._listening = threading.Event()
         closing, self._closing = self._closing, threading.Event()
@@ -1604,7 +1605,7 @@ class _Listener:
                 return
             self._closing.set()
             thread = self._thread
-            same_process = self._pid == os.getpid()
+            same_process = self._pid == _process.pid()
         if same_process:
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"!")
