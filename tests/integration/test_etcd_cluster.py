@@ -1,8 +1,8 @@
-"""What a user of the etcd store can expect when cluster members crash or stop.
+"""What a user of the etcd store can expect when cluster members crash, stop or hang.
 
-A real 3-member etcd cluster on loopback (tests/_etcd_servers.py), real SIGKILLs, the
-public API only. Each test says in its docstring what it shows; the asserts are the
-guarantees. Members run etcd's default timing (heartbeat 100 ms, election 1 s).
+A real 3-member etcd cluster on loopback (tests/_etcd_servers.py), real SIGKILLs and
+SIGSTOPs, the public API only. Each test says in its docstring what it shows; the
+asserts are the guarantees. Members run etcd's default timing (heartbeat 100 ms, election 1 s).
 
 Common ground: etcd commits through a quorum (2 of 3), so a grant acknowledged before
 a crash is on a majority and survives it; fences are etcd revisions, which a new leader
@@ -13,18 +13,25 @@ raises ``StoreError`` after the client's ``timeout``: nothing hangs.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
+import signal
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import httpx
 import pytest
 
 import _etcd_servers as servers
 import keymutex
 from _etcd_fixtures import require_etcd
+from keymutex.stores import etcd as etcd_store
 
 T = TypeVar("T")
 
@@ -230,3 +237,174 @@ def test_stopping_a_minority_member_changes_nothing(
         assert fences == sorted(fences)
         assert len(set(fences)) == len(fences)
         assert etcd_cluster.leader() is leader
+
+
+# -- a member that hangs: SIGSTOP ---------------------------------------------------
+
+STEP_TIMEOUT = 1.0  # a step sent to the paused member fails after this long
+# Hand-overs to a queued waiter take ~10 ms; one that waits for the waiter's
+# once-a-second recheck instead takes ~1 s. The bound is far from both.
+PROMPT = 0.5
+
+
+def follower_first(topology: servers.EtcdCluster) -> tuple[str, servers.EtcdMember]:
+    """A URL whose first endpoint (where a store's steps and watch stream start) is a
+    follower, and that follower: pausing it keeps the leader, so nothing waits for an
+    election."""
+    leader = topology.leader()
+    followers = [member for member in topology.members if member is not leader]
+    order = [*followers, leader]
+    return "etcd://" + ",".join(member.endpoint for member in order), followers[0]
+
+
+@contextlib.contextmanager
+def paused(member: servers.EtcdMember) -> Iterator[None]:
+    """SIGSTOP ``member``: its sockets stay open and nothing answers (a hung host or
+    disk), unlike a crash, whose refused connections move the steps at once."""
+    assert member.process is not None
+    member.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        member.process.send_signal(signal.SIGCONT)
+
+
+def queue_range(namespace: str, key: str) -> dict[str, Any]:
+    """The body of a ``/v3/kv/range`` read of ``key``'s waiters' queue."""
+    start, end = etcd_store._Layout(namespace).queue(key)
+    return {"key": base64.b64encode(start).decode(), "range_end": base64.b64encode(end).decode()}
+
+
+def queued(member: servers.EtcdMember, namespace: str, key: str) -> bool:
+    """Whether a waiter has queued for ``key``, as ``member`` (a live one) reads it."""
+    reply = httpx.post(member.client_url + "/v3/kv/range", json=queue_range(namespace, key))
+    return bool(reply.json().get("kvs"))
+
+
+async def queued_async(member: servers.EtcdMember, namespace: str, key: str) -> bool:
+    async with httpx.AsyncClient() as client:
+        reply = await client.post(
+            member.client_url + "/v3/kv/range", json=queue_range(namespace, key)
+        )
+    return bool(reply.json().get("kvs"))
+
+
+def handover(
+    alice: keymutex.Locks,
+    bob: keymutex.Locks,
+    key: str,
+    namespace: str,
+    member: servers.EtcdMember,
+) -> float:
+    """Seconds from alice's release of ``key`` to bob's grant, bob having queued for it
+    first (seen on ``member``): what the watch stream alone decides."""
+    held = alice.acquire(key, timeout=0)
+    granted: list[float] = []
+
+    def wait() -> None:
+        lease = bob.acquire(key, timeout=10)
+        granted.append(time.monotonic())
+        lease.release()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    give_up = time.monotonic() + PATIENCE
+    while not queued(member, namespace, key):
+        assert time.monotonic() < give_up, "bob never queued"
+        time.sleep(0.01)
+    released = time.monotonic()
+    held.release()
+    waiter.join(15)
+    assert granted, "bob was not granted the released key"
+    return granted[0] - released
+
+
+async def handover_async(
+    alice: keymutex.AsyncLocks,
+    bob: keymutex.AsyncLocks,
+    key: str,
+    namespace: str,
+    member: servers.EtcdMember,
+) -> float:
+    """As ``handover``, with ``AsyncLocks``."""
+    held = await alice.acquire(key, timeout=0)
+
+    async def wait() -> float:
+        lease = await bob.acquire(key, timeout=10)
+        granted = time.monotonic()
+        await lease.release()
+        return granted
+
+    waiter = asyncio.create_task(wait())
+    give_up = time.monotonic() + PATIENCE
+    while not await queued_async(member, namespace, key):
+        assert time.monotonic() < give_up, "bob never queued"
+        await asyncio.sleep(0.01)
+    released = time.monotonic()
+    await held.release()
+    return await asyncio.wait_for(waiter, 15) - released
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_waiter_is_woken_at_once_after_the_member_of_its_watch_hung(
+    etcd_cluster: servers.EtcdCluster, namespace: str
+) -> None:
+    """SIGSTOP the member both clients use (a follower: the cluster keeps its leader).
+
+    Shown: each client's next step times out and moves to another member; from then
+    on a release wakes the queued waiter within milliseconds, as before the pause — its
+    watch stream moved with the steps. Before the fix the stream stayed on the paused
+    member, heard nothing, and every hand-over waited for the waiter's once-a-second
+    recheck (~1 s) until that member answered again.
+    """
+    url, first = follower_first(etcd_cluster)
+    live = etcd_cluster.leader()
+    with (
+        keymutex.Locks(url, namespace=namespace, ttl=TTL, timeout=STEP_TIMEOUT) as alice,
+        keymutex.Locks(url, namespace=namespace, ttl=TTL, timeout=STEP_TIMEOUT) as bob,
+    ):
+        before = handover(alice, bob, "doc", namespace, live)  # bob's watch: on `first`
+        watched_at = time.monotonic()
+        with paused(first):
+            with ThreadPoolExecutor(2) as pool:
+                steps = [pool.submit(locks.holder, "doc") for locks in (alice, bob)]
+            for step in steps:
+                with pytest.raises(keymutex.StoreError):
+                    step.result()  # timed out on `first`: the next steps go elsewhere
+            # Else bob's stream closed unused, and its next one opens where the steps
+            # are: the test would show nothing.
+            assert time.monotonic() - watched_at < etcd_store.LINGER
+            after = [handover(alice, bob, "doc", namespace, live) for _ in range(3)]
+    print(f"\nhand-overs: {before * 1000:.0f} ms before the pause, after it:", end=" ")
+    print(", ".join(f"{seconds * 1000:.0f} ms" for seconds in after))
+    assert before < PROMPT
+    assert max(after) < PROMPT
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.asyncio
+async def test_an_async_waiter_is_woken_at_once_after_the_member_of_its_watch_hung(
+    etcd_cluster: servers.EtcdCluster, namespace: str
+) -> None:
+    """As the test above, with ``AsyncLocks`` (its watch stream is a task of its own)."""
+    url, first = follower_first(etcd_cluster)
+    live = etcd_cluster.leader()
+    async with (
+        keymutex.AsyncLocks(url, namespace=namespace, ttl=TTL, timeout=STEP_TIMEOUT) as alice,
+        keymutex.AsyncLocks(url, namespace=namespace, ttl=TTL, timeout=STEP_TIMEOUT) as bob,
+    ):
+        before = await handover_async(alice, bob, "doc", namespace, live)
+        watched_at = time.monotonic()
+        with paused(first):
+            steps = await asyncio.gather(
+                alice.holder("doc"), bob.holder("doc"), return_exceptions=True
+            )
+            assert all(isinstance(step, keymutex.StoreError) for step in steps), steps
+            assert time.monotonic() - watched_at < etcd_store.LINGER
+            after = [await handover_async(alice, bob, "doc", namespace, live) for _ in range(3)]
+    print(f"\nhand-overs: {before * 1000:.0f} ms before the pause, after it:", end=" ")
+    print(", ".join(f"{seconds * 1000:.0f} ms" for seconds in after))
+    assert before < PROMPT
+    assert max(after) < PROMPT

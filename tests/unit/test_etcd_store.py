@@ -377,6 +377,24 @@ def test_a_dead_endpoint_is_skipped(etcd_url: str, namespace: str) -> None:
             locks.acquire("doc", timeout=0).release()
 
 
+def test_endpoints_tell_their_listeners_when_requests_move_off_a_url() -> None:
+    """What moves a store's watch stream along with its steps (the stream on a paused
+    member: tests/integration/test_etcd_cluster.py)."""
+    endpoints = etcd_store._Endpoints(["http://a", "http://b"])
+    left: list[str] = []
+    endpoints.when_left(left.append)
+    endpoints.failed("http://b")  # not in use: nothing moves
+    assert (endpoints.current(), left) == ("http://a", [])
+    endpoints.failed("http://a")
+    assert (endpoints.current(), left) == ("http://b", ["http://a"])
+    endpoints.failed("http://a")  # another request failed there too: moved already
+    assert (endpoints.current(), left) == ("http://b", ["http://a"])
+    alone = etcd_store._Endpoints(["http://a"])
+    alone.when_left(left.append)
+    alone.failed("http://a")  # one endpoint: nowhere to go, the stream stays
+    assert left == ["http://a"]
+
+
 class socket_nobody_listens_on:  # a context manager named like the function it acts as
     def __enter__(self) -> int:
         from _etcd_servers import free_port

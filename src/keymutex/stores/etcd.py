@@ -132,8 +132,12 @@ etcd lets a user revoke a lease only if it may write every key attached to it).
 
 **Failures.** Every request goes to the first endpoint that accepts a connection
 (etcd forwards to the leader); a refused connection moves on to the next endpoint at
-once, any other failure raises ``StoreError`` (nothing is sent twice). While the
-cluster has no quorum, writes fail after the request timeout (``timeout``, 5 s).
+once, any other failure raises ``StoreError`` (nothing is sent twice) and the next
+requests go to the next endpoint. The watch stream follows them: one open on the
+endpoint they left is closed and opened again where they go, resuming where it was
+(a member that hangs, its sockets open, would keep it silent for as long as it hangs).
+While the cluster has no quorum, writes fail after the request timeout (``timeout``,
+5 s).
 """
 
 from __future__ import annotations
@@ -149,7 +153,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -1016,12 +1020,17 @@ def _content(call: _Call) -> bytes:
 
 
 class _Endpoints:
-    """The cluster's client URLs and which one is in use (the next after a refusal)."""
+    """The cluster's client URLs and which one is in use (the next after a failure).
+
+    Listeners (``when_left``) hear each move away from a URL: the store's watch stream
+    follows the steps to their new member (``_WatchHub._steps_left``).
+    """
 
     def __init__(self, urls: Sequence[str]) -> None:
         self._urls = list(urls)
         self._current = 0
         self._mutex = threading.Lock()
+        self._listeners: list[Callable[[str], None]] = []
 
     def __len__(self) -> int:
         return len(self._urls)
@@ -1029,10 +1038,21 @@ class _Endpoints:
     def current(self) -> str:
         return self._urls[self._current]
 
+    def when_left(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(url)`` after each move of the requests away from ``url``."""
+        self._listeners.append(listener)
+
     def failed(self, url: str) -> None:
+        """``url`` failed a request: the next ones go to the next URL (unless another
+        failure moved them already), and the listeners hear it, outside the mutex."""
         with self._mutex:
+            if self._urls[self._current] != url:
+                return
+            self._current = (self._current + 1) % len(self._urls)
             if self._urls[self._current] == url:
-                self._current = (self._current + 1) % len(self._urls)
+                return  # one endpoint: nowhere to move to
+        for listener in self._listeners:
+            listener(url)
 
 
 class _Auth:
@@ -1348,7 +1368,8 @@ class _WatchState:
     """What the watch stream of one store has seen (shared by the sync and async hubs).
 
     ``start``: the revision the stream was opened from (0: no stream); ``next``: the
-    revision to resume from after a broken connection.
+    revision to resume from after a broken connection; ``member``: the URL of the
+    member the open stream is on ("": none open).
     """
 
     layout: _Layout
@@ -1356,6 +1377,7 @@ class _WatchState:
     start: int = 0
     next: int = 0
     idle_since: float | None = None
+    member: str = ""
 
     def add(self, key: str, waiter: Any) -> None:
         self.waiters.setdefault(key, set()).add(waiter)
@@ -1452,6 +1474,7 @@ class _WatchHub:
         # review: a timer thread for each waiter that left piled up (5 s × the acquire
         # rate), and one that could not start failed an acquire granted meanwhile.
         self._linger: threading.Timer | None = None
+        transport.endpoints.when_left(self._steps_left)
 
     def join(self, waiter: _EtcdWaiter) -> None:
         with self._mutex:
@@ -1540,13 +1563,21 @@ class _WatchHub:
                     stopping = self._closed or self._state.lingered()
                 if stopping:
                     continue  # broken on purpose by poke()
-                self._transport.endpoints.failed(url)
-                failures += 1
-                _LOG.warning("etcd watch stream failed (%s); reconnecting", exc)
-                time.sleep(min(1.0, 0.05 * 2**failures))
+                if self._transport.endpoints.current() != url:
+                    # Broken on purpose by _steps_left (or broken after the steps left
+                    # its member): open it at once where the steps are now.
+                    _LOG.info("etcd watch stream moves off %s (%s)", url, exc)
+                else:
+                    self._transport.endpoints.failed(url)
+                    failures += 1
+                    _LOG.warning("etcd watch stream failed (%s); reconnecting", exc)
+                    time.sleep(min(1.0, 0.05 * 2**failures))
             with self._mutex:
                 everyone = self._state.everyone()
-            for waiter in everyone:  # a stream that ended may have missed something
+            # A stream that ended may have missed something: every waiter looks again.
+            # The next stream resumes from the revision after the last one this one
+            # delivered, so nothing between them is missed either.
+            for waiter in everyone:
                 waiter.ring()
 
     def _stream_once(self, url: str, resume: int) -> None:
@@ -1563,7 +1594,9 @@ class _WatchHub:
                 if response.status_code != 200:
                     raise ValueError(f"watch refused: HTTP {response.status_code}")
                 with self._mutex:
-                    self._stream = response
+                    self._stream, self._state.member = response, url
+                    if transport.endpoints.current() != url:
+                        return  # the steps left this member while the stream opened
                 for line in response.iter_lines():
                     with self._mutex:
                         ring, ended = self._state.message(line)
@@ -1577,8 +1610,29 @@ class _WatchHub:
             raise
         finally:
             with self._mutex:
-                self._stream = None
+                self._stream, self._state.member = None, ""
             client.close()
+
+    def _steps_left(self, url: str) -> None:
+        """The store's steps left ``url`` (it failed one of them): a stream open there
+        is broken, and the reader opens it again on the member the steps use now.
+
+        Found by a test on a 3-member cluster: a member stopped by SIGSTOP keeps its
+        sockets open and answers nothing, so a stream there never ended. The steps,
+        which time out, moved to another member; the stream stayed, heard no release,
+        and waiters woke only at their once-a-second recheck (hand-overs of up to 1 s
+        instead of ~10 ms) until that member answered again. The stream resumes from
+        the revision after the last deletion it delivered and every waiter is rung,
+        as after any reconnect, so no release in between is missed.
+
+        Not covered: a stream still *opening* on a member that stops answering before
+        its first reply (nothing to break yet: httpx exposes the socket only with the
+        response) stays there until the member answers; waiters look again every second.
+        """
+        with self._mutex:
+            stream = self._stream if self._state.member == url else None
+        if stream is not None:
+            _shutdown(stream)
 
     def poke(self) -> None:
         """Wake the reader if it should stop (closed, or idle past ``LINGER``)."""
@@ -1640,7 +1694,9 @@ class _AsyncWatchHub:
         self._transport = transport
         self._state = _WatchState(layout)
         self._task: asyncio.Task[None] | None = None
+        self._stream: httpx.Response | None = None
         self._closed = False
+        transport.endpoints.when_left(self._steps_left)
 
     def join(self, waiter: _AsyncEtcdWaiter) -> None:
         self._state.add(waiter.key, waiter)
@@ -1700,24 +1756,43 @@ class _AsyncWatchHub:
                     ) as response:
                         if response.status_code != 200:
                             raise ValueError(f"watch refused: HTTP {response.status_code}")
-                        async for line in response.aiter_lines():
-                            ring, ended = self._state.message(line)
-                            for waiter in ring:
-                                waiter.ring()
-                            if ended:
-                                break
+                        self._stream, self._state.member = response, url
+                        try:
+                            # Unless the steps left this member while the stream opened.
+                            if transport.endpoints.current() == url:
+                                async for line in response.aiter_lines():
+                                    ring, ended = self._state.message(line)
+                                    for waiter in ring:
+                                        waiter.ring()
+                                    if ended:
+                                        break
+                        finally:
+                            self._stream, self._state.member = None, ""
                     failures = 0
                 except (*_DRIVER_ERRORS,) as exc:
                     if isinstance(exc, _ReplyError):
                         _forget_rejected(transport.auth, exc, headers)
-                    transport.endpoints.failed(url)
-                    failures += 1
-                    _LOG.warning("etcd watch stream failed (%s); reconnecting", exc)
-                    await asyncio.sleep(min(1.0, 0.05 * 2**failures))
+                    if transport.endpoints.current() != url:
+                        # Broken on purpose by _steps_left (or broken after the steps
+                        # left its member): open it at once where the steps are now.
+                        _LOG.info("etcd watch stream moves off %s (%s)", url, exc)
+                    else:
+                        transport.endpoints.failed(url)
+                        failures += 1
+                        _LOG.warning("etcd watch stream failed (%s); reconnecting", exc)
+                        await asyncio.sleep(min(1.0, 0.05 * 2**failures))
+                # As in _WatchHub._read: everyone looks again; the next stream resumes.
                 for waiter in self._state.everyone():
                     waiter.ring()
         finally:
             await client.aclose()
+
+    def _steps_left(self, url: str) -> None:
+        """As ``_WatchHub._steps_left``: a stream open on ``url``, which the store's
+        steps left, is broken, and ``_read`` opens it again where the steps are now.
+        Called on the store's event loop (its steps run there), as the task reads."""
+        if self._stream is not None and self._state.member == url:
+            _shutdown(self._stream)
 
     async def aclose(self) -> None:
         self._closed = True
