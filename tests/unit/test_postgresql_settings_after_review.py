@@ -5,11 +5,13 @@ Against a real PostgreSQL (the session's ``postgresql_url``).
 
 from __future__ import annotations
 
+import inspect
 import logging
+import select
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -137,6 +139,132 @@ async def test_a_roles_idle_session_timeout_does_not_end_the_async_listener(
             await locks.acquire("k", timeout=IDLE_WAIT)
         await held.release()
     assert [r.getMessage() for r in caplog.records if "listener" in r.getMessage()] == []
+
+
+def _ended_by_the_server(session: Any) -> None:
+    """Wait until the server has ended ``session``: its error is on the socket."""
+    poller = select.poll()
+    poller.register(session.pgconn.socket, select.POLLIN)
+    assert poller.poll(30_000), "the server did not end the connection"
+
+
+def _lent_as_the_server_ends_it(sessions: Any, end: Callable[[Any], None]) -> list[Any]:
+    """Make the pool's next ``take`` lend its idle connection as the server ends it: the
+    pool checks it (alive), then ``end`` (the session) returns once the server has
+    ended it, and the step sends its statement. Returns the sessions lent, in order."""
+    take = sessions.take
+    lent: list[Any] = []
+
+    def taken(session: Any) -> Any:
+        if not lent:
+            assert session.idle_since > 0, "not a connection reused from the pool"
+            end(session)
+        lent.append(session)
+        return session
+
+    if inspect.iscoroutinefunction(take):
+
+        async def take_async(**options: Any) -> Any:
+            return taken(await take(**options))
+
+        sessions.take = take_async
+    else:
+        sessions.take = lambda **options: taken(take(**options))
+    return lent
+
+
+def test_a_pooled_connection_ended_for_idle_session_timeout_as_it_is_lent_is_replaced(
+    postgresql_url: str, admin: psycopg.Connection[Any], namespace: str
+) -> None:
+    """Found by review: the server ended a pooled connection for idle_session_timeout
+    (57P05) after the pool had checked it and before the step's statement arrived, and
+    the step failed with StoreError. The server ends only a session waiting for a
+    command: the statement had not run, and the step is sent again on a new connection.
+    That moment is made here: the pool's check passes, then the step waits until the
+    server has ended the connection (however loaded the machine, the server has)."""
+    table = _table()
+    url = f"{postgresql_url}?options=-c%20idle_session_timeout%3D{IDLE_MS}&table={table}"
+    with keymutex.Locks(url, namespace=namespace) as locks:
+        locks.holder("k")  # a connection in the pool
+        lent = _lent_as_the_server_ends_it(locks._store._sessions, _ended_by_the_server)  # type: ignore[attr-defined]
+        lease = locks.acquire("k", timeout=0)
+        first, again = lent[:2]
+        assert again is not first, "not sent again on a new connection"
+        holder = locks.holder("k")
+        assert holder is not None
+        assert holder.fence == lease.fence
+        assert _rows(admin, table) == 1
+        lease.release()
+
+
+@pytest.mark.asyncio
+async def test_an_async_pooled_connection_ended_for_idle_session_timeout_is_replaced(
+    postgresql_url: str, admin: psycopg.Connection[Any], namespace: str
+) -> None:
+    table = _table()
+    url = f"{postgresql_url}?options=-c%20idle_session_timeout%3D{IDLE_MS}&table={table}"
+    async with keymutex.AsyncLocks(url, namespace=namespace) as locks:
+        await locks.holder("k")
+        lent = _lent_as_the_server_ends_it(locks._store._sessions, _ended_by_the_server)  # type: ignore[attr-defined]
+        lease = await locks.acquire("k", timeout=0)
+        first, again = lent[:2]
+        assert again is not first, "not sent again on a new connection"
+        holder = await locks.holder("k")
+        assert holder is not None
+        assert holder.fence == lease.fence
+        assert _rows(admin, table) == 1
+        await lease.release()
+
+
+class _Idle:
+    """A connection of the pool, alive, that records being closed (no server needed)."""
+
+    def __init__(self) -> None:
+        self.idle_since = 0.0
+        self.closed = False
+
+    def suspect(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_fresh_connection_is_opened_beside_an_idle_one_even_at_max_size() -> None:
+    """The step sent again takes a new connection, never an idle one (idle as long, it
+    may be ended by the server the same way); at max_size the longest idle one is
+    closed to make room, rather than waiting for a connection given back."""
+    from keymutex.stores.postgresql import _Sessions
+
+    sessions: Any = _Sessions(_Idle, min_size=1, max_size=2, wait=0.1)  # type: ignore[arg-type]
+    older, newer = sessions.take(), sessions.take()
+    sessions.give(older)
+    sessions.give(newer)
+    assert sessions.take() is newer  # the most recently used, as usual
+    fresh = sessions.take(fresh=True)
+    assert fresh not in (older, newer)
+    assert older.closed
+    assert not newer.closed
+
+
+def test_a_pooled_connection_ended_otherwise_as_it_is_lent_fails_the_step(
+    postgresql_url: str, admin: psycopg.Connection[Any], namespace: str
+) -> None:
+    """Only idle_session_timeout says the statement did not run: a connection ended
+    otherwise (here pg_terminate_backend, 57P01) fails the step as before, never sent
+    again (another end, a crash or the network, can come while the statement runs)."""
+
+    def terminated(session: Any) -> None:
+        admin.execute("SELECT pg_terminate_backend(%s)", (session.pgconn.backend_pid,))
+        _ended_by_the_server(session)
+
+    with keymutex.Locks(f"{postgresql_url}?table={_table()}", namespace=namespace) as locks:
+        locks.holder("k")
+        lent = _lent_as_the_server_ends_it(locks._store._sessions, terminated)  # type: ignore[attr-defined]
+        with pytest.raises(keymutex.StoreError, match="administrator command"):
+            locks.acquire("k", timeout=0)
+        assert len(lent) == 1
+        assert locks.holder("k") is None
 
 
 def test_a_table_of_something_else_is_refused_and_left_alone(

@@ -721,6 +721,90 @@ def test_a_retried_acquire_of_ones_own_lease_does_not_queue_its_waiter(
         other.acquire("k", timeout=0).release()  # not reserved for anyone
 
 
+def _queued_row(
+    admin: psycopg.Connection[Any], table: str, namespace: str, *, held: bool, waiters: list[str]
+) -> None:
+    """The row of key ``k``: its lease live (``held``) and nobody handed the key, or its
+    lease ended and the key handed over to waiter ``A``; ``waiters`` queued."""
+    reserved = "NULL, NULL" if held else "'A', now() + interval '1 minute'"
+    admin.execute(
+        f"INSERT INTO {table} (namespace, key, token, owner, fence, acquired_at, expires_at,"
+        f" waiters, queue_until, reserved_for, reserved_until) VALUES (%s, 'k', 't', 'o', 1,"
+        f" now(), now() + interval '{60 if held else 0} seconds', %s,"
+        f" now() + interval '1 minute', {reserved})",
+        (namespace, waiters),
+    )
+
+
+def test_a_waiter_leaving_as_the_queue_changes_under_it_notifies_one_waiter(
+    postgresql_url: str, admin: psycopg.Connection[Any], table: str, namespace: str
+) -> None:
+    """Found by review: a waiter leaving with the key handed to it notified the next
+    waiter from the UPDATE's SET, which PostgreSQL computes again, on the newest
+    version, when the row changed after the statement's snapshot; the first
+    computation's notification was sent too. Here A, handed the key, leaves while B,
+    next in the queue, leaves too: B's transaction commits after A's statement read the
+    row and before it could lock it. Only C, next now, is notified (not B as well)."""
+    from keymutex.stores.postgresql import _channel
+
+    application = f"km-{uuid.uuid4().hex[:12]}"
+    url = f"{postgresql_url}?table={table}&application_name={application}"
+    with (
+        keymutex.Locks(url, namespace=namespace) as locks,
+        psycopg.connect(postgresql_url, autocommit=True) as listening,
+        psycopg.connect(postgresql_url) as other,
+    ):
+        store: Any = locks._store  # its steps, below the public API
+        locks.holder("k")  # the table exists
+        _queued_row(admin, table, namespace, held=False, waiters=["B", "C"])
+        channel = _channel(table, namespace)
+        listening.execute(f"LISTEN {channel}")
+        # B's leave, as its statement does it (B was not handed the key), held open.
+        other.execute(f"UPDATE {table} SET waiters = array_remove(waiters, 'B')")
+        leaving = concurrent.futures.ThreadPoolExecutor(1)
+        left = leaving.submit(store._run, store._steps.leave("k", "A"))
+
+        def waits_for_the_row() -> bool:
+            row = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE application_name = %s AND wait_event_type = 'Lock'",
+                (application,),
+            ).fetchone()
+            return row is not None and row[0] == 1
+
+        _wait_for(waits_for_the_row)
+        other.commit()
+        assert left.result(timeout=10) is True
+        leaving.shutdown()
+        # Notifications come in commit order: the leave's are all in before this one.
+        admin.execute("SELECT pg_notify(%s, 'end')", (channel,))
+        notified = []
+        for notification in listening.notifies(timeout=10):
+            if notification.payload == "end":
+                break
+            notified.append(notification.payload)
+        assert notified == ["C"]
+        row = admin.execute(f"SELECT waiters, reserved_for FROM {table}").fetchone()
+        assert row == ([], "C")
+
+
+def test_a_waiter_leaving_a_key_not_handed_to_it_leaves_no_hand_over_behind(
+    postgresql_url: str, admin: psycopg.Connection[Any], table: str, namespace: str
+) -> None:
+    """Found by review: the leave's "handed to me" was NULL when nobody was handed the
+    key, and the NULL took the hand-over's branch for reserved_until: a hand-over to
+    nobody for HANDOVER_MS, which kept the key from everyone if its lease ended then."""
+    with keymutex.Locks(f"{postgresql_url}?table={table}", namespace=namespace) as locks:
+        store: Any = locks._store  # its steps, below the public API
+        locks.holder("k")
+        _queued_row(admin, table, namespace, held=True, waiters=["D", "E"])
+        assert store._run(store._steps.leave("k", "D")) is True
+        row = admin.execute(
+            f"SELECT waiters, reserved_for, reserved_until FROM {table}"
+        ).fetchone()
+        assert row == (["E"], None, None)
+
+
 def test_closing_twice_touches_no_file_of_someone_else(postgresql_url: str) -> None:
     locks = keymutex.Locks(postgresql_url)
     locks.acquire("k", timeout=0).release()

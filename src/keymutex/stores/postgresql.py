@@ -16,7 +16,10 @@
   beyond ``min_size`` close after ``MAX_IDLE``), prepares each statement once per
   connection, and sends steps through libpq directly: psycopg's cursor and pool
   machinery cost about as much as the round trip itself on loopback. The async store
-  is native asyncio, not threads.
+  is native asyncio, not threads. A step is never sent twice, but for one case: the
+  server ended the idle connection it was lent for ``idle_session_timeout`` (PostgreSQL
+  14 and later) just as it was sent, before it ran; it is sent again, once, on a new
+  connection (``_ended_idle``).
 - Every statement waits at most ``timeout`` seconds (5 by default) for the server's reply,
   connecting at most ``connect_timeout``; a step that finds all ``max_size`` connections
   busy waits for one up to ``connect_timeout`` first (so a step on a stalled server
@@ -506,39 +509,50 @@ UNION ALL
 SELECT live, handed FROM handed
 """
 
-# The waiter leaving, if the key was handed over to it and nobody was granted it since
-# (every grant clears reserved_for): the hand-over passes on even when its time lapsed
-# (a slow waiter on a busy host), so the next waiter is rung, not left to its recheck.
-_HANDED_TO_ME = "(held.reserved_for = %(waiter)s)"
-# The queue without the waiter leaving.
-_OTHERS = "array_remove(held.waiters, %(waiter)s)"
-
 # Contract: waiter (an id) gives up waiting for (namespace, key): it leaves the queue,
 # and if the key is handed over to it, the key goes to the next queued waiter, whose
 # id is notified on channel (as in a release), or is free if nobody is left.
-# Params: namespace, key, waiter, channel. Returns one row if the waiter was found.
-# - The notification is sent while the new row is computed: RETURNING sees only the
-#   new row, which no longer tells whether this statement passed the key on. One clock
-#   read decides for every column.
+# Params: namespace, key, waiter, channel. Returns one row if the waiter was found:
+# whether the key was passed on to a waiter.
+# - The waiter was handed the key if the row is reserved for it and nobody was granted
+#   the key since (every grant clears reserved_for): the hand-over passes on even when
+#   its time lapsed (a slow waiter on a busy host), so the next waiter is rung, not left
+#   to its recheck.
+# - The row is locked first (current), and every decision is made on the version
+#   locked: the newest, which nobody changes until this statement commits. The
+#   notification is sent from RETURNING, computed once, for the row written. Found by
+#   review: it was sent from SET, which an UPDATE that finds its row changed since its
+#   snapshot computes again on the newest version (read committed), and the first
+#   computation's pg_notify stays sent: with the queue changed under it (the next
+#   waiter leaving at the same moment), two waiters were notified, one for nothing.
+# - A waiter leaving a key not handed to it leaves reserved_until as it was. Found by
+#   review: "reserved_for = waiter" is NULL when nobody is handed the key, and the
+#   NULL fell through to the hand-over's branch: a phantom hand-over to nobody for
+#   HANDOVER_MS, which kept the key from everyone if its lease ended meanwhile.
 _LEAVE = """
+WITH current AS MATERIALIZED (
+    SELECT coalesce(held.reserved_for = %(waiter)s, false) AS handed_to_me,
+           array_remove(held.waiters, %(waiter)s) AS others,
+           held.reserved_for, held.reserved_until
+    FROM {table} AS held
+    WHERE namespace = %(namespace)s AND key = %(key)s
+      AND (%(waiter)s = ANY (held.waiters) OR held.reserved_for = %(waiter)s)
+    FOR UPDATE
+)
 UPDATE {table} AS held SET
-    waiters = CASE WHEN {handed_to_me} THEN ({others})[2:] ELSE {others} END,
+    waiters = CASE WHEN current.handed_to_me THEN current.others[2:] ELSE current.others END,
     reserved_for = CASE
-        WHEN {handed_to_me} THEN (
-            SELECT head FROM (SELECT ({others})[1] AS head) AS next
-            WHERE head IS NULL OR pg_notify(%(channel)s, head)::text = ''
-        )
-        ELSE held.reserved_for
+        WHEN current.handed_to_me THEN current.others[1] ELSE current.reserved_for
     END,
     reserved_until = CASE
-        WHEN NOT {handed_to_me} THEN held.reserved_until
-        WHEN cardinality({others}) > 0
+        WHEN NOT current.handed_to_me THEN current.reserved_until
+        WHEN cardinality(current.others) > 0
             THEN clock.now + {handover_ms} * interval '1 millisecond'
     END
-FROM (SELECT clock_timestamp() AS now) AS clock
-WHERE namespace = %(namespace)s AND key = %(key)s
-  AND (%(waiter)s = ANY (held.waiters) OR held.reserved_for = %(waiter)s)
-RETURNING true
+FROM current, (SELECT clock_timestamp() AS now) AS clock
+WHERE held.namespace = %(namespace)s AND held.key = %(key)s
+RETURNING (CASE WHEN current.handed_to_me AND held.reserved_for IS NOT NULL
+                THEN pg_notify(%(channel)s, held.reserved_for)::text END) IS NOT NULL
 """
 
 # Contract: the live lease of (namespace, key), if any. Params: namespace, key.
@@ -654,8 +668,6 @@ class _Statements:
             "handover_ms": HANDOVER_MS,
             "queue_lifetime_ms": QUEUE_LIFETIME_MS,
             "kept_until": _KEPT_UNTIL,
-            "handed_to_me": _HANDED_TO_ME,
-            "others": _OTHERS,
             "queued": _QUEUED.format(now="clock.now"),
             "queued_now": _QUEUED.format(now="clock_timestamp()"),
         }
@@ -1012,11 +1024,19 @@ def _no_reply(timeout: float) -> TimeoutError:
     )
 
 
-def _checked(results: Sequence[pq.abc.PGresult]) -> pq.abc.PGresult:
-    """The last result of a statement, or the server's error as psycopg's exception."""
+def _server_error(results: Sequence[pq.abc.PGresult]) -> psycopg.Error | None:
+    """The server's error among a statement's results, as psycopg's exception."""
     for result in results:
         if result.status == pq.ExecStatus.FATAL_ERROR:
-            raise psycopg.errors.error_from_result(result, encoding="utf-8")
+            return psycopg.errors.error_from_result(result, encoding="utf-8")
+    return None
+
+
+def _checked(results: Sequence[pq.abc.PGresult]) -> pq.abc.PGresult:
+    """The last result of a statement, or the server's error as psycopg's exception."""
+    error = _server_error(results)
+    if error is not None:
+        raise error
     if not results:
         raise psycopg.OperationalError("the server sent no result")
     return results[-1]
@@ -1033,6 +1053,41 @@ def _prepared(results: list[pq.abc.PGresult]) -> None:
     by an earlier client of a pooler (``_Statement.compile``)."""
     with contextlib.suppress(psycopg.errors.DuplicatePreparedStatement):
         _checked(results)
+
+
+def _consume(pgconn: pq.abc.PGconn, results: Sequence[pq.abc.PGresult]) -> None:
+    """Read what the server sent, for a statement whose ``results`` so far are given.
+
+    A server that ends a session sends its error, then closes the connection: libpq
+    gives the error as a result, then the next read fails without its SQLSTATE ("server
+    closed the connection unexpectedly"). The server's error, read already, is raised
+    instead: it says why (found by review: a session ended for
+    ``idle_session_timeout``, 57P05, was a bare ``OperationalError``, and nothing could
+    tell it from a connection lost while its statement ran).
+    """
+    try:
+        pgconn.consume_input()
+    except psycopg.OperationalError as exc:
+        error = _server_error(results)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def _ended_idle(idle_since: float, exc: BaseException) -> bool:
+    """Whether a step may be sent again, on a new connection, after ``exc``: the server
+    ended the connection, reused from the pool (idle since ``idle_since``; 0.0 if new),
+    for ``idle_session_timeout`` (57P05) as the step sent its statement.
+
+    Found by review: the pool checks an idle connection before it lends it
+    (``suspect``), and a server ending the session after that check and before the
+    statement arrives failed the step. The server ends only a session that waits for
+    a command, and checks for the timeout once more after reading one, before running
+    it (and never while it runs one): the statement did not run. Not after any other
+    error: a connection lost otherwise (a crash, ``pg_terminate_backend``, the network)
+    may have run the statement, and the step's effect is unknown.
+    """
+    return idle_since > 0 and isinstance(exc, psycopg.errors.IdleSessionTimeout)
 
 
 def _reusable(pgconn: pq.abc.PGconn, exc: BaseException) -> bool:
@@ -1063,7 +1118,7 @@ class _Session:
         self.poller = select.poll()
         self.poller.register(self.pgconn.socket, select.POLLIN)
         self.prepared: set[bytes] = set()
-        self.idle_since = 0.0
+        self.idle_since = 0.0  # when last given back to the pool; 0.0: never (new)
 
     def suspect(self) -> bool:
         """Whether this idle connection may be dead: broken, or its socket readable.
@@ -1099,7 +1154,7 @@ class _Session:
         while True:
             while pgconn.is_busy():
                 self._wait(select.POLLIN, deadline, timeout)
-                pgconn.consume_input()  # raises OperationalError if the connection broke
+                _consume(pgconn, results)  # raises if the connection broke
             result = pgconn.get_result()
             if result is None:
                 return results
@@ -1155,7 +1210,11 @@ class _Sessions:
         self._abandoned.append(self._free)
         self._free, self._open, self._waiting, self._pid = [], 0, 0, _process.pid()
 
-    def take(self) -> _Session:
+    def take(self, *, fresh: bool = False) -> _Session:
+        """A connection for one step: the most recently used idle one that looks alive,
+        else a new one (waiting up to ``wait`` for one given back at ``max_size``).
+        ``fresh``: a new one, never an idle one (at ``max_size``, the longest idle one is
+        closed to make room)."""
         doomed = []
         try:
             with self._mutex:
@@ -1163,12 +1222,15 @@ class _Sessions:
                 while True:
                     if self._closed:
                         raise RuntimeError("this store is closed")
-                    while self._free:
+                    while self._free and not fresh:
                         session = self._free.pop()
                         if not session.suspect():
                             return session
                         self._open -= 1
                         doomed.append(session)
+                    if fresh and self._free and self._open >= self._max_size:
+                        self._open -= 1
+                        doomed.append(self._free.pop(0))
                     if self._open < self._max_size:
                         self._open += 1
                         break
@@ -1263,7 +1325,7 @@ class _AsyncSession:
         self.poller = select.poll()
         self.poller.register(self.fd, select.POLLIN)
         self.prepared: set[bytes] = set()
-        self.idle_since = 0.0
+        self.idle_since = 0.0  # when last given back to the pool; 0.0: never (new)
 
     def suspect(self) -> bool:
         return self.pgconn.status != pq.ConnStatus.OK or bool(self.poller.poll(0))
@@ -1294,7 +1356,7 @@ class _AsyncSession:
         while True:
             while pgconn.is_busy():
                 await self._wait(False, deadline, timeout)
-                pgconn.consume_input()
+                _consume(pgconn, results)
             result = pgconn.get_result()
             if result is None:
                 return results
@@ -1352,17 +1414,21 @@ class _AsyncSessions:
         self._abandoned.append((self._free, self._waiting))
         self._free, self._open, self._waiting = [], 0, collections.deque()
 
-    async def take(self) -> _AsyncSession:
+    async def take(self, *, fresh: bool = False) -> _AsyncSession:
+        """As ``_Sessions.take``."""
         deadline = None
         while True:
             if self._closed:
                 raise RuntimeError("this store is closed")
-            while self._free:
+            while self._free and not fresh:
                 session = self._free.pop()
                 if not session.suspect():
                     return session
                 self._open -= 1
                 session.close()
+            if fresh and self._free and self._open >= self._max_size:
+                self._open -= 1
+                self._free.pop(0).close()
             if self._open < self._max_size:
                 self._open += 1
                 try:
@@ -1802,14 +1868,21 @@ class PostgresStore:
         return session
 
     def _exchange(self, run: Callable[[_Session], Any]) -> Any:
-        session = self._sessions.take()
-        try:
-            result = run(session)
-        except BaseException as exc:
-            self._sessions.settle(session, exc)
-            raise
-        self._sessions.give(session)
-        return result
+        """Run a statement on a connection of the pool; once more, on a new connection,
+        if the server had ended the one lent before the statement ran (``_ended_idle``)."""
+        fresh = False
+        while True:
+            session = self._sessions.take(fresh=fresh)
+            try:
+                result = run(session)
+            except BaseException as exc:
+                self._sessions.settle(session, exc)
+                if fresh or not _ended_idle(session.idle_since, exc):
+                    raise
+                fresh = True
+                continue
+            self._sessions.give(session)
+            return result
 
     def _check_schema(self) -> None:
         """Create or check the table, once per store (the first step waits for it)."""
@@ -1955,14 +2028,20 @@ class AsyncPostgresStore:
         return session
 
     async def _exchange(self, run: Callable[[_AsyncSession], Awaitable[Any]]) -> Any:
-        session = await self._sessions.take()
-        try:
-            result = await run(session)
-        except BaseException as exc:  # cancelled mid-step too: the reply may be on its way
-            self._sessions.settle(session, exc)
-            raise
-        self._sessions.give(session)
-        return result
+        """As ``PostgresStore._exchange``."""
+        fresh = False
+        while True:
+            session = await self._sessions.take(fresh=fresh)
+            try:
+                result = await run(session)
+            except BaseException as exc:  # cancelled mid-step too: the reply may be on its way
+                self._sessions.settle(session, exc)
+                if fresh or not _ended_idle(session.idle_since, exc):
+                    raise
+                fresh = True
+                continue
+            self._sessions.give(session)
+            return result
 
     async def _check_schema(self) -> None:
         loop = asyncio.get_running_loop()
