@@ -4,7 +4,9 @@ No MongoDB server can be installed where these tests were written, and nothing h
 pretends to be one: these tests check the documents the store sends (their structure,
 that user values are always literals, and what they do to a lease document by
 MongoDB's documented semantics, ``tests/_mongo_semantics.py``) and decode replies shaped
-as pymongo returns them. Whether MongoDB evaluates the pipelines as documented is
+as pymongo returns them. When the store makes its TTL index, and which calls wait for
+it, is checked on collections that only count and hold up calls to ``create_index``.
+Whether MongoDB evaluates the pipelines as documented is
 checked only by the conformance suite, which runs the store against a real server when
 ``KEYMUTEX_TEST_MONGODB_URL`` is set (``test_conformance_server_is_usable`` below
 says when it is not).
@@ -19,6 +21,7 @@ import inspect
 import logging
 import os
 import re
+import threading
 import time
 from typing import Any
 
@@ -652,6 +655,34 @@ def _standalone(name: str, **options: object) -> dict[str, Any]:
     return {"isWritablePrimary": True}
 
 
+def _prepared_on(collection: object) -> MongoStore:
+    """A store whose first step was taken on a standalone server, with ``collection``
+    for its documents (its client is not used after that first step)."""
+    store = mongodb.driver.open("mongodb://127.0.0.1:9/", namespace="n", options={})
+    client = store._client
+    try:
+        store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
+        store._client.admin.command = _standalone  # type: ignore[attr-defined]
+        store._collection = collection
+        store._prepare()
+    except BaseException:
+        store._client = client
+        store.close()
+        raise
+    store._client = client
+    return store
+
+
+def _index_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "keymutex-mongodb-index"]
+
+
+def _made_again(store: MongoStore) -> None:
+    """Wait for the making of the index that a step started, if any."""
+    if store._index_thread is not None:
+        store._index_thread.join(10)
+
+
 @pytest.mark.parametrize(
     ("failure", "made_again"),
     [
@@ -669,30 +700,32 @@ def test_the_ttl_index_is_made_again_unless_trying_again_cannot_mend_it(
 ) -> None:
     """Found by review: a failure to make the TTL index was logged once and never tried
     again, even one that passes (a time limit, an election), and a collection dropped
-    under a running store lost its index for good: documents were never collected."""
-    store = mongodb.driver.open("mongodb://127.0.0.1:9/", namespace="n", options={})
-    client = store._client
+    under a running store lost its index for good: documents were never collected.
+    The first making fails in the first step, the second in its thread (neither fails
+    a step); the third is made."""
+    collection = _IndexedCollection(failure, failure)
+    with caplog.at_level(logging.WARNING, logger="keymutex"):
+        store = _prepared_on(collection)
     try:
-        store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
-        store._client.admin.command = _standalone  # type: ignore[attr-defined]
-        collection = _IndexedCollection(failure)
-        store._collection = collection
-        with caplog.at_level(logging.WARNING, logger="keymutex"):
-            store._prepare()
         assert collection.made == 1
         assert "cannot create the TTL index" in caplog.text
         store._prepare()
         assert collection.made == 1, "not again before INDEX_RECHECK"
         later = time.monotonic() + mongodb.INDEX_RECHECK
         monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
+        with caplog.at_level(logging.WARNING, logger="keymutex"):
+            store._prepare()
+            _made_again(store)
         store._prepare()
-        store._prepare()
+        _made_again(store)
         assert collection.made == (2 if made_again else 1), "once again when due"
+        warned = [r for r in caplog.records if "cannot create the TTL index" in r.getMessage()]
+        assert len(warned) == (2 if made_again else 1)
         later += mongodb.INDEX_RECHECK  # made: made again later (a dropped collection)
         store._prepare()
+        _made_again(store)
         assert collection.made == (3 if made_again else 1)
     finally:
-        store._client = client
         store.close()
 
 
@@ -721,10 +754,168 @@ async def test_the_async_store_makes_the_ttl_index_again_too(
         later = time.monotonic() + mongodb.INDEX_RECHECK
         monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
         await store._prepare()
+        assert store._index_task is not None
+        await store._index_task
         assert collection.made == 2
     finally:
         store._client = client
         await store.aclose()
+
+
+class _SlowIndex:
+    """A collection whose ``create_index`` after the first is answered only once
+    ``release`` is set: a createIndexes that a sharded cluster, a large collection or a
+    busy primary is slow to answer. At most 5 s, so that a store that waits for it in
+    a step is slow, not hung, and its test fails rather than times out."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.ended = 0
+        self.callers: list[threading.Thread] = []
+        self.release = threading.Event()
+
+    def create_index(self, *args: object, **kwargs: object) -> str:
+        self.made += 1
+        self.callers.append(threading.current_thread())
+        if self.made > 1:
+            self.release.wait(5)
+        self.ended += 1
+        return "keymutex_gc"
+
+
+def test_the_ttl_index_is_made_again_off_the_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: the index made again every ``INDEX_RECHECK`` was made inside the
+    first step after it fell due: a createIndexes round trip every 10 minutes in a
+    user's acquire or the renewer's call, which a slow answer delayed or failed. Now
+    the step starts it in a thread and goes on; one at a time."""
+    collection = _SlowIndex()
+    store = _prepared_on(collection)
+    try:
+        assert collection.callers == [threading.current_thread()], "the first: in the step"
+        later = time.monotonic() + mongodb.INDEX_RECHECK
+        monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
+        store._prepare()
+        assert collection.ended == 1, "the step waited for the index to be made"
+        for _ in range(3):  # due again while the first is under way: not started again
+            later += mongodb.INDEX_RECHECK
+            store._prepare()
+        (thread,) = _index_threads()
+        collection.release.set()
+        thread.join(10)
+        assert collection.made == collection.ended == 2
+        assert collection.callers[1] is thread
+        store._prepare()  # due, and none under way
+        _made_again(store)
+        assert collection.made == 3
+    finally:
+        collection.release.set()
+        store.close()
+    assert not _index_threads()
+
+
+def test_close_waits_for_the_ttl_index_under_way_and_leaves_no_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    collection = _SlowIndex()
+    store = _prepared_on(collection)
+    try:
+        later = time.monotonic() + mongodb.INDEX_RECHECK
+        monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
+        store._prepare()
+        assert _index_threads(), "no thread makes the index"
+        monkeypatch.setattr(mongodb, "INDEX_CLOSE_PATIENCE", 30.0)  # a loaded machine
+        answer = threading.Timer(0.2, collection.release.set)
+        answer.start()
+        store.close()
+        answer.join()
+        assert collection.ended == 2, "close() did not wait for it"
+        assert not _index_threads(), "a thread left behind after close()"
+        later += mongodb.INDEX_RECHECK
+        store._prepare()  # a closed store starts none
+        assert collection.made == 2
+        assert not _index_threads()
+    finally:
+        collection.release.set()
+        store.close()
+
+
+def test_the_ttl_index_is_made_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan the two stores follow: due every ``INDEX_RECHECK``, never while one is
+    under way (a createIndexes slower than that: a socket without a timeout), and never
+    again after a failure that trying again will not mend."""
+    now = time.monotonic()
+    monkeypatch.setattr(mongodb._clock, "monotonic", lambda: now)
+    plan = mongodb._IndexPlan()
+    assert plan.take()  # at the first step
+    now += 2 * mongodb.INDEX_RECHECK
+    assert not plan.take(), "made again while it is under way"
+    plan.made()
+    assert plan.take()  # due long since, and none under way
+    assert not plan.take()
+    plan.failed(OperationFailure("operation exceeded time limit", code=50))
+    assert not plan.take(), "not again before INDEX_RECHECK"
+    now += mongodb.INDEX_RECHECK
+    assert plan.take()
+    plan.failed(OperationFailure("not authorized on keymutex", code=13))
+    now += 10 * mongodb.INDEX_RECHECK
+    assert not plan.take(), "made again after a failure that cannot pass"
+
+
+@pytest.mark.asyncio
+async def test_the_async_store_makes_the_ttl_index_again_in_a_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the sync store: the step starts it (a task of the store's loop) and goes on;
+    ``aclose()`` cancels one under way and leaves no task behind."""
+
+    class Collection:
+        def __init__(self) -> None:
+            self.made = 0
+            self.ended = 0
+            self.cancelled = 0
+            self.release = asyncio.Event()
+
+        async def create_index(self, *args: object, **kwargs: object) -> str:
+            self.made += 1
+            if self.made > 1:
+                try:
+                    async with asyncio.timeout(5):  # as _SlowIndex
+                        await self.release.wait()
+                except TimeoutError:
+                    pass
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    raise
+            self.ended += 1
+            return "keymutex_gc"
+
+    async def standalone(name: str, **options: object) -> dict[str, Any]:
+        return _standalone(name)
+
+    store = mongodb.driver.open_async("mongodb://127.0.0.1:9/", namespace="n", options={})
+    client = store._client
+    collection = Collection()
+    try:
+        store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
+        store._client.admin.command = standalone  # type: ignore[attr-defined]
+        store._collection = collection
+        await store._prepare()
+        store._client = client
+        later = time.monotonic() + mongodb.INDEX_RECHECK
+        monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
+        await store._prepare()
+        await asyncio.sleep(0)  # it starts
+        assert collection.made == 2
+        assert collection.ended == 1, "the step waited for the index to be made"
+        later += mongodb.INDEX_RECHECK
+        await store._prepare()
+        await asyncio.sleep(0)
+        assert collection.made == 2, "made again while it is under way"
+    finally:
+        store._client = client
+        await store.aclose()
+    assert collection.cancelled == 1, "aclose() did not stop it"
+    assert asyncio.all_tasks() == {asyncio.current_task()}, "a task left behind"
 
 
 def _unauthorized(name: str, **options: object) -> dict[str, Any]:

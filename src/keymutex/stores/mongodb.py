@@ -39,10 +39,23 @@ grant the primary alone acknowledged may be rolled back, and the key granted aga
 ``readPreference``. A TTL index on ``e`` (``expireAfterSeconds=GC_GRACE``) deletes a
 document a day after its last lease ended: the next grant then starts from the
 server's clock in microseconds, larger than every earlier fence unless the primary's
-clock went back more than the time elapsed since. Hence ``durable_fences=True``. A
-store makes that index at its first step, and again every ``INDEX_RECHECK`` seconds
-while it is used (a no-op while the index is there): after a failure that may pass,
-and after the collection was dropped, the index comes back.
+clock went back more than the time elapsed since. Hence ``durable_fences=True``.
+
+**The TTL index** is made at a store's first step, which waits for it: once per store,
+beside the ``hello`` that step waits for anyway; a short-lived process (``keymutex
+run``, a job that takes one lock) would otherwise close its store before the index
+was made; and a server lost between the ``hello`` and the index fails that step, as it
+would the step's own round trip. It is made again every ``INDEX_RECHECK`` seconds
+while the store is used (a no-op while the index is there), so that after a failure
+that may pass, and after the collection was dropped, it comes back; but off the
+steps: the step that finds it due starts it in a thread (the async store: a task of
+its loop) and goes on, one at a time. Its failure is a warning, never a step's (found
+by review: it was made inside that step, a createIndexes round trip every ten
+minutes in a user's acquire or the renewer's call). ``close()`` waits up to
+``INDEX_CLOSE_PATIENCE`` seconds for one under way (pymongo cannot stop a sync call:
+a slower one ends by itself, within the client's socket timeout); ``aclose()``
+cancels it. Neither the first nor a later making is tried again after a failure that
+trying again will not mend (codes 13, 85, 86).
 
 **Renew** and **release** are one conditional update each (``{_id, t: token, e >
 $$NOW}``): ``e`` moves on, or the token is removed and ``e`` set to now (``$unset``
@@ -63,7 +76,9 @@ store was written. ``tests/unit/test_mongodb_store.py`` checks the pure parts â€
 filters, the update pipelines (their structure and the literal-wrapping of user
 values, and what they do to a lease document by MongoDB's documented semantics,
 ``tests/_mongo_semantics.py``), the decoding of replies shaped as pymongo returns
-them, the server's clock as learnt, change events, URL and options. The conformance suite runs against a real server only when
+them, the server's clock as learnt, change events, URL and options, and when the TTL
+index is made and who waits for it (on collections that only record the calls). The
+conformance suite runs against a real server only when
 ``KEYMUTEX_TEST_MONGODB_URL`` is set; until someone runs it, the I/O shells below,
 the change-stream waiting and the no-op claim for refusals are untested.
 """
@@ -113,6 +128,12 @@ GC_GRACE = 24 * 3600  # seconds a document outlives its last lease (TTL index on
 # Seconds between two makings of the TTL index, while the store is used: it is made again
 # after a failure that may pass, and after the collection was dropped (which drops it).
 INDEX_RECHECK = 600.0
+# Seconds close() waits for a making of the index under way (in its thread) to end: a
+# no-op answers in milliseconds. A slower one (an index built on a large collection) is
+# left to end by itself, within the client's socket timeout (10 s unless the URL sets
+# it): pymongo cannot stop a sync call under way, and discards its connection when it
+# comes back to the closed client. aclose() cancels its task instead.
+INDEX_CLOSE_PATIENCE = 5.0
 # What trying again will not mend: no privilege, or an index on ``e`` already there
 # with other options or under another name.
 _INDEX_FINAL_CODES = frozenset({13, 85, 86})
@@ -618,24 +639,35 @@ class _Watcher:
 
 class _IndexPlan:
     """When a store makes its TTL index (again): at its first step, then every
-    ``INDEX_RECHECK`` seconds while used (a no-op while the index is there), and never
-    again after a failure that trying again will not mend."""
+    ``INDEX_RECHECK`` seconds while used (a no-op while the index is there), one at a
+    time, and never again after a failure that trying again will not mend.
 
-    __slots__ = ("_due",)
+    Not thread-safe: the sync store consults it under a mutex.
+    """
+
+    __slots__ = ("_due", "_making")
 
     def __init__(self) -> None:
         self._due: float | None = 0.0
+        self._making = False
 
     def take(self) -> bool:
-        """Whether to make it now; if so, the next time is set already (one caller)."""
+        """Whether to make it now; if so, the next time is set already, and nothing is
+        taken until ``made`` or ``failed`` says that this one ended (a createIndexes
+        slower than ``INDEX_RECHECK``, on a socket without a timeout, is not doubled)."""
         now = _clock.monotonic()
-        if self._due is None or now < self._due:
+        if self._making or self._due is None or now < self._due:
             return False
         self._due = now + INDEX_RECHECK
+        self._making = True
         return True
 
-    def failed(self, exc: PyMongoError) -> None:
+    def made(self) -> None:
+        self._making = False
+
+    def failed(self, exc: Exception) -> None:
         # Locks work without the index; only the garbage collection of documents does not.
+        self._making = False
         if isinstance(exc, OperationFailure) and exc.code in _INDEX_FINAL_CODES:
             self._due = None
             _LOG.warning("MongoDB: cannot create the TTL index on 'e': %s", exc)
@@ -660,15 +692,15 @@ class MongoStore:
         self._prepare_mutex = threading.Lock()
         self._watcher: _Watcher | None = None
         self._index = _IndexPlan()
+        self._index_mutex = threading.Lock()  # for the plan, the thread, ``_closed``
+        self._index_thread: threading.Thread | None = None
+        self._closed = False
 
     def _prepare(self) -> None:
-        """Once per store: ask the server what it is; and the TTL index, now and then."""
+        """Once per store: ask the server what it is, and make the TTL index; then start
+        making the index again when it is due (``_remake_index``), without waiting."""
         if self._prepared:
-            if self._index.take():
-                try:
-                    self._make_index()
-                except PyMongoError as exc:
-                    self._index.failed(exc)
+            self._recheck_index()
             return
         with self._prepare_mutex:
             if self._prepared:
@@ -682,6 +714,8 @@ class MongoStore:
                         raise
                     hello = self._client.admin.command("isMaster", codec_options=_CODEC_OPTIONS)
             self._clock.learn_from_hello(hello, sent, time.time())
+            # The first making is waited for: see the module (nothing else consults the
+            # plan before ``_prepared``).
             if self._index.take():
                 try:
                     self._make_index()
@@ -690,6 +724,8 @@ class MongoStore:
                 except PyMongoError as exc:  # unreachable since the hello: as the steps are
                     self._index = _IndexPlan()
                     raise StoreError(f"MongoDB index creation: {exc}") from exc
+                else:
+                    self._index.made()
             if notifies(hello):
                 self._watcher = _Watcher(self._collection, self._namespace)
                 self.capabilities = replace(CAPABILITIES, notifies=True)
@@ -697,6 +733,39 @@ class MongoStore:
 
     def _make_index(self) -> None:
         self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
+
+    def _recheck_index(self) -> None:
+        """If the index is due to be made again, start making it in a thread of its own.
+
+        Found by review: it was made in the step that found it due, one createIndexes
+        round trip every ``INDEX_RECHECK`` inside a user's acquire or the renewer's
+        call, which a slow answer (a sharded cluster, a large collection, a busy
+        primary) delayed or failed.
+        """
+        with self._index_mutex:
+            if self._closed or not self._index.take():
+                return
+            thread = threading.Thread(
+                target=self._remake_index, name="keymutex-mongodb-index", daemon=True
+            )
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had (the interpreter is exiting)
+                self._index.failed(exc)
+                return
+            self._index_thread = thread
+
+    def _remake_index(self) -> None:
+        failure: Exception | None = None
+        try:
+            self._make_index()
+        except Exception as exc:  # PyMongoError, or else: a warning, never a step's failure
+            failure = exc
+        with self._index_mutex:
+            if failure is None:
+                self._index.made()
+            elif not self._closed:  # else the client was closed under it: nothing to say
+                self._index.failed(failure)
 
     def try_acquire(
         self,
@@ -784,6 +853,11 @@ class MongoStore:
         return waiter
 
     def close(self) -> None:
+        with self._index_mutex:
+            self._closed = True  # no making of the index starts any more
+            making = self._index_thread
+        if making is not None:
+            making.join(INDEX_CLOSE_PATIENCE)
         if self._watcher is not None:
             self._watcher.close()
         self._client.close()
@@ -894,14 +968,12 @@ class AsyncMongoStore:
         self._prepare_lock: asyncio.Lock | None = None
         self._watcher: _AsyncWatcher | None = None
         self._index = _IndexPlan()
+        self._index_task: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def _prepare(self) -> None:
         if self._prepared:
-            if self._index.take():
-                try:
-                    await self._make_index()
-                except PyMongoError as exc:
-                    self._index.failed(exc)
+            self._recheck_index()
             return
         if self._prepare_lock is None:
             self._prepare_lock = asyncio.Lock()
@@ -919,7 +991,7 @@ class AsyncMongoStore:
                         "isMaster", codec_options=_CODEC_OPTIONS
                     )
             self._clock.learn_from_hello(hello, sent, time.time())
-            if self._index.take():
+            if self._index.take():  # the first making is waited for, as in MongoStore
                 try:
                     await self._make_index()
                 except OperationFailure as exc:
@@ -927,6 +999,8 @@ class AsyncMongoStore:
                 except PyMongoError as exc:
                     self._index = _IndexPlan()
                     raise StoreError(f"MongoDB index creation: {exc}") from exc
+                else:
+                    self._index.made()
             if notifies(hello):
                 self._watcher = _AsyncWatcher(self._collection, self._namespace)
                 self.capabilities = replace(CAPABILITIES, notifies=True)
@@ -934,6 +1008,22 @@ class AsyncMongoStore:
 
     async def _make_index(self) -> None:
         await self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
+
+    def _recheck_index(self) -> None:
+        """As ``MongoStore._recheck_index``: a task of the store's loop makes it again."""
+        if self._closed or not self._index.take():
+            return
+        self._index_task = asyncio.get_running_loop().create_task(
+            self._remake_index(), name="keymutex-mongodb-index"
+        )
+
+    async def _remake_index(self) -> None:
+        try:
+            await self._make_index()
+        except Exception as exc:  # as in MongoStore; cancelled only by aclose()
+            self._index.failed(exc)
+        else:
+            self._index.made()
 
     async def try_acquire(
         self,
@@ -1020,6 +1110,9 @@ class AsyncMongoStore:
         return waiter
 
     async def aclose(self) -> None:
+        self._closed = True  # no making of the index starts any more
+        making, self._index_task = self._index_task, None
+        await stop_task(making)  # a createIndexes cancelled: made again by the next store
         if self._watcher is not None:
             await self._watcher.aclose()
         await self._client.close()
