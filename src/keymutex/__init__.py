@@ -1,8 +1,5 @@
 """keymutex: a lock per key, in one process and across processes, machines and languages."""
 
-# First, so that its after-fork hook (this process's id) runs before every other one.
-from keymutex import _process  # noqa: F401  # isort: skip
-
 from keymutex._client import AsyncLocks, Locks
 from keymutex._errors import Locked, LockError, LockLost, StoreError
 from keymutex._lease import AsyncLease, Holder, Lease

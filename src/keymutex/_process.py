@@ -1,16 +1,14 @@
-"""This process's id, read once per process instead of by a system call at each use.
+"""This process's id, as every fork check of keymutex reads it.
 
-``os.getpid()`` asks the kernel every time (glibc stopped caching it in 2.25), and a
-lock's steps ask several times each: the owner named in a grant, whether a ``Lease``
-belongs to this process, whether a store's sockets are this process's or a forked
-parent's. Between two round trips, cold, those calls cost more than their own few
-hundred nanoseconds: found by counting the system calls of a memcached acquire +
-release (14 against sherlock's 7, three of them ``getpid``).
-
-The id is read again in a child forked by ``os.fork()`` (``multiprocessing``,
-``subprocess``'s ``preexec_fn``, ``pty.fork()`` go through it) before any other
-after-fork hook of keymutex runs: this module is imported first, and hooks run in
-the order they were registered.
+Read from the kernel at each call (``os.getpid()``), never cached: a cache refreshed by
+an ``os.register_at_fork`` hook goes stale in a child forked without Python's at-fork
+hooks, uWSGI's prefork workers by default (no ``--py-call-osafterfork`` nor
+``--py-call-uwsgi-fork-hooks``) or a C extension's ``fork()``. Such a child then took
+itself for its parent: it named the parent as the owner of its grants and went on
+using the parent's sockets and SQLite connection, whose replies other workers read
+(found by review, in uWSGI with 3 workers: 0 of 600 grants named their owner, 1 in 3
+acquires read another worker's reply). The process-id checks are what still tells a
+child from its parent where no hook ran.
 """
 
 from __future__ import annotations
@@ -19,17 +17,7 @@ import os
 
 __all__ = ["pid"]
 
-_pid = os.getpid()
-
-
-def _forked() -> None:
-    global _pid  # read by pid() at each call
-    _pid = os.getpid()
-
-
-os.register_at_fork(after_in_child=_forked)
-
 
 def pid() -> int:
-    """``os.getpid()``, without a system call."""
-    return _pid
+    """``os.getpid()``."""
+    return os.getpid()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import multiprocessing
 import os
@@ -155,3 +156,36 @@ def test_a_forked_child_is_another_process_to_its_leases_and_owners(tmp_path: Pa
         assert holder is not None
         assert holder.owner == f"{socket.gethostname()}:{os.getpid()}"
         parents.release()
+
+
+def _forked_without_pythons_hooks(child: Callable[[], int]) -> int:
+    """As ``_forked``, by libc's fork() (the GIL kept: ``PyDLL``): no at-fork hook runs
+    in the child, as in uWSGI's prefork workers by default, or a C extension's fork."""
+    pid = ctypes.PyDLL(None).fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(10)
+            code = child()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _owns_as_itself(locks: keymutex.Locks) -> int:
+    with locks.lock(f"child-{os.getpid()}", timeout=2, renew=False):
+        holder = locks.holder(f"child-{os.getpid()}")
+        if holder is None or holder.owner != f"{socket.gethostname()}:{os.getpid()}":
+            return OWNED_AS_THE_PARENT
+    return 0
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_a_child_forked_without_pythons_hooks_is_still_another_process(tmp_path: Path) -> None:
+    """A fork that runs no at-fork hook (uWSGI's default) must still be told apart from
+    its parent by the process id: the grants name the child, not the parent."""
+    with keymutex.Locks(f"sqlite:///{tmp_path}/locks.db") as locks:
+        locks.acquire("warm", timeout=0, renew=False).release()
+        pids = [_forked_without_pythons_hooks(functools.partial(_owns_as_itself, locks))]
+        assert _exit_codes(pids) == Counter({0: 1})

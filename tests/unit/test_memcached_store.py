@@ -1315,10 +1315,9 @@ def _stop(pid: int) -> None:
 def test_a_server_that_stops_answering_fails_the_step_at_the_socket_timeout(
     tmp_path: Path,
 ) -> None:
-    """Each send and receive is bounded by the kernel (``SO_RCVTIMEO``, ``SO_SNDTIMEO``
-    on a blocking socket, see ``memcached.bound``), not by Python's own timeout: a
-    paused server fails the step with ``StoreError`` saying so, not a hang, and the
-    connection it left out of step is not used again."""
+    """A paused server fails the step at the socket timeout with ``StoreError``, whose
+    cause says that memcached did not answer in time (not Python's bare "timed out"),
+    and the connection it left out of step is not used again."""
     with (
         MemcachedServer(tmp_path).start() as server,
         keymutex.Locks(server.url, namespace=uuid.uuid4().hex[:8], socket_timeout=0.5) as locks,
@@ -1611,3 +1610,32 @@ def test_an_acquire_retried_for_its_own_lease_lists_it_again(
         assert [h.key for h in store.holders("")] == ["doc"]
     finally:
         store.close()
+
+
+def test_a_step_fails_at_the_socket_timeout_while_the_process_gets_signals(
+    tmp_path: Path,
+) -> None:
+    """A signal every 0.1 s (a timer, SIGCHLD from children, a sampling profiler) must not
+    restart the socket timeout: the step fails within ``socket_timeout``, not never."""
+    with (
+        MemcachedServer(tmp_path).start() as server,
+        keymutex.Locks(server.url, namespace=uuid.uuid4().hex[:8], socket_timeout=0.5) as locks,
+    ):
+        locks.acquire("warm", timeout=0).release()
+        previous = signal.signal(signal.SIGALRM, lambda *_: None)
+        _stop(server.process.pid)
+        # The signals end after 5 s at the latest, whatever the step does.
+        ender = threading.Timer(5.0, signal.setitimer, (signal.ITIMER_REAL, 0))
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)
+            ender.start()
+            started = time.monotonic()
+            with pytest.raises(keymutex.StoreError):
+                locks.acquire("k", timeout=0)
+            took = time.monotonic() - started
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            ender.cancel()
+            signal.signal(signal.SIGALRM, previous)
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert took < 2.0

@@ -197,7 +197,6 @@ import random
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
 import weakref
@@ -692,27 +691,6 @@ class Reply:
         return self
 
 
-def bound(sock: socket.socket, timeout: float) -> None:
-    """Make each send and receive on ``sock`` give up after ``timeout`` seconds.
-
-    The kernel keeps the time (``SO_SNDTIMEO``, ``SO_RCVTIMEO``) on a blocking socket,
-    where it can: Python's own timeout polls the socket before every send and receive,
-    two system calls more per round trip, which cost about 8 % of the acquires/s of
-    four processes contending for one key (``benchmarks/RESULTS.md``). A call that
-    runs out raises ``BlockingIOError``, which ``Connection`` reads as
-    ``TimeoutError``. Where the kernel's option cannot be set, Python's timeout.
-    """
-    micros = max(1, math.ceil(timeout * 1e6))  # a timeval of 0 would mean "never"
-    value = struct.pack("@ll", *divmod(micros, 1_000_000))  # struct timeval
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-    except OSError:
-        sock.settimeout(timeout)
-        return
-    sock.settimeout(None)
-
-
 class Connection:
     """One socket to one memcached, and what it learnt there: the server's epoch.
 
@@ -734,13 +712,17 @@ class Connection:
     def send(self, data: bytes) -> None:
         try:
             self.sock.sendall(data)
-        except BlockingIOError:  # SO_SNDTIMEO ran out (see ``bound``)
+        except TimeoutError as exc:
+            if exc.errno is not None:  # the kernel's ETIMEDOUT, not the socket timeout
+                raise
             raise TimeoutError("memcached took no more of the request in time") from None
 
     def _fill(self) -> None:
         try:
             chunk = self.sock.recv(_RECV_BYTES)
-        except BlockingIOError:  # SO_RCVTIMEO ran out (see ``bound``)
+        except TimeoutError as exc:
+            if exc.errno is not None:  # the kernel's ETIMEDOUT, not the socket timeout
+                raise
             raise TimeoutError("memcached did not answer in time") from None
         if not chunk:
             raise ConnectionResetError("memcached closed the connection")
@@ -825,7 +807,13 @@ class Pool:
                 (host.strip("[]"), int(port)), timeout=self._connect_timeout
             )
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        bound(sock, self._timeout)
+        # Python's timeout, though it polls before each send and receive: not the
+        # kernel's (SO_SNDTIMEO, SO_RCVTIMEO on a blocking socket), tried for those two
+        # system calls a round trip and found wrong by review: CPython retries a call a
+        # signal interrupted (PEP 475) with the kernel's whole timeout again, so a
+        # process that got a signal more often than ``timeout`` (a timer, SIGCHLD, a
+        # profiler) waited for ever on a paused server. Python's is one deadline a call.
+        sock.settimeout(self._timeout)
         connection = Connection(sock)
         with self._lock:
             self._made.add(connection)
