@@ -39,7 +39,7 @@ from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, NoReturn, ParamSpec, Protocol, TypeVar
 
 from keymutex import _clock, _process
 from keymutex._errors import Locked, LockError, LockLost, StoreError
@@ -1614,7 +1614,7 @@ class _AsyncRenewer:
         while True:
             now = _clock.monotonic()
             for lease in self._plan.overdue(now):
-                self.call_on_lost(lease)
+                self._report_lost(lease)
             batch = self._plan.take_due(now)
             if not batch:
                 when = _next_look(self._plan, now)
@@ -1667,7 +1667,7 @@ class _AsyncRenewer:
                         break
                     now = _clock.monotonic()
                     for lease in self._plan.overdue(now):
-                        self.call_on_lost(lease)
+                        self._report_lost(lease)
                     if now >= leave_at:
                         # Left to end on its own: the other leases go on meanwhile.
                         self._late.add(call)
@@ -1705,14 +1705,43 @@ class _AsyncRenewer:
             for lease in batch:
                 lease._renewing.release()
         for lease in lost:
-            self.call_on_lost(lease)
+            self._report_lost(lease)
         if self._wakeup is not None:
             self._wakeup.set()  # a retry or a renewal may be due before the task's next look
 
     def call_on_lost(self, lease: LeaseState) -> None:
+        """Call ``lease``'s ``on_lost``; the coroutine of an ``async def`` one is spawned.
+
+        A plain one's ``Exception`` is logged (``_notify_lost``); anything else it raises
+        reaches the caller, as with ``Locks`` when the owner's own call finds the loss.
+        """
         result = lease._notify_lost()
         if inspect.isawaitable(result):
             self._spawn(_logged_on_lost(lease, result), self._callbacks)
+
+    def _report_lost(self, lease: LeaseState) -> None:
+        """``call_on_lost`` for the renewer (its task, or a late renewal's done-callback):
+        whatever a plain ``on_lost`` raises leaves the renewer running.
+
+        Found by review: a plain ``on_lost`` raising a ``BaseException`` that is not an
+        ``Exception`` (a class of the user's own) ended the renewer task, and no lease
+        of that ``AsyncLocks`` taken before was renewed again. Such an exception is
+        logged, as ``_call_on_lost`` logs it on the sync client's callback thread.
+
+        ``SystemExit`` and ``KeyboardInterrupt`` are not: on the sync client they can
+        only end a callback thread, but here the callback runs on the loop's thread,
+        where they are the program's exit (``sys.exit()`` in the callback, a Ctrl-C that
+        landed in it), and asyncio lets them out of the loop's run from any task or
+        callback (an ``on_lost`` coroutine's too). They are raised again from a callback
+        of their own (``call_soon``): the run ends, as asyncio would end it, but the
+        renewer task does not, and a loop run again goes on renewing.
+        """
+        try:
+            self.call_on_lost(lease)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            asyncio.get_running_loop().call_soon(_raise, exc)
+        except BaseException:
+            _LOG.exception("on_lost callback for %r failed", lease.key)
 
     @staticmethod
     def _spawn(work: Awaitable[Any], tasks: set[asyncio.Task[Any]]) -> None:
@@ -1761,11 +1790,21 @@ class _AsyncRenewer:
 
 
 async def _logged_on_lost(lease: LeaseState, callback: Awaitable[Any]) -> None:
-    """Await an ``on_lost`` coroutine; its failure is logged as a plain callback's is."""
+    """Await an ``on_lost`` coroutine; its failure is logged as a plain callback's is
+    by the renewer (``_AsyncRenewer._report_lost``): a ``BaseException`` of the user's
+    own too, which asyncio reported only when the task was collected, if ever.
+    Cancellation (``aclose()``), ``SystemExit`` and ``KeyboardInterrupt`` go on."""
     try:
         await callback
-    except Exception:
+    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
         _LOG.exception("on_lost callback for %r failed", lease.key)
+
+
+def _raise(exc: BaseException) -> NoReturn:
+    """Raise ``exc`` (from a loop callback: see ``_AsyncRenewer._report_lost``)."""
+    raise exc
 
 
 async def _hand_over(work: Awaitable[R], reply: asyncio.Future[R]) -> R | None:

@@ -7,6 +7,11 @@
   renewer thread (and ``close()``).
 - An ``on_lost`` raising ``SystemExit`` ended the renewer thread: no lease of that
   ``Locks`` was renewed again, not even new ones.
+- A plain ``on_lost`` of an ``AsyncLocks`` raising a ``BaseException`` that is not an
+  ``Exception`` ended the renewer task: no lease of that client taken before was
+  renewed again (an ``on_lost`` coroutine's was not logged by keymutex).
+  ``SystemExit`` and ``KeyboardInterrupt`` still end the loop's run, as asyncio makes
+  them from any task, but no longer the renewer: a loop run again renews.
 - An ``on_lost`` coroutine that raised was not logged by ``keymutex``, and ``aclose()``
   left such coroutines running.
 - ``LockLost.holder`` was ``None`` for a lease lost at its deadline (store silent)
@@ -306,6 +311,86 @@ def test_on_lost_raising_system_exit_does_not_stop_renewals(
             assert holder.fence == lease.fence
     records = [r for r in caplog.records if r.name == "keymutex" and r.exc_info]
     assert any(r.exc_info and r.exc_info[0] is SystemExit for r in records)
+
+
+class Stop(BaseException):
+    """A user's own ``BaseException``: neither an ``Exception`` nor a request to exit."""
+
+
+async def _still_held(locks: keymutex.AsyncLocks, *leases: keymutex.AsyncLease) -> None:
+    """``leases`` are renewed still: held at the store past several of their TTLs."""
+    await asyncio.sleep(3 * SHORT)  # lost unless renewed (every SHORT / 3)
+    for lease in leases:
+        holder = await locks.holder(lease.key)
+        assert holder is not None, f"{lease.key!r} expired: no longer renewed"
+        assert holder.fence == lease.fence
+        assert not lease.lost
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["function", "coroutine"])
+async def test_an_on_lost_raising_a_base_exception_does_not_stop_async_renewals(
+    url: str, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plain ``on_lost`` ended the renewer; a coroutine's was reported by asyncio
+    alone, when its task was collected (if ever), not logged by keymutex."""
+
+    def leave(_: keymutex.AsyncLease) -> None:
+        raise Stop("raised by on_lost")
+
+    async def leave_later(_: keymutex.AsyncLease) -> None:
+        await asyncio.sleep(0)
+        raise Stop("raised by on_lost")
+
+    on_lost = leave if kind == "function" else leave_later
+    async with keymutex.AsyncLocks(url, ttl=SHORT) as locks, keymutex.AsyncLocks(url) as thief:
+        victim = await locks.acquire("victim", renew=True, on_lost=on_lost)
+        kept = await locks.acquire("kept", renew=True)
+        await thief.acquire("victim", steal=True, timeout=0)
+        await await_until(lambda: victim.lost, "the victim's renewal finds it stolen")
+        # No lease is added meanwhile: a new one would start a renewer task anew.
+        await _still_held(locks, kept)
+    records = [r for r in caplog.records if "on_lost callback for 'victim'" in r.getMessage()]
+    assert [r.exc_info[0] for r in records if r.exc_info] == [Stop]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exit_", [SystemExit, KeyboardInterrupt])
+def test_a_plain_on_lost_raising_an_exit_ends_the_loop_run_but_not_the_renewer(
+    url: str, exit_: type[BaseException]
+) -> None:
+    """``SystemExit`` / ``KeyboardInterrupt`` from a plain ``on_lost`` leave the loop as
+    asyncio makes them leave it from any task (an ``on_lost`` coroutine's too): a
+    ``sys.exit()`` there ends ``asyncio.run``. A program that catches it and runs its
+    loop again finds its other leases renewed still."""
+
+    def leave(_: keymutex.AsyncLease) -> None:
+        raise exit_
+
+    loop = asyncio.new_event_loop()
+    locks = keymutex.AsyncLocks(url, ttl=SHORT)
+    thief = keymutex.AsyncLocks(url)
+    kept: list[keymutex.AsyncLease] = []
+
+    async def lose_the_victim() -> None:
+        await locks.acquire("victim", renew=True, on_lost=leave)
+        kept.append(await locks.acquire("kept", renew=True))
+        await thief.acquire("victim", steal=True, timeout=0)
+        await asyncio.sleep(PATIENCE)  # the exit from on_lost ends the run before
+
+    main = loop.create_task(lose_the_victim())
+    try:
+        with pytest.raises(exit_):
+            loop.run_until_complete(main)
+        assert not main.done()  # the exit ended the run, not the task that waits
+        loop.run_until_complete(_still_held(locks, *kept))
+    finally:
+        main.cancel()
+        loop.run_until_complete(asyncio.wait([main]))
+        loop.run_until_complete(thief.aclose())
+        loop.run_until_complete(locks.aclose())
+        loop.close()
 
 
 @pytest.mark.slow
