@@ -46,6 +46,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import unicodedata
 from collections.abc import Callable, Iterator, Sequence
@@ -981,6 +982,53 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _nothing() -> None:
+    """asyncio's callback for a signal ``run`` handles: ``_Run._arrived`` acts."""
+
+
+class _ForkHooks:
+    """The process's at-fork hooks, which tell the ``_Run`` whose child is being
+    started of the forks made for it (``before_fork``, ``after_fork``).
+
+    ``os.register_at_fork`` cannot take hooks back: they are registered at the first
+    spawn, and do nothing but for a fork by the thread starting a child. CPython calls
+    them for the fork of a ``subprocess`` given a ``preexec_fn``, which ``run`` always
+    gives (and then never uses the vfork or posix_spawn that would skip them).
+    """
+
+    def __init__(self) -> None:
+        self._run: _Run | None = None
+        self._thread: int | None = None
+        self._registered = False
+
+    @contextlib.contextmanager
+    def spawning(self, run: _Run) -> Iterator[None]:
+        """While ``run`` starts its child, on this thread."""
+        if not self._registered:
+            os.register_at_fork(before=self._before, after_in_parent=self._after_in_parent)
+            self._registered = True
+        self._run, self._thread = run, threading.get_ident()
+        try:
+            yield
+        finally:
+            self._run = self._thread = None
+            run._unblock()  # had the fork failed without the hook after it
+
+    def _spawning(self) -> _Run | None:
+        return self._run if self._thread == threading.get_ident() else None
+
+    def _before(self) -> None:
+        if (run := self._spawning()) is not None:
+            run.before_fork()
+
+    def _after_in_parent(self) -> None:
+        if (run := self._spawning()) is not None:
+            run.after_fork()
+
+
+_FORK_HOOKS = _ForkHooks()
+
+
 def _tell(message: str) -> None:
     """A line for the user on stderr, from ``run``: a stderr that cannot be written (a
     full disk, a reader gone) must not stop what ``run`` does next (send SIGTERM to a
@@ -994,14 +1042,19 @@ class _Run:
 
     Phases, in order: ``waiting`` for the lock (a signal cancels the wait and ends
     keymutex with 128+N), ``starting`` the child (signals are kept, and forwarded once
-    it runs), ``running`` (signals are forwarded as they come; once the child has
-    ended, the release is under way, and a signal ends keymutex at once with 128+N:
-    the lease expires by its TTL), ``ended`` (the child could not be started, or the
-    lease was lost before it was: the release is under way, and a signal ends keymutex
-    as in ``running``), ``done`` (the release is over, the client closes: a signal ends
-    keymutex likewise). Everything runs on the event loop,
-    so the phase changes only between awaits. A signal that keymutex was started
+    it runs, as ``_forward`` says), ``running`` (signals are forwarded as they come;
+    once the child has ended, the release is under way, and a signal ends keymutex at
+    once with 128+N: the lease expires by its TTL), ``ended`` (the child could not be
+    started, or the lease was lost before it was: the release is under way, and a
+    signal ends keymutex as in ``running``), ``done`` (the release is over, the client
+    closes: a signal ends keymutex likewise). Everything runs on the event loop, so the
+    phase changes only between awaits. A signal that keymutex was started
     ignoring (``nohup``, a script's ``&``) is left ignored, for the child too.
+
+    A signal is acted on by what it came before or after, not by the phase when its
+    callback runs: ``_arrived`` counts the forks for the child made by then
+    (``_ForkHooks``), and the child starts with keymutex's signals blocked, then takes
+    their default actions before its exec (``_prepare_child``).
     """
 
     def __init__(
@@ -1013,7 +1066,11 @@ class _Run:
         self.quiet = quiet
         self.phase = "waiting"
         self.process: asyncio.subprocess.Process | None = None
-        self.pending: list[int] = []
+        # The signals that came while starting: (signum, forks made when it came).
+        self.pending: list[tuple[int, int]] = []
+        self.handled: tuple[int, ...] = ()  # the signals keymutex handles (see main)
+        self.forks = 0  # the forks made to start the child so far
+        self._mask: set[int | signal.Signals] | None = None  # this thread's, while it forks
         self.interrupted_by: int | None = None
         self.received: set[int] = set()  # the signals sent to keymutex itself
         self.lost = False
@@ -1024,17 +1081,33 @@ class _Run:
     def name(self) -> str:
         return self.command[0]
 
-    def on_signal(self, signum: int) -> None:
+    def _arrived(self, loop: asyncio.AbstractEventLoop, signum: int, frame: object) -> None:
+        """The Python handler of the signals keymutex handles: act on ``signum`` on the
+        loop (``on_signal``), with the number of forks for the child made by now.
+
+        It runs on the main thread as soon as that runs Python code after the signal
+        came. asyncio's callback came a turn of the loop or more later: found by
+        review, nothing yields between the grant and the fork, so a Ctrl-C that came
+        while the child was being started was acted on only once it ran, and dropped as
+        one the terminal had sent the child too; the command ran to its end.
+        """
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to act on
+            loop.call_soon_threadsafe(self.on_signal, signum, self.forks)
+
+    def on_signal(self, signum: int, forks: int | None = None) -> None:
+        """Act on ``signum``, which came after ``forks`` forks for the child (by
+        default: as many as now)."""
+        came_after = self.forks if forks is None else forks
         self.received.add(signum)
         if self.phase == "waiting":
             if self._task is not None and self.interrupted_by is None:
                 self.interrupted_by = signum
                 self._task.cancel()
         elif self.phase == "starting":
-            self.pending.append(signum)
+            self.pending.append((signum, came_after))
         elif self.phase == "running" and self.process is not None:
             if self.process.returncode is None:
-                self._forward(signum)
+                self._forward(signum, came_after)
             else:  # the child has ended: only the release is left, which may hang
                 self._abandon_release(signum)
         else:
@@ -1061,10 +1134,60 @@ class _Run:
         _die_by(signum)
         os._exit(128 + signum)
 
-    def _forward(self, signum: int) -> None:
+    def _forward(self, signum: int, came_after: int) -> None:
+        """Send the child ``signum``, which came after ``came_after`` forks for it,
+        unless the terminal sent it the child too.
+
+        One that came before the child's fork reached keymutex alone (found by review:
+        a Ctrl-C just after the grant, taken for the terminal's, and the command ran to
+        its end under the lock). One that came after it reached the child from the
+        terminal as well, before its exec (it then ends by it: ``_prepare_child``) or
+        after: sent again, it would reach a program twice, and many take a second
+        Ctrl-C for "quit now, skip the clean-up".
+        """
         assert self.process is not None
-        if not _terminal_delivered_to_child(signum, self.process.pid):
+        if came_after < self.forks or not _terminal_delivered_to_child(signum, self.process.pid):
             _signal(self.process, signum, descendants=signum in ENDING_SIGNALS)
+
+    def before_fork(self) -> None:
+        """Block the handled signals on this thread, which forks: the child starts with
+        them blocked, so that none that comes before its exec is caught by keymutex's
+        handlers, which it still has (see ``_prepare_child``)."""
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.handled)
+
+    def after_fork(self) -> None:
+        """In keymutex, once forked: unblock, then count the fork. A signal held
+        meanwhile is handled within the unblocking (CPython runs the handlers of the
+        signals it unblocks before ``pthread_sigmask`` returns), so it counts as before
+        the fork: it came before it, or reached the child too, which then ends by it
+        before its exec, and a second copy does no harm."""
+        self._unblock()
+        self.forks += 1
+
+    def _unblock(self) -> None:
+        mask, self._mask = self._mask, None
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    def _prepare_child(self, orphaned: Callable[[], object] | None) -> None:
+        """The child's first steps, between the fork and the exec: ask for a signal at
+        keymutex's death (``orphaned``), give the handled signals their default
+        actions, and unblock them.
+
+        Found by review: the child had keymutex's handlers until its exec, so a Ctrl-C
+        that came then was caught there (and written to keymutex's own wakeup fd, which
+        it shares), and the command never saw it. Blocked since the fork
+        (``before_fork``), such a signal now takes its default action here: the child
+        ends by it, as the command would have, before its exec. Only built-in calls,
+        with values made beforehand: no lock that another of keymutex's threads may hold
+        is taken.
+        """
+        if orphaned is not None:
+            orphaned()
+        for signum in self.handled:
+            signal.signal(signum, signal.SIG_DFL)
+        if self._mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
 
     def on_lost(self, lease: object) -> None:
         """The lease is gone: warn, and terminate the child if it runs."""
@@ -1085,8 +1208,14 @@ class _Run:
         self._task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         handled = [s for s in FORWARDED_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+        self.handled = tuple(handled)
+        arrived = functools.partial(self._arrived, loop)
         for signum in handled:
-            loop.add_signal_handler(signum, self.on_signal, signum)
+            # asyncio's handler wakes the loop (its wakeup fd; removed in the end), and
+            # does nothing else: ``_arrived``, set in place of its Python handler, acts.
+            loop.add_signal_handler(signum, _nothing)
+            signal.signal(signum, arrived)
+            signal.siginterrupt(signum, False)  # as asyncio sets it: fewer EINTR
         try:
             async with open_locks() as locks:
                 lease = await self._acquire(locks, ttl, timeout)
@@ -1186,40 +1315,35 @@ class _Run:
             KEYMUTEX_FENCE=str(lease.fence),
             KEYMUTEX_TOKEN=lease.token,
         )
-        orphaned = _parent_death_signal()
+        prepare = functools.partial(self._prepare_child, _parent_death_signal())
         try:
-            try:
-                process = await asyncio.create_subprocess_exec(
-                    *self.command, env=env, preexec_fn=orphaned
-                )
-            except OSError as exc:
-                if exc.errno != errno.ENOEXEC:
-                    raise
-                # A script without #!: run by /bin/sh, as a shell, env or flock do.
-                path = shutil.which(self.name) if os.sep not in self.name else self.name
-                script = [path or self.name, *self.command[1:]]
-                process = await asyncio.create_subprocess_exec(
-                    "/bin/sh", *script, env=env, preexec_fn=orphaned
-                )
-        except FileNotFoundError:
-            self.phase = "ended"
-            _tell(f"keymutex: {self.name}: command not found{self._key_hint()}")
-            return EX_NOTFOUND
-        except PermissionError:
-            self.phase = "ended"
-            _tell(f"keymutex: {self.name}: permission denied")
-            return EX_NOEXEC
+            with _FORK_HOOKS.spawning(self):
+                try:
+                    process = await asyncio.create_subprocess_exec(
+                        *self.command, env=env, preexec_fn=prepare
+                    )
+                except OSError as exc:
+                    if exc.errno != errno.ENOEXEC:
+                        raise
+                    # A script without #!: run by /bin/sh, as a shell, env or flock do.
+                    path = shutil.which(self.name) if os.sep not in self.name else self.name
+                    script = [path or self.name, *self.command[1:]]
+                    process = await asyncio.create_subprocess_exec(
+                        "/bin/sh", *script, env=env, preexec_fn=prepare
+                    )
         except OSError as exc:
             self.phase = "ended"
-            _tell(f"keymutex: {self.name}: cannot execute: {exc.strerror or exc}")
-            return EX_NOEXEC
+            status, reason = _not_started(self.name, exc, os.get_exec_path(env))
+            if reason is None:
+                shown, why = (self.name, "") if self.name else ("''", " (COMMAND is empty)")
+                _tell(f"keymutex: {shown}: command not found{why}{self._key_hint()}")
+            else:
+                _tell(f"keymutex: {reason}")
+            return status
         self.process = process
         self.phase = "running"
-        # Signals that came before it ran: the terminal's did not reach it (found by
-        # review: a Ctrl-C just after the grant was taken for one the terminal had sent
-        # the command too, and the command ran to its end under the lock).
-        for signum in self.pending:
-            _signal(process, signum, descendants=signum in ENDING_SIGNALS)
+        for signum, came_after in self.pending:  # those that came while it was started
+            self._forward(signum, came_after)
         if self.lost:
             _signal(process, signal.SIGTERM, descendants=True)
         watch = asyncio.create_task(self._watch(lease))
@@ -1248,14 +1372,63 @@ class _Run:
                 continue  # lost: on_lost has run (and the loop ends); else the renewer's
 
 
+def _found_in(search_path: Sequence[str], name: str) -> str | None:
+    """The first ``name`` in the directories of ``search_path`` that exists and is not a
+    directory, as bash looks a command up; ``None``: there is none."""
+    if not name:
+        return None
+    for directory in search_path:
+        path = os.path.join(directory, name)
+        if os.path.exists(path) and not os.path.isdir(path):
+            return path
+    return None
+
+
+def _not_started(name: str, exc: OSError, search_path: Sequence[str]) -> tuple[int, str | None]:
+    """Why COMMAND ``name`` could not be started (``exc``), as bash 5.2 says it: the exit
+    status, and the message (``None``: "command not found", which ``_Run`` words).
+
+    Found by review: ``run KEY -- ""`` exited 126, "permission denied", where a shell
+    exits 127, "command not found". Python looks up a name without a slash by trying
+    to execute it in each directory of PATH, and keeps the first error other than
+    "not found": "" joined to a directory is that directory, which cannot be executed
+    (EACCES); a directory of that name in PATH, or a directory of PATH that may not be
+    searched, did the same. A shell looks only at files that exist and are not
+    directories: none is 127, whatever the attempts raised; one that cannot be
+    executed is 126 (a file without the execute bit, a path that is a directory). A
+    file found whose execution is "not found" lacks its ``#!`` interpreter (or its
+    loader): 127, as bash 5.2, but not "command not found", which it said before.
+    """
+    path = name
+    if os.sep not in name:
+        found = _found_in(search_path, name)
+        if found is None:
+            return EX_NOTFOUND, None
+        path = found
+    if isinstance(exc, FileNotFoundError):
+        if os.path.exists(path):
+            return EX_NOTFOUND, (
+                f"{path}: cannot execute: required file not found"
+                " (the interpreter on its #! line?)"
+            )
+        return EX_NOTFOUND, f"{path}: no such file or directory"
+    if isinstance(exc, PermissionError):
+        return (
+            EX_NOEXEC,
+            f"{path}: {'is a directory' if os.path.isdir(path) else 'permission denied'}",
+        )
+    return EX_NOEXEC, f"{path}: cannot execute: {exc.strerror or exc}"
+
+
 def _parent_death_signal() -> Callable[[], object] | None:
     """What COMMAND's process runs before its program: on Linux, ask for SIGTERM when
     keymutex dies (``prctl(PR_SET_PDEATHSIG)``). keymutex killed with SIGKILL (the OOM
     killer, ``kill -9``) cannot tell COMMAND, nor renew: COMMAND ran on past the TTL
     beside the next holder. ``None`` where there is no such call.
 
-    The function runs in the child between fork and exec, where another thread's
-    locks may be held: it only calls a C function resolved beforehand, with numbers.
+    The function runs in the child between fork and exec (``_Run._prepare_child``),
+    where another thread's locks may be held: it only calls a C function resolved
+    beforehand, with numbers.
     """
     if not sys.platform.startswith("linux"):
         return None

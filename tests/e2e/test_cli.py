@@ -448,6 +448,44 @@ def test_non_executable_command_exits_126_and_releases(
     assert holder_json("job", store, env) is None
 
 
+@pytest.mark.parametrize(
+    ("command", "status", "message"),
+    [
+        ("", 127, "keymutex: '': command not found (COMMAND is empty)"),
+        ("dir-keymutex", 127, "keymutex: dir-keymutex: command not found"),
+        ("{bin}/dir-keymutex", 126, "keymutex: {bin}/dir-keymutex: is a directory"),
+        ("{bin}/missing", 127, "keymutex: {bin}/missing: no such file or directory"),
+        ("text-keymutex", 126, "keymutex: {bin}/text-keymutex: permission denied"),
+        (
+            "{bin}/bad-interpreter",
+            127,
+            "keymutex: {bin}/bad-interpreter: cannot execute: required file not found"
+            " (the interpreter on its #! line?)",
+        ),
+    ],
+    ids=["empty", "dir-in-path", "dir", "missing-path", "not-executable", "bad-interpreter"],
+)
+def test_a_command_that_cannot_run_gets_a_shells_status_and_reason(
+    tmp_path: Path, store: str, env: dict[str, str], command: str, status: int, message: str
+) -> None:
+    """Found by review: ``run job -- ""`` exited 126, "permission denied", where bash
+    says "command not found", 127; so did a name that is a directory in PATH. A name
+    looked up in PATH is found as a shell finds it (a file that exists and is not a
+    directory): none is 127, one that cannot be executed 126. The message says what
+    was wrong (bash 5.2's words: a missing #! interpreter is 127 too)."""
+    bin_ = tmp_path / "bin"
+    (bin_ / "dir-keymutex").mkdir(parents=True)
+    (bin_ / "text-keymutex").write_text("echo not executable\n")
+    (bin_ / "bad-interpreter").write_text("#!/nonexistent/keymutex-sh\n")
+    (bin_ / "bad-interpreter").chmod(0o755)
+    env = {**env, "PATH": f"{bin_}{os.pathsep}{env['PATH']}"}
+    result = keymutex(
+        "run", "job", "--store", store, "--", command.format(bin=bin_), env=env, check=status
+    )
+    assert result.stderr.strip() == message.format(bin=bin_)
+    assert holder_json("job", store, env) is None
+
+
 # -- run, after a review: scripts, signals ignored at start, a stuck release ----------
 
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+import keymutex
 from keymutex import cli
 from keymutex.cli import _Run
 
@@ -106,3 +112,124 @@ async def test_a_signal_while_a_lease_lost_before_the_start_is_released_ends_key
         await run._hold(Releasing())  # type: ignore[arg-type]
     assert ended.value.args == (128 + signal.SIGTERM,)
     assert run.process is None
+
+
+# --- a Ctrl-C while the command is being started ----------------------------------------
+
+# COMMAND for the tests below: exits 3 on SIGINT once its handler is set (a SIGINT before
+# that kills it: 130, or 1 while Python imports ``site``), else runs to its end (exit 0:
+# no Ctrl-C reached it).
+_TRAPS_SIGINT = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGINT, lambda *_: os._exit(3))
+open(sys.argv[1], "w").close()
+time.sleep(5)
+"""
+PATIENCE = 20.0
+
+
+async def _run_at_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, ready: Path
+) -> tuple[int, list[int]]:
+    """``run.main`` of the command above, as a terminal's foreground job (a Ctrl-C
+    reaches keymutex and its command's group alike): its status, and the signals
+    keymutex sent the command."""
+    monkeypatch.setattr(cli, "_terminal_delivered_to_child", lambda signum, child: True)
+
+    def exited(status: int) -> None:  # a copy acted on once the command ended
+        raise _Exited(status)
+
+    monkeypatch.setattr(cli, "_die_by", lambda signum: None)
+    monkeypatch.setattr(os, "_exit", exited)
+    sent: list[int] = []
+    send = cli._signal
+
+    def spy(process: asyncio.subprocess.Process, signum: int, *, descendants: bool) -> None:
+        sent.append(signum)
+        send(process, signum, descendants=descendants)
+
+    monkeypatch.setattr(cli, "_signal", spy)
+    command = [sys.executable, "-c", _TRAPS_SIGINT, str(ready)]
+    run = _Run("job", command, quiet=True, info=None)
+    url = f"memory://t{uuid.uuid4().hex}"
+    status = await asyncio.wait_for(
+        run.main(lambda: keymutex.AsyncLocks(url), None, None), PATIENCE
+    )
+    return status, sent
+
+
+def _spawn_then(
+    monkeypatch: pytest.MonkeyPatch, before: Callable[[], object], after: Callable[[int], object]
+) -> None:
+    """Call ``before()`` just before keymutex spawns its command, ``after(pid)`` once the
+    spawn has returned to asyncio (the command runs) but not yet to keymutex."""
+    spawn = asyncio.create_subprocess_exec
+
+    async def spawning(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        before()
+        process = await spawn(*args, **kwargs)
+        after(process.pid)
+        return process
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawning)
+
+
+def _ctrl_c_to_keymutex() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.asyncio
+async def test_a_ctrl_c_just_before_the_fork_reaches_the_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Found by review: nothing yields between the grant and the fork, so asyncio ran
+    the callback of a Ctrl-C that came then only once the spawn had returned; keymutex
+    took it for one the terminal had sent the command too and dropped it, and the
+    command ran to its end under the lock."""
+    _spawn_then(monkeypatch, _ctrl_c_to_keymutex, lambda pid: None)
+    status, sent = await _run_at_a_terminal(monkeypatch, tmp_path / "ready")
+    assert sent == [signal.SIGINT]
+    assert status != 0  # it did not run to its end
+
+
+@pytest.mark.asyncio
+async def test_a_ctrl_c_between_the_fork_and_the_exec_reaches_the_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Found by review: the child, before its exec, still has keymutex's handlers: it
+    caught the terminal's Ctrl-C there (and wrote it to keymutex's asyncio wakeup fd,
+    a second copy), and the command never saw it; keymutex dropped its own copies as
+    the terminal's, and the command ran to its end. Now the child gets it with the
+    default action: it ends by SIGINT before the command is executed."""
+
+    def ctrl_c_in_the_child() -> None:  # the terminal's Ctrl-C, to the whole group
+        os.kill(os.getppid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(cli, "_parent_death_signal", lambda: ctrl_c_in_the_child)
+    status, _ = await _run_at_a_terminal(monkeypatch, tmp_path / "ready")
+    assert status == 128 + signal.SIGINT
+    assert not (tmp_path / "ready").exists()  # the command was not executed
+
+
+@pytest.mark.asyncio
+async def test_a_ctrl_c_after_the_exec_is_not_forwarded_as_well(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A Ctrl-C once the command is executed, while asyncio has not yet handed its
+    process to keymutex, reached the command from the terminal: keymutex must not send
+    it a second one (programs take a second Ctrl-C as "quit now, skip the clean-up")."""
+    ready = tmp_path / "ready"
+
+    def ctrl_c_to_both(pid: int) -> None:
+        deadline = time.monotonic() + PATIENCE
+        while not ready.exists():  # its handler is set
+            assert time.monotonic() < deadline, "the command never got ready"
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGINT)
+        _ctrl_c_to_keymutex()
+
+    _spawn_then(monkeypatch, lambda: None, ctrl_c_to_both)
+    status, sent = await _run_at_a_terminal(monkeypatch, ready)
+    assert status == 3
+    assert sent == []
