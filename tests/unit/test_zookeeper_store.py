@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -639,3 +640,42 @@ def test_a_slow_orphan_pass_does_not_delete_a_node_granted_since(
         assert holder is not None, "the granted node was deleted by the slow pass"
         assert holder.fence == granted[0].holder.fence
         assert store.release("doc", token).ok
+
+
+def test_a_reconnect_rings_every_waiter_while_others_are_added(
+    zookeeper_url: str, namespace: str
+) -> None:
+    """Found by review: kazoo's thread copied the store's WeakSet of waiters at a
+    reconnect while other threads added to it, and a WeakSet changed during its
+    iteration raises RuntimeError: that reconnect's rings were skipped (waiters left
+    to their one-second recheck). Here a waiter is added in the middle of the copy."""
+    from kazoo.protocol.states import KazooState
+
+    with keymutex.Locks(zookeeper_url, namespace=namespace, ttl=30) as locks:
+        store: Any = locks._store
+        first, second = store.waiter("a"), store.waiter("b")
+        added: list[Any] = []
+
+        class AddedToMeanwhile(weakref.WeakSet):  # type: ignore[type-arg]
+            def __iter__(self) -> Iterator[Any]:
+                iterating = super().__iter__()
+                yield next(iterating)
+                if not adding.is_alive() and not added:  # the first copy only
+                    adding.start()
+                    adding.join(0.5)  # added now (before the fix), or waiting for the copy
+                yield from iterating
+
+        adding = threading.Thread(target=lambda: added.append(store.waiter("c")))
+
+        store._waiters = AddedToMeanwhile([first, second])
+        store._on_state(KazooState.CONNECTED)
+        assert first.wait(0), "a waiter was not rung at the reconnect"
+        assert second.wait(0), "a waiter was not rung at the reconnect"
+        give_up = time.monotonic() + PATIENCE
+        while not added:
+            assert time.monotonic() < give_up, "the waiter added meanwhile never was"
+            time.sleep(0.01)
+        adding.join(PATIENCE)
+        assert set(store._waiters) == {first, second, added[0]}
+        for waiter in (first, second, added[0]):
+            waiter.close()

@@ -328,6 +328,11 @@ class ZooKeeperStore:
         self._orphan_pass = threading.Lock()
         self._handovers: dict[tuple[str, int], float] = {}  # (path, mzxid) -> first seen
         self._waiters: weakref.WeakSet[_ZooKeeperWaiter] = weakref.WeakSet()
+        # Taken to add to ``_waiters``, to take from it and to copy it: kazoo's thread
+        # copies it at a reconnect while other threads add waiters, and a WeakSet
+        # changed during its iteration raises RuntimeError (found by review: the
+        # reconnect's rings were skipped, waiters left to their one-second recheck).
+        self._waiters_mutex = threading.Lock()
         self._offset_ms = 0.0  # the leader's wall clock minus ours, from our last write
         self._closed = False
         self._learn_session_timeouts()
@@ -398,7 +403,7 @@ class ZooKeeperStore:
             self._had_session = True  # before a step can see it connected
             self._connected.set()
             # Our watches died with the old connection: every waiter looks again.
-            for waiter in list(self._waiters):
+            for waiter in self._every_waiter():
                 waiter.ring()
             if self._orphans and not self._closed:
                 self._client.handler.spawn(self._clean_orphans_quietly)
@@ -412,8 +417,12 @@ class ZooKeeperStore:
             with self._mutex:
                 self._leases.clear()
                 self._orphans.clear()
-            for waiter in list(self._waiters):
+            for waiter in self._every_waiter():
                 waiter.ring()
+
+    def _every_waiter(self) -> list[_ZooKeeperWaiter]:
+        with self._waiters_mutex:
+            return list(self._waiters)
 
     def _grant_cap(self, node: _Node, ttl: float) -> float:
         """What a grant or renewal may report as remaining.
@@ -967,14 +976,16 @@ class ZooKeeperStore:
 
     def waiter(self, key: str) -> _ZooKeeperWaiter:
         waiter = _ZooKeeperWaiter(self, key)
-        self._waiters.add(waiter)
+        with self._waiters_mutex:
+            self._waiters.add(waiter)
         return waiter
 
     def _leave(self, waiter: _ZooKeeperWaiter) -> None:
         """Take the waiter's node out of the queue (a key handed to it passes on)."""
         node, waiter.node = waiter.node, None
         digest, waiter.digest = waiter.digest, None
-        self._waiters.discard(waiter)
+        with self._waiters_mutex:
+            self._waiters.discard(waiter)
         # The server did not answer the waiter's last try, or is not connected: leaving
         # now would wait a whole ``timeout`` more for it. The node, if any, is left to
         # the next step or the reconnection (or goes with the session).
