@@ -88,8 +88,8 @@ export class Lease {
    */
   renew(options?: { ttl?: number }): Promise<Lease>;
   /**
-   * Releases the lease and stops withLock's renewal of it. Throws LockLost if it no longer holds
-   * the key (already released, expired, taken over). A release that fails with a StoreError
+   * Releases the lease and stops withLock's renewal of it, once a renewal of it under way has
+   * ended. Throws LockLost if it no longer holds the key (already released, expired, taken over). A release that fails with a StoreError
    * throws it, and the lease counts as released: the client tries the release again in the
    * background until it lands, or the ttl has passed (not for a lease whose token the caller
    * named: from LockClient.renew of a token another client was granted).

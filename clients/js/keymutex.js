@@ -814,8 +814,8 @@ export class Lease {
   /** @type {boolean} */ #released = false;
   /** @type {Promise<void> | null} */ #releasing = null;
   /** @type {Renewer | null} */ #renewer = null;
-  /** @type {Promise<void>} settles when the renewal under way, if any, has ended */
-  #renewing = Promise.resolve();
+  /** @type {Promise<void>} settles when the renewal or release under way, if any, has ended */
+  #stepping = Promise.resolve();
 
   /**
    * @param {LockClient} client
@@ -892,24 +892,44 @@ export class Lease {
   }
 
   /**
-   * One renewal (`ttl` null: the lease's ttl when it is sent), sent once the one under
-   * way has ended: two in flight at once could be answered out of order, and the lease
-   * then take in a deadline the server has already replaced with a nearer one. Once
-   * `signal` (the renewer's) is aborted, its reply counts for nothing. A renewal that
-   * succeeds re-plans the renewer, if one runs, whoever asked for it.
-   * @param {number | null} ttl
-   * @param {AbortSignal | undefined} signal
-   * @returns {Promise<Lease>} the server's reply, as a new Lease (whose deadline this one takes)
+   * Runs `step` (a renewal or the release of this lease) once the one under way, if any,
+   * has ended: one request about this lease at a time. Two in flight at once may reach
+   * the server, or come back, in either order: a renewal answered after another could
+   * leave the lease with a deadline the server has already replaced with a nearer one,
+   * and one that the server took after a release of the lease is refused (lock_lost)
+   * and called the released lease lost (found by review, as in the Python client: a
+   * heartbeat under way as its page released the lease aborted the lease's signal, and
+   * withLock called onLost for a lease fn released on purpose).
+   * @template T
+   * @param {() => Promise<T>} step
+   * @returns {Promise<T>}
    */
-  async #renew(ttl, signal) {
-    const previous = this.#renewing;
+  async #oneAtATime(step) {
+    const previous = this.#stepping;
     /** @type {() => void} */
     let ended = () => {};
-    this.#renewing = new Promise((resolve) => {
+    this.#stepping = new Promise((resolve) => {
       ended = resolve;
     });
     try {
       await previous;
+      return await step();
+    } finally {
+      ended();
+    }
+  }
+
+  /**
+   * One renewal (`ttl` null: the lease's ttl when it is sent), sent once the renewal or
+   * release under way has ended (#oneAtATime). Once `signal` (the renewer's) is aborted,
+   * its reply counts for nothing. A renewal that succeeds re-plans the renewer, if one
+   * runs, whoever asked for it.
+   * @param {number | null} ttl
+   * @param {AbortSignal | undefined} signal
+   * @returns {Promise<Lease>} the server's reply, as a new Lease (whose deadline this one takes)
+   */
+  #renew(ttl, signal) {
+    return this.#oneAtATime(async () => {
       if (signal?.aborted) throw signal.reason;
       this.#checkHeld('before it was renewed');
       const sentAt = now();
@@ -928,16 +948,15 @@ export class Lease {
       this.#deadline = fresh.#deadline;
       this.#renewer?.replan(sentAt);
       return fresh;
-    } finally {
-      ended();
-    }
+    });
   }
 
   /**
-   * Releases the lease, and stops its renewal. Throws LockLost if it no longer holds its
-   * key, was released already, or is lost by this process's clock (a lease past its
-   * deadline is released all the same, in the background: the server may still count it
-   * as held). A release that fails with a StoreError (the server unreachable, restarting)
+   * Releases the lease, and stops its renewal; sent once a renewal of it under way has
+   * ended (a renewal asked meanwhile waits for the release). Throws LockLost if it no
+   * longer holds its key, was released already, or is lost by this process's clock (a
+   * lease past its deadline is released all the same, in the background: the server
+   * may still count it as held). A release that fails with a StoreError (the server unreachable, restarting)
    * throws it, and the lease counts as released (nothing renews it any more): the client
    * tries the release again in the background until it lands, as it gives back the grant
    * of a failed acquire (GiveBacks). Not a lease whose token the caller named
@@ -955,19 +974,26 @@ export class Lease {
     return this.#releasing;
   }
 
-  /** @returns {Promise<void>} */
+  /**
+   * Sent once the renewal under way, if any, has ended (#oneAtATime): withLock's renewer
+   * is stopped (its renewal aborted), a renewal of the caller's is waited for.
+   * @returns {Promise<void>}
+   */
   async #release() {
     this.#stopRenewing();
     this.#checkHeld('before it was released');
-    try {
-      await this.#client[sendRelease](this.key, this.token);
-    } catch (error) {
-      if (error instanceof LockLost) throw this.#lose(error);
-      if (error instanceof StoreError && this.#drawn) this.#finishLater(error);
-      throw error;
-    }
-    this.#released = true;
-    this.#client[forgetLease](this);
+    await this.#oneAtATime(async () => {
+      this.#checkHeld('before it was released'); // lost while the renewal was under way
+      try {
+        await this.#client[sendRelease](this.key, this.token);
+      } catch (error) {
+        if (error instanceof LockLost) throw this.#lose(error);
+        if (error instanceof StoreError && this.#drawn) this.#finishLater(error);
+        throw error;
+      }
+      this.#released = true;
+      this.#client[forgetLease](this);
+    });
   }
 
   /**

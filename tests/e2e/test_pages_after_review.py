@@ -7,7 +7,8 @@
 - The dashboard: a force release names the lease it releases and spares one that took
   the key meanwhile; a blank reason is refused; a list that is not live is shown as
   the last snapshot ("as of"), with the server's store error if that is why; a filter or
-  token the server refuses shows the server's message instead of retrying forever.
+  token the server refuses shows the server's message instead of retrying forever; a
+  key named as a property of every object ("constructor") shows its own waiting count.
 - Both pages work below a base path, behind a reverse proxy.
 
 Each test starts ``keymutex serve`` of its own (tests/e2e/_server.py); pages are driven
@@ -367,6 +368,34 @@ def test_a_long_key_and_owner_wrap_rather_than_widen_the_pages(
         expect(phone.locator("h1 code")).to_have_text(key)
         assert phone.evaluate("document.documentElement.scrollWidth") <= 375
         lease.release()
+
+
+def test_keys_named_as_an_objects_own_properties_show_their_waiters(
+    server: Server, store: str, windows: Windows
+) -> None:
+    """Found by review: the waiting counts were looked up in the snapshot's object, so
+    a key named as a property every object has showed that property: "constructor"
+    was waited for by "function Object() { [native code] }", "__proto__" by
+    "[object Object]"."""
+    page = windows.open("dashboard")
+    page.goto(f"{server.url}/?namespace=proto")
+    with keymutex.Locks(store, namespace="proto", owner="py") as locks:
+        names = ["__proto__", "constructor", "hasOwnProperty", "toString", "valueOf"]
+        leases = [locks.acquire(name, ttl=60) for name in names]
+        with keymutex.Locks(server.url, namespace="proto") as remote:
+            waiter = threading.Thread(
+                target=lambda: remote.acquire("valueOf", timeout=30).release()
+            )
+            waiter.start()
+            try:
+                row = page.locator("tr[data-key='valueOf']")
+                expect(row.locator(".waiting")).to_have_text("1")
+                for name in names[:-1]:
+                    expect(page.locator(f"tr[data-key='{name}'] .waiting")).to_have_text("0")
+            finally:
+                for lease in leases:
+                    lease.release()
+                waiter.join(timeout=30)
 
 
 def test_force_release_refuses_a_reason_of_spaces(

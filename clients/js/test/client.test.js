@@ -829,3 +829,60 @@ describe('found by review (2026-11-28)', {skip}, () => {
     }
   });
 });
+
+describe('a release and a renewal of one lease under way together', {skip}, () => {
+  /**
+   * Two connections, two paths: a renewal reaches the server 100 ms late, and the reply to
+   * a release comes back 300 ms late. Sent at once, the release lands first, and the
+   * renewal after it is refused (lock_lost) before the release's reply is in.
+   */
+  const slowPaths = async (target, init, real) => {
+    const path = new URL(target).pathname;
+    if (path === '/v1/renew') await sleep(100);
+    const reply = await real(target, init);
+    if (path === '/v1/release') await sleep(300);
+    return reply;
+  };
+
+  test('a release waits for the renewal under way: the lease is released, not lost', async () => {
+    const lease = await client().acquire(newKey('renew-then-release'), {ttl: 10, timeout: 0});
+    const [renewal, release] = await withFetch(slowPaths, () =>
+      Promise.allSettled([lease.renew(), lease.release()]),
+    );
+    assert.equal(renewal.status, 'fulfilled', `the renewal: ${renewal.reason}`);
+    assert.equal(release.status, 'fulfilled', `the release: ${release.reason}`);
+    assert.equal(lease.lost, false);
+    assert.equal(lease.signal.aborted, false, `the lease's signal: ${lease.signal.reason}`);
+    assert.equal(await client().holder(lease.key), null);
+  });
+
+  test('a renewal asked while a release is under way finds the lease released, not lost', async () => {
+    const lease = await client().acquire(newKey('release-then-renew'), {ttl: 10, timeout: 0});
+    const [release, renewal] = await withFetch(slowPaths, () =>
+      Promise.allSettled([lease.release(), lease.renew()]),
+    );
+    assert.equal(release.status, 'fulfilled', `the release: ${release.reason}`);
+    assert.ok(renewal.status === 'rejected' && renewal.reason instanceof LockLost);
+    assert.match(renewal.reason.message, /already released/);
+    assert.equal(lease.lost, false);
+    assert.equal(lease.signal.aborted, false, `the lease's signal: ${lease.signal.reason}`);
+  });
+
+  test("withLock: fn's own renewal under way as fn releases calls no onLost", async () => {
+    let lostCalls = 0;
+    const result = await withFetch(slowPaths, () =>
+      client().withLock(
+        newKey('fn-renews-and-releases'),
+        async (lease) => {
+          // A heartbeat of fn's own, under way as fn releases the lease.
+          const heartbeat = lease.renew().then(() => 'renewed', (error) => error);
+          await lease.release();
+          return heartbeat;
+        },
+        {ttl: 10, timeout: 0, onLost: () => lostCalls++},
+      ),
+    );
+    assert.equal(lostCalls, 0, 'onLost was called for a lease fn released');
+    assert.equal(result, 'renewed');
+  });
+});

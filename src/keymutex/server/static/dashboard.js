@@ -305,9 +305,12 @@ function describeInfo(info) {
 function render() {
   const snapshot = state.snapshot;
   if (!snapshot) return;
-  const waiting = snapshot.waiting ?? {};
+  // A Map, not the object's own lookup: a key may be named "constructor" or "__proto__",
+  // which every object answers (found by review: "function Object() { [native code] }"
+  // was shown waiting for a key "constructor").
+  const waiting = new Map(Object.entries(snapshot.waiting ?? {}));
   const rows = new Map(snapshot.holders.map((holder) => [holder.key, holder]));
-  for (const key of Object.keys(waiting)) if (!rows.has(key)) rows.set(key, null); // free, yet awaited
+  for (const key of waiting.keys()) if (!rows.has(key)) rows.set(key, null); // free, yet awaited
   const keys = [...rows.keys()].sort();
   // Rows are rebuilt: keep the keyboard focus on the same row's button.
   const focusedKey = document.activeElement?.closest?.('tr')?.dataset.key;
@@ -333,7 +336,7 @@ function render() {
         row.classList.add('free');
         row.append(element('td', {class: 'owner muted', colspan: '5'}, 'free'));
       }
-      row.append(element('td', {class: 'number waiting'}, String(waiting[key] ?? 0)));
+      row.append(element('td', {class: 'number waiting'}, String(waiting.get(key) ?? 0)));
       const actions = element('td', {class: 'actions'});
       if (holder) {
         const button = element('button', {type: 'button', class: 'danger', 'aria-label': `Force release ${key}`}, 'Force release…');
