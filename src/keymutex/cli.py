@@ -1160,7 +1160,10 @@ class _Run:
         meanwhile is handled within the unblocking (CPython runs the handlers of the
         signals it unblocks before ``pthread_sigmask`` returns), so it counts as before
         the fork: it came before it, or reached the child too, which then ends by it
-        before its exec, and a second copy does no harm."""
+        before its exec, and a second copy does no harm. (Unless this process is held
+        off the CPU between the unblocking and the count long enough for the child to
+        exec and set its own handler: the command then gets a terminal's Ctrl-C twice.
+        Counting first would lose one that came just before the fork instead.)"""
         self._unblock()
         self.forks += 1
 
@@ -1210,12 +1213,20 @@ class _Run:
         handled = [s for s in FORWARDED_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
         self.handled = tuple(handled)
         arrived = functools.partial(self._arrived, loop)
-        for signum in handled:
-            # asyncio's handler wakes the loop (its wakeup fd; removed in the end), and
-            # does nothing else: ``_arrived``, set in place of its Python handler, acts.
-            loop.add_signal_handler(signum, _nothing)
-            signal.signal(signum, arrived)
-            signal.siginterrupt(signum, False)  # as asyncio sets it: fewer EINTR
+        # Blocked meanwhile: one that came between asyncio's handler and ``_arrived``
+        # ran asyncio's, which does nothing, and was lost (the command then ran to its
+        # end under the lock); held, it reaches ``_arrived`` as they are unblocked.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, handled)
+        try:
+            for signum in handled:
+                # asyncio's handler wakes the loop (its wakeup fd; removed in the end),
+                # and does nothing else: ``_arrived``, set in place of its Python
+                # handler, acts.
+                loop.add_signal_handler(signum, _nothing)
+                signal.signal(signum, arrived)
+                signal.siginterrupt(signum, False)  # as asyncio sets it: fewer EINTR
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         try:
             async with open_locks() as locks:
                 lease = await self._acquire(locks, ttl, timeout)
@@ -1372,14 +1383,21 @@ class _Run:
                 continue  # lost: on_lost has run (and the loop ends); else the renewer's
 
 
-def _found_in(search_path: Sequence[str], name: str) -> str | None:
+def _found_in(
+    search_path: Sequence[str], name: str, *, executable: bool | None = None
+) -> str | None:
     """The first ``name`` in the directories of ``search_path`` that exists and is not a
-    directory, as bash looks a command up; ``None``: there is none."""
+    directory, as bash looks a command up (with ``executable=False``: the first of them
+    that may not be executed); ``None``: there is none."""
     if not name:
         return None
     for directory in search_path:
         path = os.path.join(directory, name)
-        if os.path.exists(path) and not os.path.isdir(path):
+        if (
+            os.path.exists(path)
+            and not os.path.isdir(path)
+            and (executable is None or os.access(path, os.X_OK) == executable)
+        ):
             return path
     return None
 
@@ -1413,6 +1431,11 @@ def _not_started(name: str, exc: OSError, search_path: Sequence[str]) -> tuple[i
             )
         return EX_NOTFOUND, f"{path}: no such file or directory"
     if isinstance(exc, PermissionError):
+        if os.sep not in name:
+            # Python reports the first error other than "not found" in PATH's order:
+            # that of the first file that may not be executed, not of the first found
+            # (which may be executable, and have failed as "not found").
+            path = _found_in(search_path, name, executable=False) or path
         return (
             EX_NOEXEC,
             f"{path}: {'is a directory' if os.path.isdir(path) else 'permission denied'}",

@@ -1147,3 +1147,20 @@ def test_serve_refuses_a_request_timeout_that_is_not_a_number(env: dict[str, str
     answered 400 to every request."""
     result = keymutex("serve", "--port", "0", "--request-timeout", "nan", env=env, check=2)
     assert "--request-timeout" in result.stderr
+
+
+def test_permission_denied_names_the_file_that_may_not_be_executed(
+    tmp_path: Path, store: str, env: dict[str, str]
+) -> None:
+    """Python's PATH search reports the first error other than "not found": here the
+    second file's, which may not be executed. keymutex named the first file found, an
+    executable one (whose #! interpreter is missing), as the one denied."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    (first / "tool-keymutex").write_text("#!/nonexistent/keymutex-sh\n")
+    (first / "tool-keymutex").chmod(0o755)
+    (second / "tool-keymutex").write_text("echo not executable\n")
+    env = {**env, "PATH": os.pathsep.join([str(first), str(second), env["PATH"]])}
+    result = keymutex("run", "job", "--store", store, "--", "tool-keymutex", env=env, check=126)
+    assert result.stderr.strip() == f"keymutex: {second}/tool-keymutex: permission denied"

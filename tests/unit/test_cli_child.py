@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -233,3 +234,28 @@ async def test_a_ctrl_c_after_the_exec_is_not_forwarded_as_well(
     status, sent = await _run_at_a_terminal(monkeypatch, ready)
     assert status == 3
     assert sent == []
+
+
+@pytest.mark.asyncio
+async def test_a_signal_while_the_handlers_are_installed_is_not_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal that came after asyncio had set its handler for it and before keymutex
+    set ``_arrived`` in its place ran asyncio's (``_nothing``) and was lost: the wait
+    went on, and the command ran to its end under the lock. Here it comes just then."""
+    loop = asyncio.get_running_loop()
+    add = loop.add_signal_handler
+
+    def add_then_a_sigterm(signum: int, callback: Callable[..., object], *args: Any) -> None:
+        add(signum, callback, *args)
+        if signum == signal.SIGTERM:  # to this thread: held here while it is blocked
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    monkeypatch.setattr(loop, "add_signal_handler", add_then_a_sigterm)
+    monkeypatch.setattr(cli, "_die_by", lambda signum: None)
+    run = _Run("job", [sys.executable, "-c", "import time; time.sleep(3)"], quiet=True, info=None)
+    url = f"memory://t{uuid.uuid4().hex}"
+    status = await asyncio.wait_for(
+        run.main(lambda: keymutex.AsyncLocks(url), None, None), PATIENCE
+    )
+    assert status == 128 + signal.SIGTERM
