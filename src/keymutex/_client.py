@@ -1584,6 +1584,8 @@ class _AsyncRenewer:
         self._late: set[asyncio.Future[Any]] = set()  # calls left to end on their own
         self._until = -math.inf  # as in _Renewer
         self._idle: float | None = None  # as in _Renewer
+        # An exit raised by a plain on_lost, queued to end the loop's run (_report_lost).
+        self._exiting = False
 
     def add(self, lease: AsyncLease) -> None:
         if self._closed:
@@ -1594,6 +1596,7 @@ class _AsyncRenewer:
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._wakeup = asyncio.Event()
             self._until = -math.inf
+            self._exiting = False  # one queued in a loop that ended never ran
             self._task = loop.create_task(self._run(self._wakeup), name="keymutex-renewer")
         assert self._wakeup is not None
         if first_look < self._until:
@@ -1735,13 +1738,28 @@ class _AsyncRenewer:
         callback (an ``on_lost`` coroutine's too). They are raised again from a callback
         of their own (``call_soon``): the run ends, as asyncio would end it, but the
         renewer task does not, and a loop run again goes on renewing.
+
+        One at a time: found by review, the on_lost of each lease lost in one pass (a
+        store out of reach: every deadline passes at once) queued an exit of its own;
+        the first ended the run, the next one ended ``asyncio.run``'s clean-up (the
+        cancelled tasks' ``finally`` blocks, ``async with AsyncLocks``) before it began.
+        While one is queued, the others are logged.
         """
         try:
             self.call_on_lost(lease)
         except (KeyboardInterrupt, SystemExit) as exc:
-            asyncio.get_running_loop().call_soon(_raise, exc)
+            if self._exiting:
+                _LOG.exception("on_lost callback for %r: the loop's run ends already", lease.key)
+            else:
+                self._exiting = True
+                asyncio.get_running_loop().call_soon(self._exit, exc)
         except BaseException:
             _LOG.exception("on_lost callback for %r failed", lease.key)
+
+    def _exit(self, exc: BaseException) -> NoReturn:
+        """Raise ``exc`` (from a loop callback: see ``_report_lost``)."""
+        self._exiting = False
+        raise exc
 
     @staticmethod
     def _spawn(work: Awaitable[Any], tasks: set[asyncio.Task[Any]]) -> None:
@@ -1800,11 +1818,6 @@ async def _logged_on_lost(lease: LeaseState, callback: Awaitable[Any]) -> None:
         raise
     except BaseException:
         _LOG.exception("on_lost callback for %r failed", lease.key)
-
-
-def _raise(exc: BaseException) -> NoReturn:
-    """Raise ``exc`` (from a loop callback: see ``_AsyncRenewer._report_lost``)."""
-    raise exc
 
 
 async def _hand_over(work: Awaitable[R], reply: asyncio.Future[R]) -> R | None:

@@ -1135,3 +1135,79 @@ def test_conformance_server_is_usable() -> None:
     with pymongo.MongoClient(url, serverSelectionTimeoutMS=5000) as client:
         version = tuple(int(part) for part in client.server_info()["version"].split(".")[:2])
     assert version >= (4, 2), "the store needs $$NOW in pipeline updates (MongoDB 4.2+)"
+
+
+class _HangsFirst:
+    """A collection whose first ``create_index`` never answers (until cancelled)."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.ended = 0
+
+    async def create_index(self, *args: object, **kwargs: object) -> str:
+        self.made += 1
+        if self.made == 1:
+            await asyncio.Event().wait()
+        self.ended += 1
+        return "keymutex_gc"
+
+
+@pytest.mark.asyncio
+async def test_a_first_step_cancelled_while_it_makes_the_index_does_not_stop_its_making(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the first step, cancelled while it made the TTL index (an
+    ``asyncio.timeout`` around a user's first acquire), left the plan "under way" for
+    good: that store never made the index again, however long it was used."""
+
+    async def standalone(name: str, **options: object) -> dict[str, Any]:
+        return _standalone(name)
+
+    store = mongodb.driver.open_async("mongodb://127.0.0.1:9/", namespace="n", options={})
+    client = store._client
+    collection = _HangsFirst()
+    try:
+        store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
+        store._client.admin.command = standalone  # type: ignore[attr-defined]
+        store._collection = collection
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await store._prepare()
+        await store._prepare()  # the next step
+        later = time.monotonic()
+        monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
+        for _ in range(2):
+            later += mongodb.INDEX_RECHECK
+            await store._prepare()
+            if store._index_task is not None:
+                await store._index_task
+        assert collection.ended >= 1, "the TTL index was never made"
+    finally:
+        store._client = client
+        await store.aclose()
+
+
+def test_a_first_step_interrupted_while_it_makes_the_index_does_not_stop_its_making(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, for the sync store: a Ctrl-C during the first step's index."""
+    store = mongodb.driver.open("mongodb://127.0.0.1:9/", namespace="n", options={})
+    client = store._client
+    collection = _IndexedCollection(KeyboardInterrupt())
+    try:
+        store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
+        store._client.admin.command = _standalone  # type: ignore[attr-defined]
+        store._collection = collection
+        with pytest.raises(KeyboardInterrupt):
+            store._prepare()
+        store._prepare()  # the next step
+        later = time.monotonic()
+        monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
+        for _ in range(2):
+            later += mongodb.INDEX_RECHECK
+            store._prepare()
+            _made_again(store)
+        assert collection.made >= 2, "the TTL index was never made again"
+    finally:
+        store._client = client
+        store.close()

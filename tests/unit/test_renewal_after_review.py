@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
 import threading
 import time
@@ -800,3 +801,36 @@ async def test_aclose_while_the_renewer_takes_its_batch_frees_the_leases_taken(
         await locks.aclose()
         await releasing
     assert not a._renewing.locked()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exit_", [SystemExit, KeyboardInterrupt])
+def test_plain_on_losts_raising_exits_for_leases_lost_together_exit_once(
+    url: str, exit_: type[BaseException], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: each lease lost in one renewal queued an exit of its own; the
+    first ended ``asyncio.run``'s run, the second its clean-up before it began: the
+    main task's ``finally`` never ran, nor ``async with AsyncLocks``'s close."""
+    called: list[str] = []
+    cleaned: list[str] = []
+
+    def leave(lease: keymutex.AsyncLease) -> None:
+        called.append(lease.key)
+        raise exit_
+
+    async def main() -> None:
+        async with keymutex.AsyncLocks(url, ttl=SHORT) as locks, keymutex.AsyncLocks(url) as thief:
+            try:
+                leases = [await locks.acquire(k, renew=True, on_lost=leave) for k in "ab"]
+                for lease in leases:
+                    await thief.acquire(lease.key, steal=True, timeout=0)
+                await asyncio.sleep(PATIENCE)  # the exit from on_lost ends the run before
+            finally:
+                cleaned.append("finally")
+
+    with caplog.at_level(logging.ERROR, logger="keymutex"), pytest.raises(exit_) as raised:
+        asyncio.run(main())
+    assert raised.value.__context__ is None, "a second exit, raised in asyncio.run's clean-up"
+    assert cleaned == ["finally"], "asyncio.run's clean-up was cut short"
+    if len(called) == 2:  # lost in one pass: the second is logged
+        assert any("the loop's run ends already" in r.getMessage() for r in caplog.records)

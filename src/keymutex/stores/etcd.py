@@ -149,6 +149,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import socket
 import ssl
 import threading
@@ -1467,7 +1468,10 @@ class _WatchHub:
         self._mutex = threading.Lock()
         self._state = _WatchState(layout)
         self._thread: threading.Thread | None = None
-        self._stream: httpx.Response | None = None
+        # The watch's socket (a descriptor of our own: ``_handle``), from its connect:
+        # a stream still opening (a member that hangs, TLS handshake included) can be
+        # broken too, not only one that has its response.
+        self._stream: socket.socket | None = None
         self._closed = False
         self._pid = _process.pid()
         # The one timer that closes the stream once it has lingered unused. Found by
@@ -1584,17 +1588,30 @@ class _WatchHub:
         transport = self._transport
         headers = transport.drive(_authorization(transport.endpoints, transport.auth))
         client = httpx.Client(**_http_client_options(transport.target, streaming=True))
+
+        def connected(event: str, info: dict[str, Any]) -> None:
+            if event == _CONNECTED:  # from now on, _steps_left can break it
+                handle = _handle(info.get("return_value"))
+                with self._mutex:
+                    self._stream = handle
+                if transport.endpoints.current() != url:
+                    _shutdown(handle)  # the steps left this member while it connected
+
+        with self._mutex:
+            self._state.member = url
         try:
             with client.stream(
                 "POST",
                 url + "/v3/watch",
                 content=_watch_request(self._state.layout, resume),
                 headers=headers,
+                extensions={"trace": connected},
             ) as response:
                 if response.status_code != 200:
                     raise ValueError(f"watch refused: HTTP {response.status_code}")
                 with self._mutex:
-                    self._stream, self._state.member = response, url
+                    if self._stream is None:  # a connection reused: no connect
+                        self._stream = _handle(response.extensions.get("network_stream"))
                     if transport.endpoints.current() != url:
                         return  # the steps left this member while the stream opened
                 for line in response.iter_lines():
@@ -1609,8 +1626,10 @@ class _WatchHub:
             _forget_rejected(transport.auth, exc, headers)
             raise
         finally:
-            with self._mutex:
-                self._stream, self._state.member = None, ""
+            with self._mutex:  # _steps_left and poke shut it down under the mutex
+                handle, self._stream, self._state.member = self._stream, None, ""
+                if handle is not None:
+                    handle.close()
             client.close()
 
     def _steps_left(self, url: str) -> None:
@@ -1625,21 +1644,22 @@ class _WatchHub:
         the revision after the last deletion it delivered and every waiter is rung,
         as after any reconnect, so no release in between is missed.
 
-        Not covered: a stream still *opening* on a member that stops answering before
-        its first reply (nothing to break yet: httpx exposes the socket only with the
-        response) stays there until the member answers; waiters look again every second.
+        A stream still *opening* there is broken too (its socket is known from its
+        connect, ``_CONNECTED``). Found by review: the steps' failure that moves the
+        stream may move it onto a member that hangs (a healthy follower's steps fail
+        while the leader that hung is replaced, and the next URL is that leader's); the
+        stream, opening there, had nothing to break, and stayed for as long as that
+        member hung, long after the steps had moved on.
         """
-        with self._mutex:
-            stream = self._stream if self._state.member == url else None
-        if stream is not None:
-            _shutdown(stream)
+        with self._mutex:  # the reader closes the socket's descriptor under it
+            if self._state.member == url:
+                _shutdown(self._stream)
 
     def poke(self) -> None:
         """Wake the reader if it should stop (closed, or idle past ``LINGER``)."""
         with self._mutex:
-            stream = self._stream if (self._closed or self._state.lingered()) else None
-        if stream is not None:
-            _shutdown(stream)
+            if self._closed or self._state.lingered():
+                _shutdown(self._stream)
 
     def close(self) -> None:
         with self._mutex:
@@ -1652,13 +1672,29 @@ class _WatchHub:
             thread.join(timeout=2.0)
 
 
-def _shutdown(stream: httpx.Response) -> None:
-    """Break a streaming response another thread is blocked reading."""
-    network = stream.extensions.get("network_stream")
+# httpcore's trace event that gives a new connection (its network stream).
+_CONNECTED = "connection.connect_tcp.complete"
+
+
+def _handle(network: Any) -> socket.socket | None:
+    """A descriptor of our own on the socket of ``network`` (httpcore's network stream):
+    shut down, it breaks the connection at any stage, for whoever is blocked on it. Its
+    own: it stays valid however httpcore closes or wraps the socket (a sync TLS socket
+    takes over the descriptor the connect made)."""
     sock = network.get_extra_info("socket") if network is not None else None
-    if sock is not None:
+    if sock is None:
+        return None
+    try:
+        return socket.socket(fileno=os.dup(sock.fileno()))
+    except OSError:
+        return None
+
+
+def _shutdown(handle: socket.socket | None) -> None:
+    """Break the watch connection ``handle`` is on (another thread or task reads it)."""
+    if handle is not None:
         with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+            handle.shutdown(socket.SHUT_RDWR)
 
 
 class _AsyncEtcdWaiter(LoopDoorbell):
@@ -1694,7 +1730,7 @@ class _AsyncWatchHub:
         self._transport = transport
         self._state = _WatchState(layout)
         self._task: asyncio.Task[None] | None = None
-        self._stream: httpx.Response | None = None
+        self._stream: socket.socket | None = None  # as in _WatchHub
         self._closed = False
         transport.endpoints.when_left(self._steps_left)
 
@@ -1748,16 +1784,19 @@ class _AsyncWatchHub:
                     headers = await transport.drive(
                         _authorization(transport.endpoints, transport.auth)
                     )
-                    async with client.stream(
-                        "POST",
-                        url + "/v3/watch",
-                        content=_watch_request(self._state.layout, resume),
-                        headers=headers,
-                    ) as response:
-                        if response.status_code != 200:
-                            raise ValueError(f"watch refused: HTTP {response.status_code}")
-                        self._stream, self._state.member = response, url
-                        try:
+                    self._state.member = url
+                    try:
+                        async with client.stream(
+                            "POST",
+                            url + "/v3/watch",
+                            content=_watch_request(self._state.layout, resume),
+                            headers=headers,
+                            extensions={"trace": self._connected},
+                        ) as response:
+                            if response.status_code != 200:
+                                raise ValueError(f"watch refused: HTTP {response.status_code}")
+                            if self._stream is None:  # a connection reused: no connect
+                                self._stream = _handle(response.extensions.get("network_stream"))
                             # Unless the steps left this member while the stream opened.
                             if transport.endpoints.current() == url:
                                 async for line in response.aiter_lines():
@@ -1766,8 +1805,10 @@ class _AsyncWatchHub:
                                         waiter.ring()
                                     if ended:
                                         break
-                        finally:
-                            self._stream, self._state.member = None, ""
+                    finally:
+                        handle, self._stream, self._state.member = self._stream, None, ""
+                        if handle is not None:
+                            handle.close()
                     failures = 0
                 except (*_DRIVER_ERRORS,) as exc:
                     if isinstance(exc, _ReplyError):
@@ -1787,10 +1828,17 @@ class _AsyncWatchHub:
         finally:
             await client.aclose()
 
+    async def _connected(self, event: str, info: dict[str, Any]) -> None:
+        """As in ``_WatchHub._stream_once``: the stream's socket, from its connect."""
+        if event == _CONNECTED:
+            self._stream = _handle(info.get("return_value"))
+            if self._transport.endpoints.current() != self._state.member:
+                _shutdown(self._stream)
+
     def _steps_left(self, url: str) -> None:
-        """As ``_WatchHub._steps_left``: a stream open on ``url``, which the store's
-        steps left, is broken, and ``_read`` opens it again where the steps are now.
-        Called on the store's event loop (its steps run there), as the task reads."""
+        """As ``_WatchHub._steps_left``: a stream open (or opening) on ``url``, which the
+        store's steps left, is broken, and ``_read`` opens it again where the steps are
+        now. Called on the store's event loop (its steps run there), as the task reads."""
         if self._stream is not None and self._state.member == url:
             _shutdown(self._stream)
 

@@ -724,6 +724,9 @@ class MongoStore:
                 except PyMongoError as exc:  # unreachable since the hello: as the steps are
                     self._index = _IndexPlan()
                     raise StoreError(f"MongoDB index creation: {exc}") from exc
+                except BaseException:  # interrupted: the next step makes it, as a first
+                    self._index = _IndexPlan()
+                    raise
                 else:
                     self._index.made()
             if notifies(hello):
@@ -999,6 +1002,11 @@ class AsyncMongoStore:
                 except PyMongoError as exc:
                     self._index = _IndexPlan()
                     raise StoreError(f"MongoDB index creation: {exc}") from exc
+                except BaseException:  # cancelled (a timeout around the step): found by
+                    # review, the plan stayed "under way" and the index was never made
+                    # again by this store; the next step makes it, as a first
+                    self._index = _IndexPlan()
+                    raise
                 else:
                     self._index.made()
             if notifies(hello):
