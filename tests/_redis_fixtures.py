@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+import keymutex
+
 if TYPE_CHECKING:
     from _redis_servers import RedisCluster, RedisSentinel, RedisServer
 
@@ -34,6 +36,7 @@ __all__ = [
     "redis_sentinel_url",
     "redis_server",
     "redis_url",
+    "the_sole_holder",
 ]
 
 
@@ -91,3 +94,16 @@ def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSe
 @pytest.fixture(scope="session")
 def redis_sentinel_url(redis_sentinel: RedisSentinel) -> str:
     return redis_sentinel.url
+
+
+def the_sole_holder(lease: keymutex.Lease, owner: str, other: keymutex.Locks) -> None:
+    """``lease`` (granted to ``owner``) is what the store holds, and ``other`` is refused:
+    a waiter that took a grant the store took back would be a second holder."""
+    holder = other.holder(lease.key)
+    assert holder is not None, (
+        f"{owner} believes it holds {lease.key!r} (fence {lease.fence}) but the store has no"
+        " holder"
+    )
+    assert (holder.owner, holder.fence) == (owner, lease.fence)
+    with pytest.raises(keymutex.Locked):
+        other.acquire(lease.key, timeout=0)

@@ -22,6 +22,7 @@ Common ground, observed on Redis 7.0 with redis-py 8.1:
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -33,7 +34,8 @@ import pytest
 
 import _redis_servers as servers
 import keymutex
-from _redis_fixtures import require_redis
+from _redis_fixtures import require_redis, the_sole_holder
+from keymutex.stores import redis as redis_store
 
 T = TypeVar("T")
 
@@ -503,6 +505,465 @@ def test_cluster_failover_of_a_master_keeps_leases_fences_and_waiting(
         )
         for key in keys:
             assert after[key] > max([*before[key], held[key].fence]), key
+
+
+# -- Cluster: a planned failover, a resharding -------------------------------------------
+#
+# Redis 7 unsubscribes the clients of a sharded channel from a node that stops serving
+# its slot (it becomes a replica, or the slot moves to another master), with a push
+# (``sunsubscribe``) they did not ask for; it forwards a sharded message to the
+# replicas of its shard, whose subscribers get it too, but counts only its own in
+# SPUBLISH's reply. Nothing is killed in these tests.
+
+
+def _shard_subscribers(node: servers.RedisServer, channel: str) -> int:
+    reply = node.command("PUBSUB", "SHARDNUMSUB", channel)
+    assert isinstance(reply, list), reply
+    return int(reply[1])
+
+
+def _within(condition: Callable[[], bool], seconds: float) -> bool:
+    """Whether ``condition`` comes true within ``seconds`` (polled; errors count as no)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return True
+        except Exception:  # a node between two roles: ask again
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def _planned_failover(topology: servers.RedisCluster, master: servers.RedisServer) -> None:
+    """``CLUSTER FAILOVER`` on the replica of ``master``: a rolling upgrade's switch.
+    ``master`` stays up, a replica of the promoted node."""
+    (replica,) = topology.replicas_of(master)
+    servers.wait_caught_up(master, [replica])
+    replica.command("CLUSTER", "FAILOVER")
+
+    def demoted() -> bool:
+        replication = master.info("replication")
+        return (
+            replication.get("role") == "slave"
+            and int(replication["master_port"]) == replica.port
+            and replication.get("master_link_status") == "up"
+        )
+
+    wait_until(demoted, f"{master!r} is a replica of {replica!r}")
+    topology.wait_healthy()
+
+
+def _forwards_to(master: servers.RedisServer, replica: servers.RedisServer, bucket: str) -> None:
+    """Wait until ``master`` forwards the sharded messages of a bucket (``km:{N}:``, one
+    slot) to ``replica`` (it does once it knows the replica, a moment after a failover)."""
+    probe = f"{bucket}probe"
+    listener = replica.client().pubsub()  # type: ignore[no-untyped-call]
+    try:
+        listener.ssubscribe(probe)
+        assert listener.get_message(timeout=5.0) is not None  # the confirmation
+
+        def heard() -> bool:
+            master.command("SPUBLISH", probe, "?")
+            return listener.get_message(timeout=0.1) is not None
+
+        wait_until(heard, f"{master!r} forwards sharded messages to {replica!r}")
+    finally:
+        listener.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_waiter_that_hears_a_grant_through_a_replica_is_not_a_second_holder(
+    tmp_path: Path, namespace: str
+) -> None:
+    """Found in review: after a planned failover, a process whose client had not seen it
+    yet waited for a key of the failed-over slots. Its waiter subscribed on the node
+    its slot map named, the old master, now a replica (Redis accepts SSUBSCRIBE there),
+    and was queued on the new master. A release there granted it the key and published
+    the grant; SPUBLISH counted no listener (the only one was on the replica), so the
+    script took the grant back and left the key free. The replica forwarded the
+    message all the same, and the waiter took the grant it heard without a round trip:
+    it held the key (fence 2, for 30 s) while the store had no holder, and another
+    client was granted it (fence 3). A waiter now subscribes on the node its first try
+    went to (the slot map followed the ``MOVED``), and a grant heard in a cluster is
+    confirmed by a try before it is taken (see the next test)."""
+    with (
+        servers.cluster(tmp_path, masters=3, replicas_per_master=1) as topology,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=30.0, owner="A") as a_locks,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=30.0, owner="B") as b_locks,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=30.0, owner="C") as c_locks,
+    ):
+        b_locks.holder("k")  # B's client learns the slots, as any earlier use does
+        layout = a_locks._store._layout  # type: ignore[attr-defined]
+        old = topology.owner_of(layout.lease("k"))
+        (new,) = topology.replicas_of(old)
+        _planned_failover(topology, old)
+        _forwards_to(new, old, layout.bucket("k"))
+
+        held = a_locks.acquire("k")
+        waiter = Waiter(b_locks, "k")
+        channel = b_locks._store._layout.channel("k")  # type: ignore[attr-defined]
+        wait_until(
+            lambda: _shard_subscribers(old, channel) + _shard_subscribers(new, channel) == 1,
+            "B listens",
+        )
+        time.sleep(0.2)  # B's try that queues it, after it listens
+        held.release()
+        got = waiter.outcome()
+        assert isinstance(got, keymutex.Lease), got
+        the_sole_holder(got, "B", c_locks)
+        got.release()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_grant_heard_through_a_replica_is_confirmed_before_it_is_taken(
+    tmp_path: Path, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What is left of the test above once a waiter subscribes where its try went: a
+    failover between the waiter's first try and its subscription (forced here, by
+    failing over in the middle of ``join``) still leaves it listening on a replica;
+    so does a pub/sub connection that redis-py opens again, and subscribes again, on a
+    node that became a replica while it was down (the push that unsubscribed it lost
+    with the connection). The grant it then hears is one the master took back: the
+    waiter must not take it without asking."""
+    with (
+        servers.cluster(tmp_path, masters=3, replicas_per_master=1) as topology,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=30.0, owner="A") as a_locks,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=30.0, owner="B") as b_locks,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=30.0, owner="C") as c_locks,
+    ):
+        layout = a_locks._store._layout  # type: ignore[attr-defined]
+        old = topology.owner_of(layout.lease("k"))
+        (new,) = topology.replicas_of(old)
+        held = a_locks.acquire("k")
+        join = redis_store._Subscriptions.join
+        switched = threading.Event()
+
+        def failover_then_join(
+            hub: redis_store._Subscriptions, waiter: redis_store._RedisWaiter, timeout: float
+        ) -> None:
+            if not switched.is_set():
+                _planned_failover(topology, old)
+                _forwards_to(new, old, layout.bucket("k"))
+                switched.set()
+            join(hub, waiter, timeout)
+
+        monkeypatch.setattr(redis_store._Subscriptions, "join", failover_then_join)
+        waiter = Waiter(b_locks, "k")
+        assert switched.wait(PATIENCE)
+        channel = b_locks._store._layout.channel("k")  # type: ignore[attr-defined]
+        wait_until(lambda: _shard_subscribers(old, channel) == 1, "B listens on the replica")
+        time.sleep(0.2)  # B's try that queues it, after it listens
+        held.release()
+        got = waiter.outcome()
+        assert isinstance(got, keymutex.Lease), got
+        the_sole_holder(got, "B", c_locks)
+        got.release()
+
+
+# A hand-over is heard at once, or not at all: without its recheck (put off a minute by
+# no_rechecks), a waiter that did not hear it waits for the holder's expiry (30 s).
+HEARD_WITHIN = 5.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_rechecks")
+def test_a_waiter_hears_its_hand_over_after_a_planned_failover(
+    tmp_path: Path, namespace: str
+) -> None:
+    """Found in review: a waiter subscribed on its key's master when the master's replica
+    took over (``CLUSTER FAILOVER``) was unsubscribed by Redis, and nothing subscribed
+    it again: the release's grant went unheard (SPUBLISH counted nobody, so the key was
+    left free) and the waiter got the key only at its once-a-second recheck (0.96 s
+    after the release, instead of a few milliseconds). It now subscribes again on the
+    node that serves its slot."""
+    with (
+        servers.cluster(tmp_path, masters=3, replicas_per_master=1) as topology,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=30.0, owner="A") as a_locks,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=30.0, owner="B") as b_locks,
+    ):
+        held = a_locks.acquire("k")
+        layout = a_locks._store._layout  # type: ignore[attr-defined]
+        old = topology.owner_of(layout.lease("k"))
+        (new,) = topology.replicas_of(old)
+        channel = b_locks._store._layout.channel("k")  # type: ignore[attr-defined]
+        waiter = Waiter(b_locks, "k")
+        wait_until(lambda: _shard_subscribers(old, channel) == 1, "B listens on the master")
+        _planned_failover(topology, old)
+        _within(lambda: _shard_subscribers(new, channel) == 1, HEARD_WITHIN)  # B listens again
+        released_at = time.monotonic()
+        held.release()
+        got = waiter.outcome()
+        took = time.monotonic() - released_at
+        assert isinstance(got, keymutex.Lease), got
+        assert took < HEARD_WITHIN, f"the hand-over took {took:.1f} s: unheard"
+        got.release()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_rechecks")
+def test_an_async_waiter_hears_its_hand_over_after_a_planned_failover(
+    tmp_path: Path, namespace: str
+) -> None:
+    """As the sync test above, with ``AsyncLocks``."""
+
+    layout = redis_store._Layout(namespace, redis_store.CLUSTER_BUCKETS)
+
+    def listened_on(node: servers.RedisServer, seconds: float) -> bool:
+        pattern = layout.bucket("k") + "w:*"  # the channels of B's waiters for 'k'
+        return _within(lambda: bool(node.command("PUBSUB", "SHARDCHANNELS", pattern)), seconds)
+
+    async def scenario(topology: servers.RedisCluster) -> float:
+        async with (
+            keymutex.AsyncLocks(topology.url, namespace=namespace, ttl=30.0, owner="A") as a,
+            keymutex.AsyncLocks(topology.url, namespace=namespace, ttl=30.0, owner="B") as b,
+        ):
+            held = await a.acquire("k")
+            old = topology.owner_of(layout.lease("k"))
+            (new,) = topology.replicas_of(old)
+            waiting = asyncio.create_task(b.acquire("k", timeout=PATIENCE))
+            assert await asyncio.to_thread(listened_on, old, PATIENCE)
+            await asyncio.to_thread(_planned_failover, topology, old)
+            await asyncio.to_thread(listened_on, new, HEARD_WITHIN)  # B listens again
+            released_at = time.monotonic()
+            await held.release()
+            got = await waiting
+            took = time.monotonic() - released_at
+            await got.release()
+            return took
+
+    with servers.cluster(tmp_path, masters=3, replicas_per_master=1) as topology:
+        took = asyncio.run(scenario(topology))
+    assert took < HEARD_WITHIN, f"the hand-over took {took:.1f} s: unheard"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_rechecks")
+def test_a_waiter_hears_its_hand_over_after_its_slot_moved_to_another_master(
+    tmp_path: Path, namespace: str
+) -> None:
+    """A resharding moves the slot of a held key (its lease, queue and fence counter)
+    to another master while a waiter waits: nobody else is granted the key meanwhile,
+    the lease is renewed where it went, the fence goes on growing, and the waiter hears
+    the release there (it was unsubscribed from the old master, as in a failover, and
+    got the key only at its recheck, 0.99 s after the release)."""
+    with (
+        servers.cluster(tmp_path, masters=3) as topology,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=30.0, owner="A") as a_locks,
+        keymutex.Locks(topology.url, namespace=namespace, ttl=30.0, owner="B") as b_locks,
+    ):
+        held = a_locks.acquire("k", renew=True)  # renewed every 10 s
+        layout = a_locks._store._layout  # type: ignore[attr-defined]
+        source = topology.owner_of(layout.lease("k"))
+        target = next(node for node in topology.masters() if node is not source)
+        waiter = Waiter(b_locks, "k")
+        channel = b_locks._store._layout.channel("k")  # type: ignore[attr-defined]
+        wait_until(lambda: _shard_subscribers(source, channel) == 1, "B listens")
+
+        slot = int(source.command("CLUSTER", "KEYSLOT", layout.lease("k")))  # type: ignore[call-overload]
+        source_id, target_id = source.command("CLUSTER", "MYID"), target.command("CLUSTER", "MYID")
+        target.command("CLUSTER", "SETSLOT", slot, "IMPORTING", str(source_id))
+        source.command("CLUSTER", "SETSLOT", slot, "MIGRATING", str(target_id))
+        names = source.command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+        assert isinstance(names, list)
+        assert layout.lease("k") in names
+        source.command("MIGRATE", servers.HOST, target.port, "", 0, 5000, "KEYS", *names)
+        for node in topology.masters():
+            node.command("CLUSTER", "SETSLOT", slot, "NODE", str(target_id))
+        topology.wait_healthy()
+        assert topology.owner_of(layout.lease("k")) is target
+        moved_at = time.time()
+
+        def renewed_where_it_went() -> bool:
+            holder = b_locks.holder("k")
+            assert holder is not None, "the lease expired: it was not renewed"
+            assert (holder.owner, holder.fence) == ("A", held.fence)
+            return holder.expires_at > moved_at + 25.0
+
+        wait_until(renewed_where_it_went, "A's renewal on the new master")
+        assert not held.lost
+        _within(lambda: _shard_subscribers(target, channel) == 1, HEARD_WITHIN)  # B listens again
+        released_at = time.monotonic()
+        held.release()
+        got = waiter.outcome()
+        took = time.monotonic() - released_at
+        assert isinstance(got, keymutex.Lease), got
+        assert got.fence > held.fence
+        assert took < HEARD_WITHIN, f"the hand-over took {took:.1f} s: unheard"
+        got.release()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_renewing_holder_follows_its_hung_master_s_failover(
+    tmp_path: Path, namespace: str
+) -> None:
+    """Found in review: a master stops answering (SIGSTOP: a hung host; its sockets stay
+    open) and its replica is promoted 3.7 s later. A lease of TTL 12 s on its slots was
+    lost 12 s after the pause, its copy on the new master expired unrenewed: each
+    renewal went to the hung node (the slot map was not read again after a timeout,
+    only after a refused connection) and was given up after a third of the TTL. A node
+    that does not answer now has the slot map read again, and the next try goes to the
+    node that serves the slots then."""
+    ttl = 12.0
+    with (
+        servers.cluster(tmp_path, masters=3, replicas_per_master=1) as topology,
+        keymutex.Locks(topology.url, namespace=namespace, owner="A") as a_locks,
+        keymutex.Locks(topology.url, namespace=namespace, owner="C") as c_locks,
+    ):
+        lost: list[keymutex.Lease] = []
+        held = a_locks.acquire("k", ttl=ttl, renew=True, on_lost=lost.append)
+        master = topology.owner_of(a_locks._store._layout.lease("k"))  # type: ignore[attr-defined]
+        (replica,) = topology.replicas_of(master)
+        servers.wait_caught_up(master, [replica])
+        master.pause()
+        try:
+            wait_until(
+                lambda: replica.info("replication").get("role") == "master",
+                f"{replica!r} takes over",
+            )
+            time.sleep(1.5 * ttl)
+            assert lost == [], "the lease was lost though its new master was up"
+            holder = c_locks.holder("k")
+            assert holder is not None
+            assert (holder.owner, holder.fence) == ("A", held.fence)
+        finally:
+            master.resume()
+        held.release()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_async_renewing_holder_follows_its_hung_master_s_failover(
+    tmp_path: Path, namespace: str
+) -> None:
+    """As the sync test above, with ``AsyncLocks``."""
+    ttl = 12.0
+    layout = redis_store._Layout(namespace, redis_store.CLUSTER_BUCKETS)
+
+    async def scenario(topology: servers.RedisCluster) -> None:
+        async with (
+            keymutex.AsyncLocks(topology.url, namespace=namespace, owner="A") as a_locks,
+            keymutex.AsyncLocks(topology.url, namespace=namespace, owner="C") as c_locks,
+        ):
+            lost: list[keymutex.AsyncLease] = []
+            held = await a_locks.acquire("k", ttl=ttl, renew=True, on_lost=lost.append)
+            master = topology.owner_of(layout.lease("k"))
+            (replica,) = topology.replicas_of(master)
+            await asyncio.to_thread(servers.wait_caught_up, master, [replica])
+            master.pause()
+            try:
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: replica.info("replication").get("role") == "master",
+                    f"{replica!r} takes over",
+                )
+                await asyncio.sleep(1.5 * ttl)
+                assert lost == [], "the lease was lost though its new master was up"
+                holder = await c_locks.holder("k")
+                assert holder is not None
+                assert (holder.owner, holder.fence) == ("A", held.fence)
+            finally:
+                master.resume()
+            await held.release()
+
+    with servers.cluster(tmp_path, masters=3, replicas_per_master=1) as topology:
+        asyncio.run(scenario(topology))
+
+
+def _pubsub_failures(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if "pub/sub connection failed" in r.getMessage()
+    ]
+
+
+# How long a test watches the logs once a node is gone for good: the tending thread
+# tried to connect to it twice a second, so ten warnings or so.
+WATCH_LOGS = 5.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_node_gone_for_good_is_not_connected_to_again_and_again(
+    tmp_path: Path, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in review: a store whose waiters had listened on a cluster node kept trying
+    to connect to it when it died for good (its replica promoted, the node never
+    back): twice a second, a warning each time (49 in 24 s), for as long as the
+    process ran. Its channels, unsubscribed nowhere (the connection was down), were
+    kept by redis-py to subscribe again. A connection that fails with no waiter on it
+    is now closed; the next waiter opens one where its slot is served."""
+    with (
+        servers.cluster(tmp_path, masters=3, replicas_per_master=1) as topology,
+        keymutex.Locks(topology.url, namespace=namespace, owner="A") as a_locks,
+        keymutex.Locks(topology.url, namespace=namespace, owner="B") as b_locks,
+    ):
+        held = a_locks.acquire("k")
+        with pytest.raises(keymutex.Locked):
+            b_locks.acquire("k", timeout=0.5)  # B listened on the master of 'k'
+        held.release()
+        master = topology.owner_of(a_locks._store._layout.lease("k"))  # type: ignore[attr-defined]
+        master.kill()
+        topology.wait_for_promotion(master)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="keymutex"):
+            time.sleep(WATCH_LOGS)
+        assert _pubsub_failures(caplog) == []
+
+        # B waits again, on the new master, and hears the release.
+        held = served(lambda: a_locks.acquire("k", timeout=0), "k on the new master")[0]
+        waiter = Waiter(b_locks, "k")
+        time.sleep(0.3)
+        held.release()
+        got = waiter.outcome()
+        assert isinstance(got, keymutex.Lease), got
+        got.release()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_async_store_does_not_connect_again_and_again_to_a_node_gone_for_good(
+    tmp_path: Path, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the sync test above, with ``AsyncLocks`` (its reader task tried once a
+    second)."""
+    layout = redis_store._Layout(namespace, redis_store.CLUSTER_BUCKETS)
+
+    async def scenario(topology: servers.RedisCluster) -> None:
+        async with (
+            keymutex.AsyncLocks(topology.url, namespace=namespace, owner="A") as a_locks,
+            keymutex.AsyncLocks(topology.url, namespace=namespace, owner="B") as b_locks,
+        ):
+            held = await a_locks.acquire("k")
+            with pytest.raises(keymutex.Locked):
+                await b_locks.acquire("k", timeout=0.5)
+            await held.release()
+            master = topology.owner_of(layout.lease("k"))
+            master.kill()
+            await asyncio.to_thread(topology.wait_for_promotion, master)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="keymutex"):
+                await asyncio.sleep(WATCH_LOGS)
+            assert _pubsub_failures(caplog) == []
+
+            while True:  # until the client has found the new master
+                try:
+                    held = await a_locks.acquire("k", timeout=0)
+                    break
+                except keymutex.StoreError:
+                    await asyncio.sleep(0.05)
+            waiting = asyncio.create_task(b_locks.acquire("k", timeout=PATIENCE))
+            await asyncio.sleep(0.3)
+            await held.release()
+            await (await waiting).release()
+
+    with servers.cluster(tmp_path, masters=3, replicas_per_master=1) as topology:
+        asyncio.run(scenario(topology))
 
 
 # -- Standalone ------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import pytest
 
 import _redis_servers as servers
 import keymutex
-from _redis_fixtures import require_redis
+from _redis_fixtures import require_redis, the_sole_holder
 from keymutex.stores import redis as redis_store
 
 pytestmark = pytest.mark.usefixtures("_needs_redis")
@@ -228,6 +228,60 @@ def test_a_waiter_listens_on_the_new_master_after_a_planned_failover(
         assert isinstance(lease, keymutex.Lease), lease
         assert lease.fence > held.fence
         lease.release()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_rechecks")
+def test_a_waiter_left_on_a_master_demoted_by_hand_takes_no_grant_it_was_not_given(
+    tmp_path: Path, namespace: str
+) -> None:
+    """Found in review: the old master of a planned failover was demoted by hand
+    (``REPLICAOF``, as an operator or an orchestrator does; the sentinels close its
+    clients' connections when they demote it themselves) before a parked waiter's store
+    asked the sentinels again (up to a second, its next try; put off here by
+    ``no_rechecks``). Its pub/sub connection stayed there, on what was now a replica. A
+    release on the new master granted it the key and published the grant: PUBLISH
+    counted no listener, so the script took the grant back, and the replica replayed
+    the PUBLISH to the waiter, which took the grant without a round trip. It held the
+    key (fence 2, for 30 s) while the store had no holder, and another client was
+    granted it (fence 3). A grant heard on Sentinel is now confirmed by a try."""
+    with (
+        servers.sentinel(tmp_path, replicas=1, sentinels=3, appendonly=False) as group,
+        keymutex.Locks(group.url, namespace=namespace, ttl=30.0, owner="A") as a_locks,
+        keymutex.Locks(group.url, namespace=namespace, ttl=30.0, owner="B") as b_locks,
+        keymutex.Locks(group.url, namespace=namespace, ttl=30.0, owner="C") as c_locks,
+    ):
+        held = a_locks.acquire("k")
+        channel = b_locks._store._layout.channel("k")  # type: ignore[attr-defined]
+        results: list[keymutex.Lease | BaseException] = []
+
+        def wait() -> None:
+            try:
+                results.append(b_locks.acquire("k", timeout=PATIENCE))
+            except BaseException as exc:
+                results.append(exc)
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        old = group.master
+        (new,) = group.replicas
+        _until(lambda: _subscribers(old, channel) == 1, "B listens on the master")
+        servers.wait_caught_up(old, [new])
+        group.sentinels[0].command("SENTINEL", "FAILOVER", group.service)
+        group.wait_for_new_master(old)
+        old.command("REPLICAOF", servers.HOST, new.port)
+        _until(
+            lambda: old.info("replication").get("master_link_status") == "up",
+            "the old master replicates the new one",
+        )
+        assert _subscribers(old, channel) == 1  # B still listens there
+        held.release()  # on the new master: A's store asks the sentinels first
+        thread.join(PATIENCE)
+        (got,) = results
+        assert isinstance(got, keymutex.Lease), got
+        the_sole_holder(got, "B", c_locks)
+        got.release()
 
 
 def test_a_sentinel_that_cannot_be_asked_does_not_fail_the_step(

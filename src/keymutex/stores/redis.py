@@ -28,13 +28,23 @@
   release, and no herd. The releaser cannot barge back in ahead of the queue.
   ``PUBLISH`` counts the connections that heard it: none means the waiter's process
   (or its connection) is gone, and the script takes the lease back and grants the
-  next waiter. A waiter that gives up leaves the queue, passing on a key granted to
-  it meanwhile; one that cannot (Redis unreachable as it leaves) may be granted the
-  key unheard, which then stays held until that lease's TTL, as if a holder had
-  died. Waiters also wake at the holder's expiry (the reply carries its ``PTTL``)
+  next waiter. It counts only the master's: on a cluster or Sentinel, where a replica
+  delivers the master's messages too (a shard's replicas its sharded ones, a replica
+  the PUBLISHes it replays), a waiter listening on one (its master became a replica in
+  a failover) hears grants that the release took back; there the woken waiter
+  confirms its grant with one more round trip (a try by its token). A waiter that
+  gives up leaves the queue, passing on a key granted to it meanwhile; one that
+  cannot (Redis unreachable as it leaves) may be granted the key unheard, which then
+  stays held until that lease's TTL, as if a holder had died. Waiters also wake at the holder's expiry (the reply carries its ``PTTL``)
   and look again at least every second. A key freed by expiry goes to whoever tries
   first, so the order is first come, first served through releases, not strictly
   (``fair`` is false).
+- Cluster topology changes: a node that stops serving a slot (failover, resharding)
+  unsubscribes the listeners of its channels; their waiters subscribe again on the
+  node their next try went to. A renewal that a node left unanswered (hung, paused,
+  partitioned) has the cluster client read the slot map again, so that the next try
+  goes to a replica promoted meanwhile. A pub/sub connection that fails while no
+  waiter listens on it is closed, not opened again (its node may be gone for good).
 - Sentinel: redis-py asks the sentinels for the master only when it opens a
   connection, and the store keeps its connections open; so the store asks again at
   most once a second, before a step, and moves its connections (pub/sub included) to
@@ -48,6 +58,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -310,9 +321,18 @@ class _Layout:
     out.
     """
 
-    __slots__ = ("_buckets", "_id", "_middle", "_pid", "namespace", "publish", "sharded")
+    __slots__ = (
+        "_buckets",
+        "_id",
+        "_middle",
+        "_pid",
+        "confirms_grants",
+        "namespace",
+        "publish",
+        "sharded",
+    )
 
-    def __init__(self, namespace: str, buckets: int) -> None:
+    def __init__(self, namespace: str, buckets: int, *, replicated: bool = False) -> None:
         self.namespace = namespace
         self._buckets = buckets
         self._middle = f"{len(namespace)}:{namespace}:"
@@ -322,6 +342,11 @@ class _Layout:
         # of receivers is exact there too.
         self.sharded = buckets > 1
         self.publish = "spublish" if self.sharded else "publish"
+        # Whether a waiter confirms a grant it heard with a try (see _Steps.contend):
+        # where its pub/sub connection can be on a replica, which delivers the master's
+        # messages (a cluster forwards sharded ones within the shard, a replica replays
+        # PUBLISH) while PUBLISH counts only the master's listeners.
+        self.confirms_grants = replicated or self.sharded
 
     def bucket(self, key: str) -> str:
         if self._buckets == 1:
@@ -508,9 +533,15 @@ class _Steps:
         to run (send back its outcome), or ``None`` to subscribe the waiter's channel
         (send back ``None``); returns the try's outcome."""
         if waiter.granted is not None and not steal:
-            granted = waiter.take_grant(key, ttl, owner, info)
-            if granted is not None:  # a release granted it to us, and told us
-                return granted
+            if self.layout.confirms_grants:
+                # A waiter that listens on a replica (a failover made its master one)
+                # hears grants that PUBLISH did not count, and that the release took
+                # back as unheard. The try below, by the token, confirms.
+                waiter.granted = None
+            else:
+                granted = waiter.take_grant(key, ttl, owner, info)
+                if granted is not None:  # a release granted it to us, and told us
+                    return granted
         if not waiter.id:  # the first try of this acquire
             waiter.id = token
             waiter.hub.try_join(waiter)  # type: ignore[arg-type]  # a channel listened to already
@@ -563,16 +594,22 @@ class _Steps:
 
 @dataclass(frozen=True, slots=True)
 class _PubSubKind:
-    """The pub/sub command names and message types of plain or sharded channels."""
+    """The pub/sub command names and message types of plain or sharded channels, and
+    the attribute in which redis-py keeps the channels it subscribes again when it
+    reconnects."""
 
     subscribe: str
     unsubscribe: str
     subscribed: str
     message: str
+    unsubscribed: str
+    kept_in: str
 
 
-_PLAIN = _PubSubKind("subscribe", "unsubscribe", "subscribe", "message")
-_SHARDED = _PubSubKind("ssubscribe", "sunsubscribe", "ssubscribe", "smessage")
+_PLAIN = _PubSubKind("subscribe", "unsubscribe", "subscribe", "message", "unsubscribe", "channels")
+_SHARDED = _PubSubKind(
+    "ssubscribe", "sunsubscribe", "ssubscribe", "smessage", "sunsubscribe", "shard_channels"
+)
 
 # Where a channel is served: a name for its server, and how to open a pub/sub there.
 Locate = Callable[[str], tuple[str, Callable[[], Any]]]
@@ -600,7 +637,8 @@ class _Grantee:
     holder that refused it (fences grow with every grant of the key, so a grant made
     before that refusal, and gone since, has a smaller one). The lease's time is then
     counted from that refusal's request, which the grant came after: never more than
-    Redis gave.
+    Redis gave. Only where the waiter surely listens on the master (a single server):
+    elsewhere its next try confirms the grant (``_Layout.confirms_grants``).
     """
 
     __slots__ = (
@@ -734,6 +772,11 @@ class _Channels:
             del self.idle[channel]
         return gone
 
+    def drop(self, channel: str) -> set[Any]:
+        """Forget a channel that Redis unsubscribed; the waiters that listened on it."""
+        self.idle.pop(channel, None)
+        return self.waiters.pop(channel, set())
+
     def ring_all(self) -> None:
         """Wake every waiter to try again at once (its hub moved to a new master)."""
         for waiters in self.waiters.values():
@@ -744,6 +787,35 @@ class _Channels:
         """The waiters a grant's message is for, and the grant (see ``_told``)."""
         token, grant = _told(data)
         return [w for w in self.waiters.get(channel, ()) if w.id == token], grant
+
+
+def _unsubscribed_by_redis(
+    channels: _Channels, confirmed: dict[str, Any], pubsub: Any, kind: _PubSubKind, name: Any
+) -> bool:
+    """Take in an unsubscription from Redis (under the hub's lock); whether it was one
+    that Redis sent of itself, not the answer to one of ours.
+
+    A cluster node that stops serving a slot (it became a replica in a failover, or the
+    slot moved to another master) unsubscribes the listeners of its sharded channels.
+    Found by review: that went unnoticed, the channel still counted as subscribed, and
+    its waiters' hand-overs went unheard (each waited for its recheck, a second, at
+    every release). Now the channel is forgotten, here and by redis-py (which would
+    subscribe it again on this node when it reconnects), and its waiters are woken to
+    subscribe again where their slot is served. An answer to our own unsubscription
+    finds its channel forgotten already (``_unsubscribe_unused``, ``_refuse``), or
+    subscribed anew and not yet confirmed: it is left alone.
+    """
+    channel = str(name)
+    subscription = confirmed.get(channel)
+    if subscription is None or not subscription.is_set():
+        return False
+    del confirmed[channel]
+    with contextlib.suppress(AttributeError):
+        getattr(pubsub, kind.kept_in).pop(channel, None)
+    for waiter in channels.drop(channel):
+        waiter.subscribed = False
+        waiter.ring(None)
+    return True
 
 
 def _elsewhere(pubsub: Any, master: tuple[str, int]) -> bool:
@@ -1036,10 +1108,11 @@ class _Subscriptions:
     def _tend(self) -> None:
         """Read what came in while no waiter was reading; unsubscribe lingering channels."""
         turn = threading.Event()
+        me = threading.current_thread()
         while not self._stop.wait(TEND_EVERY):
             with self._mutex:
                 pubsub = self._pubsub
-                if self._closed or pubsub is None:
+                if self._closed or pubsub is None or self._tending is not me:
                     return
                 if self._reader is not None:
                     continue
@@ -1056,16 +1129,41 @@ class _Subscriptions:
                 with self._mutex:
                     self._refuse(pubsub, exc)
             except Exception as exc:  # reconnects at the next read (redis-py resubscribes)
-                if not self._closed:
+                if not self._closed and not self._retired(pubsub, exc):
                     _LOG.warning("Redis pub/sub connection failed (%s); reconnecting", exc)
             finally:
                 with self._mutex:
                     self._reader = None
                     self._pass_on()
 
+    def _retired(self, pubsub: Any, failure: Exception) -> bool:
+        """Close a connection that failed while no waiter listens on it, rather than
+        connect again (``join`` opens another, and starts a tending thread again).
+
+        Found by review: a cluster node that died for good (its replica promoted) had
+        every store whose waiters had listened there try to connect to it again twice a
+        second, with a warning each time, for as long as the process ran: the channels
+        left there could not be unsubscribed (the connection was down), and redis-py
+        kept them to subscribe again."""
+        with self._mutex:
+            if self._channels.waiters or self._pubsub is not pubsub:
+                return False
+            self._pubsub, self._tending = None, None
+            self._confirmed.clear()
+            self._channels.idle.clear()
+        _LOG.info("Redis pub/sub connection failed (%s); no waiter listens: closed", failure)
+        with contextlib.suppress(RedisError, OSError):
+            pubsub.close()
+        return True
+
     def _dispatch(self, message: Mapping[str, Any]) -> None:
         channel = message.get("channel")
         with self._mutex:
+            if message.get("type") == self._kind.unsubscribed:
+                _unsubscribed_by_redis(
+                    self._channels, self._confirmed, self._pubsub, self._kind, channel
+                )
+                return
             if message.get("type") == self._kind.subscribed:
                 confirmed = self._confirmed.get(channel)  # type: ignore[arg-type]
                 if confirmed is not None:
@@ -1261,6 +1359,9 @@ class _AsyncSubscriptions:
             except Exception as exc:  # the driver's, or a socket closed under it by aclose()
                 if self._closed:
                     return
+                if not self._channels.waiters:  # as in _Subscriptions._retired
+                    await self._retire(exc)
+                    return
                 failures += 1
                 _LOG.warning("Redis pub/sub connection failed (%s); reconnecting", exc)
                 await asyncio.sleep(min(1.0, 0.05 * 2**failures))
@@ -1272,10 +1373,24 @@ class _AsyncSubscriptions:
                 confirmed = self._confirmed.get(channel)
                 if confirmed is not None:
                     confirmed.set()
+            elif message.get("type") == self._kind.unsubscribed:  # see _unsubscribed_by_redis
+                _unsubscribed_by_redis(
+                    self._channels, self._confirmed, self._pubsub, self._kind, channel
+                )
             elif message.get("type") == self._kind.message:
                 waiters, grant = self._channels.addressees(channel, message.get("data"))
                 for waiter in waiters:
                     waiter.ring(grant)
+
+    async def _retire(self, failure: Exception) -> None:
+        """As ``_Subscriptions._retired``, by the reader task, which then ends (``join``
+        opens another connection and starts another reader)."""
+        pubsub, self._pubsub, self._task = self._pubsub, None, None
+        self._confirmed.clear()
+        self._channels.idle.clear()
+        _LOG.info("Redis pub/sub connection failed (%s); no waiter listens: closed", failure)
+        with contextlib.suppress(RedisError, OSError):
+            await pubsub.aclose()
 
     async def aclose(self) -> None:
         self._closed = True
@@ -1393,14 +1508,14 @@ def _renewed(calls: Sequence[_Call], replies: Sequence[Any]) -> list[Outcome]:
 
 
 def _gather(
-    groups: Sequence[tuple[Any, list[int]]],
+    groups: Sequence[tuple[str, Any, list[int]]],
     answers: Mapping[int, dict[int, Any] | Exception],
     replies: list[Any],
     within: float,
 ) -> None:
     """Put each node's replies (``answers``, by the node's number in ``groups``) in
     their places in ``replies``; a node that has not answered fails its calls."""
-    for number, (_, indices) in enumerate(groups):
+    for number, (_, _, indices) in enumerate(groups):
         answer = answers.get(number)
         if isinstance(answer, Exception):
             raise answer
@@ -1411,6 +1526,26 @@ def _gather(
             continue
         for index, reply in answer.items():
             replies[index] = reply
+
+
+def _asked_last(initialize: Callable[..., Any], silent: str) -> dict[str, str]:
+    """The argument of redis-py's ``NodesManager.initialize`` that asks the node
+    ``silent`` for the slot map last, where it has one (redis-py 5 has not: it may ask
+    that node first, and wait its socket timeout before it asks another)."""
+    if "last_failed_node_name" in inspect.signature(initialize).parameters:
+        return {"last_failed_node_name": silent}
+    return {}
+
+
+def _silent_nodes(
+    groups: Sequence[tuple[str, Any, list[int]]], replies: Sequence[Any]
+) -> list[str]:
+    """The nodes of a cluster batch that left some of its calls unanswered."""
+    return [
+        name
+        for name, _, indices in groups
+        if any(isinstance(replies[index], _Unanswered) for index in indices)
+    ]
 
 
 # Connections of a pool limited by ``max_connections`` that a store leaves in it, idle,
@@ -1621,9 +1756,10 @@ class _NodeClients:
         self._lock = threading.Lock()
         self._closed = False
 
-    def split(self, client: Any, calls: Sequence[_Call]) -> list[tuple[Any, list[int]]]:
+    def split(self, client: Any, calls: Sequence[_Call]) -> list[tuple[str, Any, list[int]]]:
+        """The calls by node: (the node's name, its client, the calls' indices)."""
         if self._open_node is None:
-            return [(client, list(range(len(calls))))]
+            return [("", client, list(range(len(calls))))]
         groups: dict[str, list[int]] = {}
         opened: dict[str, Any] = {}
         for index, call in enumerate(calls):
@@ -1631,7 +1767,7 @@ class _NodeClients:
             if node.name not in opened:
                 opened[node.name] = self._node(node.name, node.host, node.port)
             groups.setdefault(node.name, []).append(index)
-        return [(opened[name], indices) for name, indices in groups.items()]
+        return [(name, opened[name], indices) for name, indices in groups.items()]
 
     def _node(self, name: str, host: str, port: int) -> Any:
         assert self._open_node is not None
@@ -1781,6 +1917,7 @@ class RedisStore:
         self._layout = layout
         self._hubs = _Hubs(locate, sharded=layout.sharded)
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
+        self._reading_slots = threading.Lock()  # held while _read_slots_again reads
         _FORK_AWARE.add(self)
 
     def _forked(self) -> None:
@@ -1797,6 +1934,7 @@ class RedisStore:
             pool = getattr(client, "connection_pool", None)
             if pool is not None and hasattr(pool, "_lock"):
                 pool._lock = threading.Lock()
+        self._reading_slots = threading.Lock()  # the parent's read is not running here
 
     def _run(self, call: _Call) -> Outcome:
         resent: list[bool] = []
@@ -1835,6 +1973,10 @@ class RedisStore:
             while True:
                 if step is None:
                     with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
+                        if self._layout.sharded:
+                            # On the node that serves the channel's slot now: the try
+                            # just made followed a failover or a resharding, if any.
+                            waiter.hub = self._hubs.for_channel(waiter.channel)
                         waiter.hub.join(waiter, self._subscribe_timeout)
                     step = flow.send(None)
                 else:
@@ -1892,7 +2034,7 @@ class RedisStore:
         replies: list[Any] = [None] * len(calls)
         groups = list(self._nodes.split(self._client, calls))
         if not self._layout.sharded:  # one server: nobody else to hold up, no thread
-            ((client, indices),) = groups
+            ((_, client, indices),) = groups
             answers: Mapping[int, dict[int, Any] | Exception] = {
                 0: self._on_node(client, calls, indices)
             }
@@ -1900,13 +2042,45 @@ class RedisStore:
             answers = each_within(
                 {
                     number: functools.partial(self._on_node, client, calls, indices)
-                    for number, (client, indices) in enumerate(groups)
+                    for number, (_, client, indices) in enumerate(groups)
                 },
                 within,
                 name="keymutex-redis-renew",
             )
         _gather(groups, answers, replies, within)
+        if self._layout.sharded:
+            for name in _silent_nodes(groups, replies):
+                self._read_slots_again(name)
         return replies
+
+    def _read_slots_again(self, silent: str) -> None:
+        """Have the cluster client read the slot map again, on a thread of its own,
+        asking the node ``silent`` last: a master that stopped answering may have been
+        failed over, and the next try of its leases' renewals must go to the node that
+        serves their slots now.
+
+        Found by review: renewals are sent by the slot map of the cluster client, which
+        reads it again after a refused connection or a ``MOVED``, never after a node
+        went silent (paused, hung, partitioned): a renewing holder whose master hung
+        sent every renewal there, its lease expired unrenewed on the promoted replica,
+        and it was lost although the new master had been serving for seconds. One read
+        at a time."""
+        if not self._reading_slots.acquire(blocking=False):
+            return
+
+        def read() -> None:
+            try:
+                manager = self._client.nodes_manager
+                manager.initialize(**_asked_last(manager.initialize, silent))
+            except Exception as exc:  # the next renewal tries again
+                _LOG.debug("could not read the Redis cluster's slots again: %s", exc)
+            finally:
+                self._reading_slots.release()
+
+        try:
+            threading.Thread(target=read, name="keymutex-redis-slots", daemon=True).start()
+        except RuntimeError:  # no thread to be had (the interpreter is exiting)
+            self._reading_slots.release()
 
     def _on_node(self, client: Any, calls: Sequence[_Call], indices: list[int]) -> dict[int, Any]:
         """The replies of ``calls[indices]``, all of one node, by index."""
@@ -2018,6 +2192,7 @@ class AsyncRedisStore:
         self._layout = layout
         self._hubs = _AsyncHubs(locate, sharded=layout.sharded)
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
+        self._reading_slots: asyncio.Task[None] | None = None  # see _read_slots_again
 
     async def _run(self, call: _Call) -> Outcome:
         resent: list[bool] = []
@@ -2059,6 +2234,8 @@ class AsyncRedisStore:
             while True:
                 if step is None:
                     with translate_errors(*_DRIVER_ERRORS, what=f"Redis subscription for {key!r}"):
+                        if self._layout.sharded:  # as in RedisStore
+                            waiter.hub = await self._hubs.for_channel(waiter.channel)
                         await waiter.hub.join(waiter, self._subscribe_timeout)
                     step = flow.send(None)
                 else:
@@ -2103,7 +2280,7 @@ class AsyncRedisStore:
         replies: list[Any] = [None] * len(calls)
         groups = list(self._nodes.split(self._client, calls))
         if not self._layout.sharded:  # one server: nobody else to hold up
-            ((client, indices),) = groups
+            ((_, client, indices),) = groups
             answers: Mapping[int, dict[int, Any] | Exception] = {
                 0: await self._on_node(client, calls, indices)
             }
@@ -2111,13 +2288,33 @@ class AsyncRedisStore:
             answers = await each_within_async(
                 {
                     number: functools.partial(self._on_node, client, calls, indices)
-                    for number, (client, indices) in enumerate(groups)
+                    for number, (_, client, indices) in enumerate(groups)
                 },
                 within,
                 self._left,
             )
         _gather(groups, answers, replies, within)
+        if self._layout.sharded:
+            for name in _silent_nodes(groups, replies):
+                self._read_slots_again(name)
         return replies
+
+    def _read_slots_again(self, silent: str) -> None:
+        """As ``RedisStore._read_slots_again``: a task of the store's loop, left to end
+        (``aclose`` cancels it)."""
+        if self._reading_slots is not None and not self._reading_slots.done():
+            return
+
+        async def read() -> None:
+            try:
+                manager = self._client.nodes_manager
+                await manager.initialize(**_asked_last(manager.initialize, silent))
+            except Exception as exc:  # the next renewal tries again
+                _LOG.debug("could not read the Redis cluster's slots again: %s", exc)
+
+        task = self._reading_slots = asyncio.create_task(read(), name="keymutex-redis-slots")
+        self._left.add(task)
+        task.add_done_callback(self._left.discard)
 
     async def _on_node(
         self, client: Any, calls: Sequence[_Call], indices: list[int]
@@ -2634,7 +2831,11 @@ def _once_async(options: Mapping[str, Any]) -> dict[str, Any]:
 class RedisDriver:
     def open(self, url: str, *, namespace: str, options: Mapping[str, object]) -> RedisStore:
         target = _parse(url, options)
-        layout = _Layout(namespace, CLUSTER_BUCKETS if target.kind == "cluster" else 1)
+        layout = _Layout(
+            namespace,
+            CLUSTER_BUCKETS if target.kind == "cluster" else 1,
+            replicated=target.kind != "single",
+        )
         if target.kind == "cluster":
             nodes = [
                 redis.cluster.ClusterNode(host, port)  # type: ignore[no-untyped-call]
@@ -2643,10 +2844,15 @@ class RedisDriver:
             cluster: Any = _LazyCluster(lambda: _Cluster(startup_nodes=nodes, **target.options))
 
             def on_node(channel: str) -> tuple[str, Callable[[], Any]]:
-                # A sharded channel is served by the node that owns its slot.
+                # A sharded channel is served by the node that owns its slot. Asked at
+                # each waiter and each subscription: its client is made for a new hub only.
                 node: Any = cluster.get_node_from_key(channel)
-                on: Any = redis.Redis(host=node.host, port=node.port, **_once(target.options))
-                return node.name, on.pubsub
+
+                def pubsub() -> Any:
+                    on: Any = redis.Redis(host=node.host, port=node.port, **_once(target.options))
+                    return on.pubsub()
+
+                return node.name, pubsub
 
             return RedisStore(
                 cluster,
@@ -2674,7 +2880,11 @@ class RedisDriver:
         self, url: str, *, namespace: str, options: Mapping[str, object]
     ) -> AsyncRedisStore:
         target = _parse(url, options)
-        layout = _Layout(namespace, CLUSTER_BUCKETS if target.kind == "cluster" else 1)
+        layout = _Layout(
+            namespace,
+            CLUSTER_BUCKETS if target.kind == "cluster" else 1,
+            replicated=target.kind != "single",
+        )
         if target.kind == "cluster":
             nodes = [redis.asyncio.cluster.ClusterNode(host, port) for host, port in target.nodes]
             cluster_options = {k: v for k, v in target.options.items() if k != "max_connections"}
