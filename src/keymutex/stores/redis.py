@@ -925,7 +925,9 @@ class _Subscriptions:
                 return False
             waiter.arm()
             self._channels.add(waiter.channel, waiter)
-        waiter.subscribed = True
+            # Under the mutex: a push from Redis that drops the channel, dispatched by
+            # the reader the moment the mutex is let go, must find it set (and clear it).
+            waiter.subscribed = True
         return True
 
     def join(self, waiter: _RedisWaiter, timeout: float) -> None:
@@ -950,7 +952,7 @@ class _Subscriptions:
                         target=self._tend, name="keymutex-redis-pubsub", daemon=True
                     )
                     self._tending.start()
-        waiter.subscribed = True
+            waiter.subscribed = True  # under the mutex, as in try_join
         deadline = time.monotonic() + timeout
         if not self._await(confirmed.is_set, threading.Event(), deadline):
             raise StoreError(f"Redis did not confirm the subscription within {timeout} s")
