@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NoReturn, ParamSpec, Protocol, TypeVar
 
-from keymutex import _clock, _process
+from keymutex import _clock
 from keymutex._errors import Locked, LockError, LockLost, StoreError
 from keymutex._giveback import AsyncGiveBacks, GiveBacks
 from keymutex._lease import AsyncLease, Holder, Lease, LeaseState, Outcome
@@ -180,7 +180,7 @@ class _Config:
 
     def owner_now(self) -> str:
         # The pid is read at each acquire: a forked child is a different owner.
-        return self.owner if self.owner is not None else f"{_HOSTNAME}:{_process.pid()}"
+        return self.owner if self.owner is not None else f"{_HOSTNAME}:{os.getpid()}"
 
     def request(
         self,
@@ -547,7 +547,7 @@ def _finish_later(
 def _granted_here(leases: Mapping[str, L], key: str, token: str) -> L | None:
     """The live ``Lease`` this client granted to the token a call by key and token names."""
     lease = leases.get(token)
-    if lease is None or lease.key != key or lease._pid != _process.pid():
+    if lease is None or lease.key != key or lease._pid != os.getpid():
         return None
     return None if lease._released or lease.lost else lease
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from keymutex import _clock, _process
+from keymutex import _clock
 from keymutex._errors import LockLost
 
 if TYPE_CHECKING:
@@ -122,7 +123,10 @@ class LeaseState:
         self._drawn = False
         self._new_holder: Holder | None = None
         self._mutex = threading.Lock()
-        self._pid = _process.pid()  # a forked child holds a copy, not the lease
+        # A forked child holds a copy, not the lease. Read from the kernel, never cached
+        # across forks: a child forked without Python's at-fork hooks (uWSGI's prefork
+        # workers by default) took itself for its parent when it was (found by review).
+        self._pid = os.getpid()
         self._granted(outcome, sent_at, ttl)
 
     def _granted(self, outcome: Outcome, sent_at: float, ttl: float) -> None:
@@ -156,7 +160,7 @@ class LeaseState:
 
     def _check_process(self) -> None:
         """A lease is renewed and released only by the process it was granted to."""
-        if self._pid != _process.pid():
+        if self._pid != os.getpid():
             raise LockLost(
                 self.key,
                 None,

@@ -144,10 +144,9 @@ def _a_child_of_its_own(locks: keymutex.Locks, parents: keymutex.Lease) -> int:
 
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
 def test_a_forked_child_is_another_process_to_its_leases_and_owners(tmp_path: Path) -> None:
-    """This process's id is read once per process (``keymutex._process``), not by a
-    system call at each step: a forked child must still be told apart from its
-    parent. It cannot release the parent's lease (that is the parent's to end), and its
-    own grants name it as their owner."""
+    """A forked child is told apart from its parent: it cannot release the parent's
+    lease (that is the parent's to end), and its own grants name it as their owner
+    (a process id cached across forks, tried once, must keep this true)."""
     with keymutex.Locks(f"sqlite:///{tmp_path}/locks.db") as locks:
         parents = locks.acquire("parent", ttl=60, renew=False)
         pids = [_forked(functools.partial(_a_child_of_its_own, locks, parents)) for _ in range(3)]

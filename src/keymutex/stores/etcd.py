@@ -160,7 +160,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from keymutex import _clock, _process
+from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, stop_task, translate_errors
@@ -1220,14 +1220,14 @@ class _Transport:
         self.target = target
         self.endpoints = _Endpoints(target.endpoints)
         self.auth = None if target.credentials is None else _Auth(*target.credentials)
-        self._pid = _process.pid()
+        self._pid = os.getpid()
         self._client = httpx.Client(**_http_client_options(target))
 
     def drive(self, delivery: Generator[_Post, httpx.Response, T]) -> T:
         """Send what ``delivery`` asks for until it is done."""
-        if self._pid != _process.pid():  # forked: the parent's connections are not ours
+        if self._pid != os.getpid():  # forked: the parent's connections are not ours
             self._pid, self._client = (
-                _process.pid(),
+                os.getpid(),
                 httpx.Client(**_http_client_options(self.target)),
             )
         try:
@@ -1473,7 +1473,7 @@ class _WatchHub:
         # broken too, not only one that has its response.
         self._stream: socket.socket | None = None
         self._closed = False
-        self._pid = _process.pid()
+        self._pid = os.getpid()
         # The one timer that closes the stream once it has lingered unused. Found by
         # review: a timer thread for each waiter that left piled up (5 s × the acquire
         # rate), and one that could not start failed an acquire granted meanwhile.
@@ -1482,8 +1482,8 @@ class _WatchHub:
 
     def join(self, waiter: _EtcdWaiter) -> None:
         with self._mutex:
-            if self._pid != _process.pid():  # forked: the parent's stream is not ours
-                self._pid, self._thread, self._stream = _process.pid(), None, None
+            if self._pid != os.getpid():  # forked: the parent's stream is not ours
+                self._pid, self._thread, self._stream = os.getpid(), None, None
                 self._state = _WatchState(self._state.layout)
                 self._linger = None
             self._state.add(waiter.key, waiter)

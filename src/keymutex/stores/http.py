@@ -70,7 +70,7 @@ from urllib.request import getproxies_environment, proxy_bypass
 
 import httpx
 
-from keymutex import _clock, _process
+from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, translate_errors
@@ -540,7 +540,7 @@ class HttpStore:
         self._tls = tls
         self._requests = _Requests(base_url, api_token, timeout)
         self._protocol = _Protocol(namespace)
-        self._pid = _process.pid()
+        self._pid = os.getpid()
         self._transport = self._new_transport()
         self._asked_capabilities = False
 
@@ -562,8 +562,8 @@ class HttpStore:
         return self._send(call), True
 
     def _send(self, call: _Call) -> tuple[int, JSONDict]:
-        if self._pid != _process.pid():  # a forked child must not share the parent's sockets
-            self._pid, self._transport = _process.pid(), self._new_transport()
+        if self._pid != os.getpid():  # a forked child must not share the parent's sockets
+            self._pid, self._transport = os.getpid(), self._new_transport()
         with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
             request = self._requests.build(call)
             budget = self._requests.budget(call)
@@ -710,7 +710,7 @@ class AsyncHttpStore:
         self._tls = tls
         self._requests = _Requests(base_url, api_token, timeout)
         self._protocol = _Protocol(namespace)
-        self._pid = _process.pid()
+        self._pid = os.getpid()
         self._transport = self._new_transport()
         self._asked_capabilities = False
 
@@ -731,8 +731,8 @@ class AsyncHttpStore:
         return await self._send(call), True
 
     async def _send(self, call: _Call) -> tuple[int, JSONDict]:
-        if self._pid != _process.pid():  # a forked child must not share the parent's sockets
-            self._pid, self._transport = _process.pid(), self._new_transport()
+        if self._pid != os.getpid():  # a forked child must not share the parent's sockets
+            self._pid, self._transport = os.getpid(), self._new_transport()
         with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
             request = self._requests.build(call)
             budget = self._requests.budget(call)

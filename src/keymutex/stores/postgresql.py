@@ -118,7 +118,6 @@ import psycopg.conninfo
 import psycopg.errors
 from psycopg import pq
 
-from keymutex import _process
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import Capabilities, RenewRequest, stop_task, translate_errors
@@ -1198,7 +1197,7 @@ class _Sessions:
         self._open = 0
         self._waiting = 0  # threads waiting for a connection (nobody, nearly always)
         self._closed = False
-        self._pid = _process.pid()
+        self._pid = os.getpid()
         self._abandoned: list[object] = []
         _FORK_AWARE.add(self)
 
@@ -1208,7 +1207,7 @@ class _Sessions:
         self._mutex = threading.Lock()
         self._changed = threading.Condition(self._mutex)
         self._abandoned.append(self._free)
-        self._free, self._open, self._waiting, self._pid = [], 0, 0, _process.pid()
+        self._free, self._open, self._waiting, self._pid = [], 0, 0, os.getpid()
 
     def take(self, *, fresh: bool = False) -> _Session:
         """A connection for one step: the most recently used idle one that looks alive,
@@ -1266,8 +1265,8 @@ class _Sessions:
     def give(self, session: _Session) -> None:
         now = time.monotonic()
         with self._mutex:
-            if self._closed or self._pid != _process.pid():
-                stale = session if self._pid == _process.pid() else None
+            if self._closed or self._pid != os.getpid():
+                stale = session if self._pid == os.getpid() else None
             else:
                 session.idle_since = now
                 self._free.append(session)
@@ -1287,7 +1286,7 @@ class _Sessions:
             self.give(session)
             return
         with self._mutex:
-            same_process = self._pid == _process.pid()
+            same_process = self._pid == os.getpid()
             if same_process:
                 self._open -= 1
                 self._notify()
@@ -1298,7 +1297,7 @@ class _Sessions:
         with self._mutex:
             self._closed = True
             free, self._free = self._free, []
-            same_process = self._pid == _process.pid()
+            same_process = self._pid == os.getpid()
             self._changed.notify_all()
         if same_process:
             for session in free:
@@ -1562,7 +1561,7 @@ class _Listener:
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
-        self._pid = _process.pid()
+        self._pid = os.getpid()
         self._abandoned: list[object] = []
         _FORK_AWARE.add(self)
 
@@ -1572,7 +1571,7 @@ class _Listener:
         self._mutex = threading.Lock()
         self._abandoned.append((self._wake_r, self._wake_w))
         self._wake_r, self._wake_w = os.pipe()
-        self._pid = _process.pid()
+        self._pid = os.getpid()
         self._thread = None
         self._listening = threading.Event()
         closing, self._closing = self._closing, threading.Event()
@@ -1671,7 +1670,7 @@ class _Listener:
                 return
             self._closing.set()
             thread = self._thread
-            same_process = self._pid == _process.pid()
+            same_process = self._pid == os.getpid()
         if same_process:
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"!")

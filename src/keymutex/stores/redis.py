@@ -87,7 +87,7 @@ import redis.retry
 import redis.sentinel
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
-from keymutex import _clock, _process
+from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import (
@@ -365,8 +365,8 @@ class _Layout:
 
     def channel(self, key: str) -> str:
         """Where this process's waiters for ``key`` hear of a grant."""
-        if self._pid != _process.pid():  # a forked child must not hear its parent's grants
-            self._pid, self._id = _process.pid(), secrets.token_hex(8)
+        if self._pid != os.getpid():  # a forked child must not hear its parent's grants
+            self._pid, self._id = os.getpid(), secrets.token_hex(8)
         return f"{self.bucket(key)}w:{self._middle}{self._id}"
 
     def pattern(self, prefix: str) -> str:
@@ -1584,7 +1584,7 @@ class _Connections:
     def __init__(self, pool: Any) -> None:
         self._pool = pool
         self._free: list[Any] = []  # list.append / pop are atomic: no lock needed
-        self._pid = _process.pid()
+        self._pid = os.getpid()
         self._kept_at_most = _kept_at_most(pool)
         self._keeping = threading.Lock()  # with a limit: the count and the append together
         self._closed = False
@@ -1612,8 +1612,8 @@ class _Connections:
     def call(self, *args: Any, resent: list[bool] | None = None) -> Any:
         """Send a command and read its reply. ``resent``: told (``True`` appended) when
         the command went out whole before the connection broke, and was sent again."""
-        if self._pid != _process.pid():  # forked: the parent's sockets are not ours
-            self._free, self._pid = [], _process.pid()
+        if self._pid != os.getpid():  # forked: the parent's sockets are not ours
+            self._free, self._pid = [], os.getpid()
         try:
             conn, used = self._free.pop(), True
         except IndexError:
@@ -1645,7 +1645,7 @@ class _Connections:
         """Drop the free connections to another node than ``master`` (a Sentinel
         failover): the next steps connect to the master. (One in use now is dropped by
         a later check.) Safe while other threads take and give back connections."""
-        if self._pid != _process.pid():
+        if self._pid != os.getpid():
             return
         for conn in [c for c in self._free if (c.host, c.port) != master]:
             try:
@@ -1658,7 +1658,7 @@ class _Connections:
     def close(self) -> None:
         self._closed = True
         free, self._free = self._free, []
-        if self._pid == _process.pid():
+        if self._pid == os.getpid():
             for conn in free:
                 self._pool.release(conn)
 

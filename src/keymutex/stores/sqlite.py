@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote
 
-from keymutex import _clock, _process
+from keymutex import _clock
 from keymutex._errors import StoreError
 from keymutex._lease import Holder, Outcome
 from keymutex._store import (
@@ -486,7 +486,7 @@ class SqliteStore:
         self.synchronous = synchronous
         self._busy_timeout = busy_timeout
         self._mutex = _StepLock()
-        self._pid = _process.pid()
+        self._pid = os.getpid()
         # From a random place: a store that grants fewer than SWEEP_EVERY leases (a
         # `keymutex run`, a cron job) still sweeps now and then, at the same odds per
         # grant as a long-lived one. Counting from 0, none ever did.
@@ -670,9 +670,9 @@ class SqliteStore:
             return self._retry_busy(lambda: query(conn, _clock.monotonic()))
 
     def _connection(self) -> sqlite3.Connection:
-        if _process.pid() != self._pid:  # forked: a SQLite connection must not cross a fork
+        if os.getpid() != self._pid:  # forked: a SQLite connection must not cross a fork
             self._conn = self._reconnect()  # if it fails, the next step tries again
-            self._pid = _process.pid()
+            self._pid = os.getpid()
         elif self._file_identity() != self._identity:
             # The file was deleted or replaced under this connection, which would go on
             # granting and renewing in a file nobody else sees (two holders of a key).
