@@ -19,6 +19,7 @@ redis-py, the tests that use them are skipped, with the reason.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from _redis_servers import RedisCluster, RedisSentinel, RedisServer
 
 __all__ = [
+    "Waiter",
     "redis_cluster",
     "redis_cluster_url",
     "redis_sentinel",
@@ -107,3 +109,26 @@ def the_sole_holder(lease: keymutex.Lease, owner: str, other: keymutex.Locks) ->
     assert (holder.owner, holder.fence) == (owner, lease.fence)
     with pytest.raises(keymutex.Locked):
         other.acquire(lease.key, timeout=0)
+
+
+class Waiter:
+    """A thread blocked in ``locks.acquire(key, timeout=patience)``; keeps what it got."""
+
+    def __init__(self, locks: keymutex.Locks, key: str, patience: float = 30.0) -> None:
+        self.result: keymutex.Lease | BaseException | None = None
+        self.done = threading.Event()
+        self._patience = patience
+        self._thread = threading.Thread(target=self._run, args=(locks, key), daemon=True)
+        self._thread.start()
+
+    def _run(self, locks: keymutex.Locks, key: str) -> None:
+        try:
+            self.result = locks.acquire(key, timeout=self._patience)
+        except BaseException as exc:  # handed to the test by outcome()
+            self.result = exc
+        self.done.set()
+
+    def outcome(self) -> keymutex.Lease | BaseException:
+        self._thread.join(self._patience + 5)
+        assert self.result is not None, "the waiter is still waiting"
+        return self.result

@@ -34,7 +34,7 @@ import pytest
 
 import _redis_servers as servers
 import keymutex
-from _redis_fixtures import require_redis, the_sole_holder
+from _redis_fixtures import Waiter, require_redis, the_sole_holder
 from keymutex.stores import redis as redis_store
 
 T = TypeVar("T")
@@ -78,28 +78,6 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {PATIENCE} s waiting until {what}")
         time.sleep(0.05)
-
-
-class Waiter:
-    """A thread blocked in ``locks.acquire(key, timeout=PATIENCE)``; keeps what it got."""
-
-    def __init__(self, locks: keymutex.Locks, key: str) -> None:
-        self.result: keymutex.Lease | BaseException | None = None
-        self.done = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(locks, key), daemon=True)
-        self._thread.start()
-
-    def _run(self, locks: keymutex.Locks, key: str) -> None:
-        try:
-            self.result = locks.acquire(key, timeout=PATIENCE)
-        except BaseException as exc:  # handed to the test by outcome()
-            self.result = exc
-        self.done.set()
-
-    def outcome(self) -> keymutex.Lease | BaseException:
-        self._thread.join(PATIENCE + 5)
-        assert self.result is not None, "the waiter is still waiting"
-        return self.result
 
 
 def grant_fences(locks: keymutex.Locks, key: str, times: int) -> list[int]:

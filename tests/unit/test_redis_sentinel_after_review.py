@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -28,7 +27,7 @@ import pytest
 
 import _redis_servers as servers
 import keymutex
-from _redis_fixtures import require_redis, the_sole_holder
+from _redis_fixtures import Waiter, require_redis, the_sole_holder
 from keymutex.stores import redis as redis_store
 
 pytestmark = pytest.mark.usefixtures("_needs_redis")
@@ -202,16 +201,7 @@ def test_a_waiter_listens_on_the_new_master_after_a_planned_failover(
     ):
         held = a_locks.acquire("k", renew=True)
         channel = b_locks._store._layout.channel("k")  # type: ignore[attr-defined]
-        results: list[keymutex.Lease | BaseException] = []
-
-        def wait() -> None:
-            try:
-                results.append(b_locks.acquire("k", timeout=PATIENCE))
-            except BaseException as exc:
-                results.append(exc)
-
-        thread = threading.Thread(target=wait, daemon=True)
-        thread.start()
+        waiter = Waiter(b_locks, "k", PATIENCE)
         old = group.master
         _until(lambda: _subscribers(old, channel) == 1, "B listens on the old master")
         servers.wait_caught_up(old, group.replicas)
@@ -220,11 +210,9 @@ def test_a_waiter_listens_on_the_new_master_after_a_planned_failover(
         # moves to the new master.
         took = _until(lambda: _subscribers(new, channel) == 1, "B listens on the new master", 5.0)
         print(f"\nB listens on the new master {took:.2f} s after the sentinels named it")
-        assert not results, results
+        assert not waiter.done.is_set(), waiter.result
         held.release()
-        thread.join(PATIENCE)
-        assert len(results) == 1
-        (lease,) = results
+        lease = waiter.outcome()
         assert isinstance(lease, keymutex.Lease), lease
         assert lease.fence > held.fence
         lease.release()
@@ -254,16 +242,7 @@ def test_a_waiter_left_on_a_master_demoted_by_hand_takes_no_grant_it_was_not_giv
     ):
         held = a_locks.acquire("k")
         channel = b_locks._store._layout.channel("k")  # type: ignore[attr-defined]
-        results: list[keymutex.Lease | BaseException] = []
-
-        def wait() -> None:
-            try:
-                results.append(b_locks.acquire("k", timeout=PATIENCE))
-            except BaseException as exc:
-                results.append(exc)
-
-        thread = threading.Thread(target=wait, daemon=True)
-        thread.start()
+        waiter = Waiter(b_locks, "k", PATIENCE)
         old = group.master
         (new,) = group.replicas
         _until(lambda: _subscribers(old, channel) == 1, "B listens on the master")
@@ -277,8 +256,7 @@ def test_a_waiter_left_on_a_master_demoted_by_hand_takes_no_grant_it_was_not_giv
         )
         assert _subscribers(old, channel) == 1  # B still listens there
         held.release()  # on the new master: A's store asks the sentinels first
-        thread.join(PATIENCE)
-        (got,) = results
+        got = waiter.outcome()
         assert isinstance(got, keymutex.Lease), got
         the_sole_holder(got, "B", c_locks)
         got.release()
