@@ -344,12 +344,13 @@ def running_in_session(session: int) -> list[str]:
             continue
         try:
             stat = (entry / "stat").read_text()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            # Any process's: its arguments need not be UTF-8 (seen in CI: 0xff).
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:  # gone meanwhile
             continue
         state, _, _, sid = stat.rsplit(")", 1)[1].split()[:4]
         if int(sid) == session and state != "Z":
-            found.append(f"{entry.name}: {command}")
+            found.append(f"{entry.name}: {command.decode(errors='replace')}")
     return found
 
 
