@@ -1336,8 +1336,11 @@ class _Run:
                 except OSError as exc:
                     if exc.errno != errno.ENOEXEC:
                         raise
-                    # A script without #!: run by /bin/sh, as a shell, env or flock do.
+                    # A script without #!: run by /bin/sh, as a shell, env or flock do;
+                    # a binary the kernel cannot run (another machine's) is not a script.
                     path = shutil.which(self.name) if os.sep not in self.name else self.name
+                    if path is not None and _is_binary(path):
+                        raise
                     script = [path or self.name, *self.command[1:]]
                     process = await asyncio.create_subprocess_exec(
                         "/bin/sh", *script, env=env, preexec_fn=prepare
@@ -1440,7 +1443,23 @@ def _not_started(name: str, exc: OSError, search_path: Sequence[str]) -> tuple[i
             EX_NOEXEC,
             f"{path}: {'is a directory' if os.path.isdir(path) else 'permission denied'}",
         )
+    if exc.errno == errno.ENOEXEC:
+        return EX_NOEXEC, f"{path}: cannot execute binary file: {exc.strerror or exc}"
     return EX_NOEXEC, f"{path}: cannot execute: {exc.strerror or exc}"
+
+
+def _is_binary(path: str) -> bool:
+    """Whether the file at ``path``, which the kernel would not execute, is a binary
+    rather than a script without ``#!``, as bash 5.2 tells them apart: an ELF header,
+    or a NUL byte in the first line of its first 80 bytes. Noted by review: a binary
+    for another machine (or a truncated one) was handed to ``/bin/sh``, which printed
+    its bytes as syntax errors, where bash exits 126, "cannot execute binary file"."""
+    try:
+        with open(path, "rb") as file:
+            sample = file.read(80)
+    except OSError:
+        return False  # what /bin/sh makes of it is then the answer, as before
+    return sample.startswith(b"\x7fELF") or b"\0" in sample.partition(b"\n")[0]
 
 
 def _parent_death_signal() -> Callable[[], object] | None:

@@ -658,6 +658,25 @@ def test_a_script_without_a_shebang_line_is_run_by_sh(
     assert result.stdout == "ran under nightly: one\n"
 
 
+@pytest.mark.parametrize(
+    "content",
+    [b"\x7fELF\x02\x01\x01" + bytes(9) + b"\x02\x00\xff\xff", b"MZ\x90\x00\x03\x00echo ran\n"],
+    ids=["elf-for-another-machine", "nul-in-first-line"],
+)
+def test_a_binary_the_kernel_cannot_run_is_not_run_by_sh(
+    content: bytes, tmp_path: Path, store: str, env: dict[str, str]
+) -> None:
+    """As bash: 126, "cannot execute binary file". Before: handed to /bin/sh, which
+    printed the binary's bytes back as syntax errors (or ran what it could read)."""
+    program = tmp_path / "tool"
+    program.write_bytes(content)
+    program.chmod(0o755)
+    result = keymutex("run", "nightly", "--store", store, "--", str(program), env=env, check=126)
+    assert f"{program}: cannot execute binary file: Exec format error" in result.stderr
+    assert "ran" not in result.stdout
+    assert keymutex("show", "nightly", "--store", store, env=env).stdout == "nightly is free\n"
+
+
 def test_a_signal_after_the_command_ended_stops_a_release_that_hangs(
     tmp_path: Path, store: str, child: list[str], background: Any
 ) -> None:
