@@ -171,6 +171,24 @@ describe('acquire, renew, release, holder', {skip}, () => {
     assert.deepEqual(paths, []);
   });
 
+  test('keys that look like paths, escapes or URL parts reach the server as the same key', async () => {
+    const locks = client({namespace: 'js-test/../x?y#z'});
+    const prefix = newKey('url-like');
+    const names = ['a/demo/edit/b', 'a%2Fb', '..', '.', 'a/../b', 'x?key=y&z=1', '#top', 'two words + more', 'café/🔒', '%', '100%25'];
+    for (const name of names) {
+      const key = `${prefix}:${name}`;
+      const lease = await locks.acquire(key, {timeout: 0, ttl: 30});
+      assert.equal((await locks.holder(key))?.fence, lease.fence, key);
+      // The server's own list, asked without the client: the key as it was given.
+      const query = new URLSearchParams({namespace: 'js-test/../x?y#z', prefix: key});
+      const listed = await (await fetch(`${url}/v1/holders?${query}`)).json();
+      assert.deepEqual(listed.holders.map((/** @type {{key: string}} */ h) => h.key), [key]);
+      await locks.renew(key, lease.token);
+      await locks.release(key, lease.token);
+      assert.equal(await locks.holder(key), null, key);
+    }
+  });
+
   test('namespaces are separate', async () => {
     const key = newKey('namespaces');
     const one = await client({namespace: 'js-one'}).acquire(key, {timeout: 0});

@@ -962,13 +962,17 @@ class _Server:
         return JSONResponse(openapi_document())
 
     @staticmethod
-    def page(name: str) -> Callable[[Request], Awaitable[Response]]:
-        """A page served from memory, read again when the file changes.
+    def page(
+        name: str, fill: Callable[[Request, bytes], bytes] | None = None
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """A page served from memory, read again when the file changes; ``fill`` makes
+        the answer from the file's bytes and the request (the edit page's key).
 
         Not a ``FileResponse``: it hops to a worker thread four times per answer (stat,
         open, read, close), and each hop waits for the event loop's turn, which under
         load made the dashboard the slowest answer of the server. A ``stat`` of a local
-        file in the loop costs microseconds. ``ETag`` answers revalidations with 304.
+        file in the loop costs microseconds. ``ETag`` answers revalidations with 304:
+        the file's version is enough, as what ``fill`` adds depends on the URL only.
         """
         path = STATIC / name
         cache: dict[str, tuple[tuple[int, int], bytes]] = {}
@@ -988,7 +992,8 @@ class _Server:
             cached = cache.get(name)
             if cached is None or cached[0] != version:
                 cached = cache[name] = (version, await asyncio.to_thread(path.read_bytes))
-            return Response(cached[1], media_type="text/html", headers=headers)
+            body = cached[1] if fill is None else fill(request, cached[1])
+            return Response(body, media_type="text/html", headers=headers)
 
         return serve
 
@@ -1018,7 +1023,9 @@ class _Server:
             Route("/metrics", self.metrics_page, methods=get),
             Route("/openapi.json", self.openapi, methods=get),
             Route("/", self.page("index.html"), methods=get),
-            Route("/demo/edit/{key:keymutex_key}", self.page("edit.html"), methods=get),
+            Route(
+                "/demo/edit/{key:keymutex_key}", self.page("edit.html", _edit_page), methods=get
+            ),
             Mount(
                 "/static",
                 # keymutex.js links to clients/js/keymutex.js in a checkout (a wheel has
@@ -1029,6 +1036,27 @@ class _Server:
                 name="static",
             ),
         ]
+
+
+def _edit_page(request: Request, template: bytes) -> bytes:
+    """edit.html for the key that the request names, with its way back to the server.
+
+    The key is the rest of the path after the route's ``/demo/edit/`` (the first one the
+    server sees: a proxy's base path is gone by then), decoded as every route's path,
+    else the ``key`` query parameter: a browser drops a path's
+    ``.`` and ``..`` segments, even percent-encoded, so those keys can only be asked for
+    as ``/demo/edit/?key=..``. The page's ``<base>`` climbs one ``../`` per slash of the
+    path as it arrived, to where the server is mounted, however deep below a proxy's
+    base path. The page used to find both in its own address, after the *last*
+    ``/demo/edit/``: a link that left a key such as ``a/demo/edit/b`` unencoded opened
+    key ``b``, and looked for the page's script below ``a/`` (the page stayed blank).
+    """
+    key = request.path_params["key"] or request.query_params.get("key", "")
+    path = request.scope.get("raw_path") or request.scope["path"].encode()
+    mount = "../" * (path.count(b"/") - 1) or "./"
+    # "<" escaped: a key cannot end the script element ("</script>") it is written in.
+    page = _JSON_ASCII.encode({"key": key}).replace("<", "\\u003c")
+    return template.replace(b"{{mount}}", mount.encode()).replace(b"{{page}}", page.encode())
 
 
 class _WholeFiles:

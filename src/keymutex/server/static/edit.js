@@ -36,16 +36,13 @@ const view = {
   text: $('text'),
 };
 
-// /demo/edit/<key>, possibly below a base path where the server is mounted.
-const route = /^(.*)\/demo\/edit\/(.+)$/.exec(location.pathname);
-const base = `${location.origin}${route ? route[1] : ''}`;
+// The server wrote the key into the page, and made where it is mounted the page's base:
+// the page does not take its own address apart (a key may hold "/demo/edit/" itself).
+const base = document.baseURI;
 const namespace = new URLSearchParams(location.search).get('namespace') ?? '';
-let key = '';
-try {
-  key = route ? decodeURIComponent(route[2]) : '';
-} catch {
-  key = '';
-}
+/** @type {unknown} */
+const written = JSON.parse($('page').textContent).key;
+const key = typeof written === 'string' ? written : '';
 
 let name = '';
 /** @type {LockClient | null} */
@@ -597,5 +594,5 @@ if (key) {
   view.name.focus();
 } else {
   view.nameForm.hidden = true;
-  show('lost', 'No document here: open /demo/edit/<key>.', '');
+  show('lost', 'No document here: open /demo/edit/<key> (the key percent-encoded), or /demo/edit/?key=<key>.', '');
 }
