@@ -43,6 +43,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import keymutex
 
@@ -82,8 +83,13 @@ class Documents:
         self._directory = directory
         directory.mkdir(parents=True, exist_ok=True)
 
+    def _path(self, doc_id: str) -> Path:
+        # Percent-encoded ("/" too): a document id from a request ("../../etc/x")
+        # must not name a file outside the directory.
+        return self._directory / f"{quote(doc_id, safe='')}.json"
+
     def read(self, doc_id: str) -> dict[str, Any]:
-        path = self._directory / f"{doc_id}.json"
+        path = self._path(doc_id)
         if not path.exists():
             return {"text": "", "fence": 0, "by": None}
         document: dict[str, Any] = json.loads(path.read_text())
@@ -92,8 +98,7 @@ class Documents:
     def write(self, doc_id: str, text: str, fence: int, by: str) -> bool:
         if fence < self.read(doc_id)["fence"]:
             return False
-        path = self._directory / f"{doc_id}.json"
-        path.write_text(json.dumps({"text": text, "fence": fence, "by": by}))
+        self._path(doc_id).write_text(json.dumps({"text": text, "fence": fence, "by": by}))
         return True
 
 

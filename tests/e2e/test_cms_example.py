@@ -7,6 +7,7 @@ from the store itself afterwards), not from the example's printed verdicts.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -131,3 +132,23 @@ def test_without_record_nothing_is_left_in_the_temporary_directory(
     assert 'document page-42: "Bob\'s rewrite"' in result.stdout
     assert "record:" not in result.stdout
     assert list(temporary.iterdir()) == []
+
+
+def test_a_document_id_cannot_name_a_file_outside_the_documents_directory(
+    tmp_path: Path,
+) -> None:
+    """Before: the example, made to be copied, wrote ``<directory>/<doc_id>.json``
+    as given, and the id ``../../x`` from a request wrote outside its directory."""
+    spec = importlib.util.spec_from_file_location("cms_edit_lock", EXAMPLE)
+    assert spec is not None
+    assert spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    directory = tmp_path / "a" / "docs"
+    documents = example.Documents(directory)
+    for doc_id in ("../../escaped", "..", "sub/page", "100%"):
+        assert documents.write(doc_id, f"text of {doc_id}", fence=1, by="alice")
+        assert documents.read(doc_id)["text"] == f"text of {doc_id}"
+    written = [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert len(written) == 4
+    assert all(path.parent == directory for path in written), written
