@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import multiprocessing
 import os
-import signal
 import socket
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import keymutex
+from _fork import fork_running
 
 # Short enough that the leases live only if renewed; long enough that a loaded CI
 # machine (other tests forking dozens of children beside it) does not starve a renewal.
@@ -42,21 +40,6 @@ def test_a_forked_child_renews_its_own_leases(tmp_path: Path) -> None:
         assert child.exitcode == 0, "the child's lease was lost: nothing renewed it"
         time.sleep(2 * TTL)
         assert parent.lost is False, "the parent's own renewals stopped"
-
-
-def _forked(child: Callable[[], int]) -> int:
-    """Fork; the child runs ``child`` and exits with what it returns (killed by SIGALRM
-    if it hangs 10 s). The parent gets the child's pid."""
-    pid = os.fork()
-    if pid == 0:  # the child: never back into pytest
-        code = 1
-        try:
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler
-            signal.alarm(10)
-            code = child()
-        finally:
-            os._exit(code)
-    return pid
 
 
 def _exit_codes(pids: list[int]) -> Counter[int]:
@@ -92,7 +75,9 @@ def test_a_child_forked_while_a_thread_waits_on_redis_waits_within_its_timeout(
                 waiting = threading.Thread(target=_refused_within_its_timeout, args=(locks,))
                 waiting.start()
                 for n in range(6):  # forks while that thread starts waiting
-                    pids.append(_forked(functools.partial(_refused_within_its_timeout, locks)))
+                    pids.append(
+                        fork_running(functools.partial(_refused_within_its_timeout, locks))
+                    )
                     time.sleep(0.001 * n)
                 waiting.join()
         assert _exit_codes(pids) == Counter({LOCKED: len(pids)})
@@ -119,7 +104,7 @@ def test_children_forked_from_a_parent_renewing_on_sqlite_can_use_its_store(
         _renewing = [locks.acquire(f"busy-{n}", ttl=0.6, renew=True) for n in range(200)]
         pids = []
         for _ in range(60):
-            pids.append(_forked(functools.partial(_acquire_a_free_key, locks)))
+            pids.append(fork_running(functools.partial(_acquire_a_free_key, locks)))
             time.sleep(0.005)
         assert _exit_codes(pids) == Counter({0: len(pids)})
 
@@ -149,27 +134,14 @@ def test_a_forked_child_is_another_process_to_its_leases_and_owners(tmp_path: Pa
     (a process id cached across forks, tried once, must keep this true)."""
     with keymutex.Locks(f"sqlite:///{tmp_path}/locks.db") as locks:
         parents = locks.acquire("parent", ttl=60, renew=False)
-        pids = [_forked(functools.partial(_a_child_of_its_own, locks, parents)) for _ in range(3)]
+        pids = [
+            fork_running(functools.partial(_a_child_of_its_own, locks, parents)) for _ in range(3)
+        ]
         assert _exit_codes(pids) == Counter({0: len(pids)})
         holder = locks.holder("parent")
         assert holder is not None
         assert holder.owner == f"{socket.gethostname()}:{os.getpid()}"
         parents.release()
-
-
-def _forked_without_pythons_hooks(child: Callable[[], int]) -> int:
-    """As ``_forked``, by libc's fork() (the GIL kept: ``PyDLL``): no at-fork hook runs
-    in the child, as in uWSGI's prefork workers by default, or a C extension's fork."""
-    pid = ctypes.PyDLL(None).fork()
-    if pid == 0:
-        code = 1
-        try:
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(10)
-            code = child()
-        finally:
-            os._exit(code)
-    return pid
 
 
 def _owns_as_itself(locks: keymutex.Locks) -> int:
@@ -186,5 +158,5 @@ def test_a_child_forked_without_pythons_hooks_is_still_another_process(tmp_path:
     its parent by the process id: the grants name the child, not the parent."""
     with keymutex.Locks(f"sqlite:///{tmp_path}/locks.db") as locks:
         locks.acquire("warm", timeout=0, renew=False).release()
-        pids = [_forked_without_pythons_hooks(functools.partial(_owns_as_itself, locks))]
+        pids = [fork_running(functools.partial(_owns_as_itself, locks), hooks=False)]
         assert _exit_codes(pids) == Counter({0: 1})

@@ -15,22 +15,26 @@ says when it is not).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import functools
 import inspect
 import logging
 import os
 import re
+import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import bson
 import pytest
 from bson.int64 import Int64
-from pymongo.errors import NotPrimaryError, OperationFailure
+from pymongo.errors import NetworkTimeout, NotPrimaryError, OperationFailure
 
 import keymutex
+from _fork import fork_running
 from _mongo_semantics import matches, run_pipeline, run_update
 from keymutex._lease import Outcome
 from keymutex.stores import mongodb
@@ -655,14 +659,22 @@ def _standalone(name: str, **options: object) -> dict[str, Any]:
     return {"isWritablePrimary": True}
 
 
-def _prepared_on(collection: object) -> MongoStore:
-    """A store whose first step was taken on a standalone server, with ``collection``
-    for its documents (its client is not used after that first step)."""
-    store = mongodb.driver.open("mongodb://127.0.0.1:9/", namespace="n", options={})
+# A client that starts no monitor threads until used: a fork without Python's hooks
+# (which then do not reset the GIL) is safe only while no other thread is running.
+_UNUSED_URL = "mongodb://127.0.0.1:9/?connect=false"
+
+
+def _prepared_on(
+    collection: object, hello: Callable[..., dict[str, Any]] = _standalone
+) -> MongoStore:
+    """A store whose first step was taken on a server that answers ``hello`` so (a
+    standalone server), with ``collection`` for its documents (its client is not used
+    after that first step)."""
+    store = mongodb.driver.open(_UNUSED_URL, namespace="n", options={})
     client = store._client
     try:
         store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
-        store._client.admin.command = _standalone  # type: ignore[attr-defined]
+        store._client.admin.command = hello  # type: ignore[attr-defined]
         store._collection = collection
         store._prepare()
     except BaseException:
@@ -791,7 +803,7 @@ def test_the_ttl_index_is_made_again_off_the_steps(monkeypatch: pytest.MonkeyPat
     collection = _SlowIndex()
     store = _prepared_on(collection)
     try:
-        assert collection.callers == [threading.current_thread()], "the first: in the step"
+        assert collection.ended == 1, "the first step did not wait for the first making"
         later = time.monotonic() + mongodb.INDEX_RECHECK
         monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
         store._prepare()
@@ -1138,18 +1150,23 @@ def test_conformance_server_is_usable() -> None:
 
 
 class _HangsFirst:
-    """A collection whose first ``create_index`` never answers (until cancelled)."""
+    """A collection whose first ``create_index`` answers only once ``release`` is set."""
 
     def __init__(self) -> None:
         self.made = 0
         self.ended = 0
+        self.release = asyncio.Event()
 
     async def create_index(self, *args: object, **kwargs: object) -> str:
         self.made += 1
         if self.made == 1:
-            await asyncio.Event().wait()
+            await self.release.wait()
         self.ended += 1
         return "keymutex_gc"
+
+
+async def _standalone_async(name: str, **options: object) -> dict[str, Any]:
+    return _standalone(name)
 
 
 @pytest.mark.asyncio
@@ -1158,42 +1175,69 @@ async def test_a_first_step_cancelled_while_it_makes_the_index_does_not_stop_its
 ) -> None:
     """Found by review: the first step, cancelled while it made the TTL index (an
     ``asyncio.timeout`` around a user's first acquire), left the plan "under way" for
-    good: that store never made the index again, however long it was used."""
-
-    async def standalone(name: str, **options: object) -> dict[str, Any]:
-        return _standalone(name)
-
+    good: that store never made the index again, however long it was used. The making
+    is a task of its own now, which the step's cancellation leaves to end."""
     store = mongodb.driver.open_async("mongodb://127.0.0.1:9/", namespace="n", options={})
     client = store._client
     collection = _HangsFirst()
     try:
         store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
-        store._client.admin.command = standalone  # type: ignore[attr-defined]
+        store._client.admin.command = _standalone_async  # type: ignore[attr-defined]
         store._collection = collection
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.2):
                 await store._prepare()
         await store._prepare()  # the next step
+        collection.release.set()
+        making = store._index_task
+        assert making is not None, "the first making was stopped with its step"
+        await asyncio.wait_for(making, 10)
+        assert collection.made == collection.ended == 1
         later = time.monotonic()
         monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
-        for _ in range(2):
-            later += mongodb.INDEX_RECHECK
-            await store._prepare()
-            if store._index_task is not None:
-                await store._index_task
-        assert collection.ended >= 1, "the TTL index was never made"
+        later += mongodb.INDEX_RECHECK
+        await store._prepare()
+        assert store._index_task is not None, "not made again when due"
+        await store._index_task
+        assert collection.ended == 2
     finally:
         store._client = client
         await store.aclose()
 
 
+class _InterruptedFirst(_IndexedCollection):
+    """A collection whose first ``create_index`` is under way when the user presses
+    Ctrl-C (SIGINT to the main thread) as the first step waits for it, and answers once
+    ``answer`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = False
+        self.answer = threading.Event()
+        self.step_waits = lambda: True
+
+    def create_index(self, *args: object, **kwargs: object) -> str:
+        if not self.interrupted:  # once: the next ones answer at once
+            self.interrupted = True
+            deadline = time.monotonic() + 10
+            while not self.step_waits() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            self.answer.wait(10)
+        return super().create_index(*args, **kwargs)
+
+
 def test_a_first_step_interrupted_while_it_makes_the_index_does_not_stop_its_making(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """As above, for the sync store: a Ctrl-C during the first step's index."""
+    """As above, for the sync store: a Ctrl-C during the first step's wait for it."""
     store = mongodb.driver.open("mongodb://127.0.0.1:9/", namespace="n", options={})
     client = store._client
-    collection = _IndexedCollection(KeyboardInterrupt())
+    collection = _InterruptedFirst()
+    collection.step_waits = lambda: store._prepared
+    # Ctrl-C raises KeyboardInterrupt even where the test runner was started with SIGINT
+    # ignored (a shell's background job).
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
         store._client.admin.command = _standalone  # type: ignore[attr-defined]
@@ -1201,13 +1245,253 @@ def test_a_first_step_interrupted_while_it_makes_the_index_does_not_stop_its_mak
         with pytest.raises(KeyboardInterrupt):
             store._prepare()
         store._prepare()  # the next step
+        collection.answer.set()
+        # Not by joining its thread: Python 3.11 takes a thread whose join was
+        # interrupted for one that has ended (bpo-45274).
+        deadline = time.monotonic() + 10
+        while collection.made == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert collection.made == 1, "the first making was stopped with its step"
+        while store._index._making and time.monotonic() < deadline:
+            time.sleep(0.01)
         later = time.monotonic()
         monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
-        for _ in range(2):
-            later += mongodb.INDEX_RECHECK
+        later += mongodb.INDEX_RECHECK
+        store._prepare()
+        _made_again(store)
+        assert collection.made == 2, "not made again when due"
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        collection.answer.set()
+        store._client = client
+        store.close()
+
+
+class _StalledBuild:
+    """A collection whose first ``create_index`` is a build that stalls (a voting
+    member down while the index is built on a collection that has documents): it
+    fails with pymongo's ``NetworkTimeout`` at the socket's timeout, here when
+    ``release`` is set (or after 10 s). Those after it are no-ops."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.ended = 0
+        self.release = threading.Event()
+
+    def create_index(self, *args: object, **kwargs: object) -> str:
+        self.made += 1
+        if self.made == 1:
+            self.release.wait(10)
+            raise NetworkTimeout("127.0.0.1:27017: timed out (socketTimeoutMS: 10000.0ms)")
+        self.ended += 1
+        return "keymutex_gc"
+
+
+def test_a_first_making_that_stalls_neither_holds_up_nor_fails_the_first_step(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: the first step waited for the first making of the index
+    however long it took, and failed with StoreError when it timed out; the next step
+    tried again. While a build stalled, every step of every new store (each worker of
+    a web app that starts) waited 10 s and failed. The first step now waits
+    ``INDEX_FIRST_PATIENCE`` seconds at most, and a failure is a warning."""
+    monkeypatch.setattr(mongodb, "INDEX_FIRST_PATIENCE", 0.2, raising=False)
+    collection = _StalledBuild()
+    with caplog.at_level(logging.WARNING, logger="keymutex"):
+        store = _prepared_on(collection)  # the first step: no StoreError
+        try:
+            assert collection.made == 1
+            assert collection.ended == 0, "the step waited for the stalled build to end"
+            collection.release.set()
+            _made_again(store)
+            assert "cannot create the TTL index" in caplog.text
+            later = time.monotonic() + mongodb.INDEX_RECHECK
+            monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
             store._prepare()
             _made_again(store)
-        assert collection.made >= 2, "the TTL index was never made again"
+            assert collection.ended == 1, "not made again when due"
+        finally:
+            collection.release.set()
+            store.close()
+
+
+@pytest.mark.asyncio
+async def test_the_async_first_making_that_stalls_neither_holds_up_nor_fails_the_first_step(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Collection(_StalledBuild):
+        async def create_index(self, *args: object, **kwargs: object) -> str:  # type: ignore[override]
+            if self.made == 0:
+                self.made += 1
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(10):
+                        await released.wait()
+                raise NetworkTimeout("127.0.0.1:27017: timed out (socketTimeoutMS: 10000.0ms)")
+            return super().create_index(*args, **kwargs)
+
+    monkeypatch.setattr(mongodb, "INDEX_FIRST_PATIENCE", 0.2, raising=False)
+    released = asyncio.Event()
+    collection = Collection()
+    store = mongodb.driver.open_async("mongodb://127.0.0.1:9/", namespace="n", options={})
+    client = store._client
+    try:
+        store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
+        store._client.admin.command = _standalone_async  # type: ignore[attr-defined]
+        store._collection = collection
+        with caplog.at_level(logging.WARNING, logger="keymutex"):
+            await store._prepare()  # the first step: no StoreError
+            assert collection.made == 1
+            assert collection.ended == 0, "the step waited for the stalled build to end"
+            released.set()
+            assert store._index_task is not None
+            await asyncio.wait_for(store._index_task, 10)
+        assert "cannot create the TTL index" in caplog.text
     finally:
+        store._client = client
+        await store.aclose()
+
+
+# -- a forked child (the sync store: an async store belongs to its parent's loop) --------
+
+
+def _in_a_child(child: Callable[[], int], *, hooks: bool) -> int:
+    """Run ``child`` in a forked child and return its exit code, or minus the signal that
+    killed it (SIGALRM: it hung for 10 s)."""
+    pid = fork_running(child, hooks=hooks)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _replica_set(name: str, **options: object) -> dict[str, Any]:
+    return {"isWritablePrimary": True, "setName": "rs0"}
+
+
+class _ForkedWorkers(_SlowIndex):
+    """A replica set's collection: its second ``create_index`` (the parent's making
+    again) is slow, as ``_SlowIndex``; its change stream reports the deletion of key
+    ``k``'s document once ``deleted`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deleted = threading.Event()
+
+    def create_index(self, *args: object, **kwargs: object) -> str:
+        if self.made != 1:  # only the parent's second making is slow
+            self.made += 1
+            self.ended += 1
+            return "keymutex_gc"
+        return super().create_index(*args, **kwargs)
+
+    def watch(self, *args: object, **kwargs: object) -> Any:
+        return _Deletions(self.deleted)
+
+
+class _Deletions:
+    def __init__(self, deleted: threading.Event) -> None:
+        self.alive = True
+        self._deleted = deleted
+        self._told = False
+
+    def __enter__(self) -> _Deletions:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def try_next(self) -> dict[str, Any] | None:
+        if self._told or not self._deleted.wait(mongodb.WATCH_AWAIT_MS / 1000):
+            return None
+        self._told = True
+        return {"operationType": "delete", "documentKey": {"_id": document_id("n", "k")}}
+
+
+NOT_MADE, NOT_RUNG = 1, 2
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+@pytest.mark.parametrize("hooks", [True, False], ids=["os.fork", "fork-without-hooks"])
+def test_a_forked_child_makes_the_index_and_reads_the_change_stream_on_its_own(
+    hooks: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a child forked while its parent's store made the index again
+    (a gunicorn or uWSGI worker) took that making for its own, under way for ever: the
+    child never made the index. Nor did it read the change stream (the parent's
+    reader thread did not come along): its waiters were never rung by a release."""
+    collection = _ForkedWorkers()
+    store = _prepared_on(collection, hello=_replica_set)
+    now = [time.monotonic()]
+    monkeypatch.setattr(mongodb._clock, "monotonic", lambda: now[0])
+    try:
+        store.waiter("k").close()  # the parent reads its change stream
+        now[0] += mongodb.INDEX_RECHECK
+        store._prepare()  # the parent makes the index again: under way at the fork
+        assert collection.made == 2
+        assert collection.ended == 1, "the parent's making is not under way"
+
+        def child() -> int:
+            failed = 0
+            made = collection.made
+            now[0] += mongodb.INDEX_RECHECK
+            mongodb._clock.monotonic = lambda: now[0]  # picked again at the fork
+            store._prepare()
+            _made_again(store)
+            if collection.made != made + 1:
+                failed |= NOT_MADE
+            # An event of the child's: the parent's reader may have held its lock at the fork.
+            collection.deleted = threading.Event()
+            waiter = store.waiter("k")
+            collection.deleted.set()
+            if not waiter.wait(5):
+                failed |= NOT_RUNG
+            return failed
+
+        code = _in_a_child(child, hooks=hooks)
+        assert code == 0, {
+            NOT_MADE: "the child did not make the index when due",
+            NOT_RUNG: "the child's waiter was not rung by the change stream",
+            NOT_MADE | NOT_RUNG: "the child neither made the index nor read the stream",
+        }.get(code, f"the child failed: exit code {code}")
+    finally:
+        collection.release.set()
+        store.close()
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+@pytest.mark.parametrize("hooks", [True, False], ids=["os.fork", "fork-without-hooks"])
+def test_a_child_forked_during_its_parents_first_step_takes_its_own(hooks: bool) -> None:
+    """Found by review: a child forked while a thread of its parent took the store's
+    first step (the server slow to answer ``hello``) hung at its own first step, on the
+    copy of a mutex that thread held at the fork."""
+    answered = threading.Event()
+
+    def slow_hello(name: str, **options: object) -> dict[str, Any]:
+        answered.wait(10)
+        return _standalone(name)
+
+    store = mongodb.driver.open(_UNUSED_URL, namespace="n", options={})
+    client = store._client
+    collection = _IndexedCollection()
+    store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
+    store._client.admin.command = slow_hello  # type: ignore[attr-defined]
+    store._collection = collection
+    first = threading.Thread(target=store._prepare)
+    first.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not store._prepare_mutex.locked():
+            assert time.monotonic() < deadline, "the parent's first step never started"
+            time.sleep(0.01)
+
+        def child() -> int:
+            # The child's own hello, answered at once (not by setting ``answered``: the
+            # parent's thread may have held that event's lock at the fork).
+            store._client.admin.command = _standalone  # type: ignore[attr-defined]
+            store._prepare()
+            _made_again(store)
+            return 0 if collection.made == 1 else NOT_MADE
+
+        assert _in_a_child(child, hooks=hooks) == 0, "the child's first step failed or hung"
+    finally:
+        answered.set()
+        first.join(10)
         store._client = client
         store.close()

@@ -41,21 +41,30 @@ document a day after its last lease ended: the next grant then starts from the
 server's clock in microseconds, larger than every earlier fence unless the primary's
 clock went back more than the time elapsed since. Hence ``durable_fences=True``.
 
-**The TTL index** is made at a store's first step, which waits for it: once per store,
-beside the ``hello`` that step waits for anyway; a short-lived process (``keymutex
-run``, a job that takes one lock) would otherwise close its store before the index
-was made; and a server lost between the ``hello`` and the index fails that step, as it
-would the step's own round trip. It is made again every ``INDEX_RECHECK`` seconds
-while the store is used (a no-op while the index is there), so that after a failure
-that may pass, and after the collection was dropped, it comes back; but off the
-steps: the step that finds it due starts it in a thread (the async store: a task of
-its loop) and goes on, one at a time. Its failure is a warning, never a step's (found
-by review: it was made inside that step, a createIndexes round trip every ten
-minutes in a user's acquire or the renewer's call). ``close()`` waits up to
-``INDEX_CLOSE_PATIENCE`` seconds for one under way (pymongo cannot stop a sync call:
-a slower one ends by itself, within the client's socket timeout); ``aclose()``
-cancels it. Neither the first nor a later making is tried again after a failure that
-trying again will not mend (codes 13, 85, 86).
+**The TTL index** is made at a store's first step, which waits for it up to
+``INDEX_FIRST_PATIENCE`` seconds: once per store, beside the ``hello`` that step waits
+for anyway; a short-lived process (``keymutex run``, a job that takes one lock) would
+otherwise close its store before the index was made. It is made again every
+``INDEX_RECHECK`` seconds while the store is used (a no-op while the index is there),
+so that after a failure that may pass, and after the collection was dropped, it comes
+back. Every making runs off the steps, in a thread (the async store: a task of its
+loop), one at a time: the step that finds it due starts it and goes on (found by
+review: it was made inside that step, a createIndexes round trip every ten minutes in
+a user's acquire or the renewer's call). Its failure is a warning, never a step's, the
+first's too (found by review: a first making that timed out failed its step, and the
+next step tried again, so while a build stalled — a voting member down, the index
+missing on a collection with documents — every step of a new store failed; a server
+lost after the ``hello`` still fails the step, by the step's own round trip).
+``close()`` waits up to ``INDEX_CLOSE_PATIENCE`` seconds for one under way (pymongo
+cannot stop a sync call: a slower one ends by itself, within the client's socket
+timeout); ``aclose()`` cancels it. No making is tried again after a failure that
+trying again will not mend (codes 13, 85, 86). A sync store used in a forked child
+makes the index there on the parent's schedule, and reads its change stream with a
+thread of its own (``MongoStore._forked``). Reads (``holder``, ``holders``) neither
+make the index nor start a making: every document is written by a step, whose store
+made the index at its first step and keeps it while it writes; and a dashboard or a
+monitor, often under a role that may only read, would ask for a createIndexes it may
+not run (code 13: a warning in each such process) and wait for it in its first read.
 
 **Renew** and **release** are one conditional update each (``{_id, t: token, e >
 $$NOW}``): ``e`` moves on, or the token is removed and ``e`` set to now (``$unset``
@@ -77,7 +86,8 @@ filters, the update pipelines (their structure and the literal-wrapping of user
 values, and what they do to a lease document by MongoDB's documented semantics,
 ``tests/_mongo_semantics.py``), the decoding of replies shaped as pymongo returns
 them, the server's clock as learnt, change events, URL and options, and when the TTL
-index is made and who waits for it (on collections that only record the calls). The
+index is made and who waits for it, in a forked child too (on collections that
+only record the calls). The
 conformance suite runs against a real server only when
 ``KEYMUTEX_TEST_MONGODB_URL`` is set; until someone runs it, the I/O shells below,
 the change-stream waiting and the no-op claim for refusals are untested.
@@ -90,6 +100,7 @@ import contextlib
 import datetime
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -134,9 +145,17 @@ INDEX_RECHECK = 600.0
 # it): pymongo cannot stop a sync call under way, and discards its connection when it
 # comes back to the closed client. aclose() cancels its task instead.
 INDEX_CLOSE_PATIENCE = 5.0
+# Seconds a store's first step waits for the first making of the index (a no-op, or an
+# index on an empty collection, answers in milliseconds) before it goes on without it,
+# the making left to end in its thread or task: a build that stalls (a voting member
+# down while the index is built on a collection that has documents) must not hold up
+# or fail the steps.
+INDEX_FIRST_PATIENCE = 2.0
 # What trying again will not mend: no privilege, or an index on ``e`` already there
 # with other options or under another name.
 _INDEX_FINAL_CODES = frozenset({13, 85, 86})
+# Taken by a forked child's first use of a sync store (``MongoStore._forked``) only.
+_FORK_MUTEX = threading.Lock()
 # Timeouts pymongo gets unless the URL sets them: a lock call must not hang for 30 s.
 DEFAULT_TIMEOUTS_MS = {
     "serverSelectionTimeoutMS": 5000,
@@ -665,6 +684,12 @@ class _IndexPlan:
     def made(self) -> None:
         self._making = False
 
+    def forked(self) -> None:
+        """In a forked child: a making under way at the fork is the parent's, whose end
+        is never told here (found by review: the child never made the index again).
+        The next is due when the parent's is: the monotonic clock is the host's."""
+        self._making = False
+
     def failed(self, exc: Exception) -> None:
         # Locks work without the index; only the garbage collection of documents does not.
         self._making = False
@@ -695,10 +720,14 @@ class MongoStore:
         self._index_mutex = threading.Lock()  # for the plan, the thread, ``_closed``
         self._index_thread: threading.Thread | None = None
         self._closed = False
+        self._pid = os.getpid()  # the process whose threads and mutexes these are
 
     def _prepare(self) -> None:
-        """Once per store: ask the server what it is, and make the TTL index; then start
-        making the index again when it is due (``_remake_index``), without waiting."""
+        """Once per store (per process): ask the server what it is, and start making the
+        TTL index, which the first step waits for up to ``INDEX_FIRST_PATIENCE``; then
+        start making it again when it is due (``_recheck_index``), without waiting."""
+        if self._pid != os.getpid():
+            self._forked()
         if self._prepared:
             self._recheck_index()
             return
@@ -714,31 +743,46 @@ class MongoStore:
                         raise
                     hello = self._client.admin.command("isMaster", codec_options=_CODEC_OPTIONS)
             self._clock.learn_from_hello(hello, sent, time.time())
-            # The first making is waited for: see the module (nothing else consults the
-            # plan before ``_prepared``).
-            if self._index.take():
-                try:
-                    self._make_index()
-                except OperationFailure as exc:
-                    self._index.failed(exc)
-                except PyMongoError as exc:  # unreachable since the hello: as the steps are
-                    self._index = _IndexPlan()
-                    raise StoreError(f"MongoDB index creation: {exc}") from exc
-                except BaseException:  # interrupted: the next step makes it, as a first
-                    self._index = _IndexPlan()
-                    raise
-                else:
-                    self._index.made()
+            making = self._recheck_index()  # the first making (none before it)
             if notifies(hello):
                 self._watcher = _Watcher(self._collection, self._namespace)
                 self.capabilities = replace(CAPABILITIES, notifies=True)
             self._prepared = True
+        if making is not None:  # outside the mutex: the other threads' steps go on
+            making.join(INDEX_FIRST_PATIENCE)
+
+    def _forked(self) -> None:
+        """Make the store this process's own, at its first use in a forked child.
+
+        The parent's threads did not come along: the making of the index under way
+        and the change stream's reader (the child starts its own), and any of them may
+        have held a mutex at the fork, held for good in the child (found by review: a
+        child forked while the parent's first step waited for the server hung at its
+        own first step; one forked while the index was made never made it again, and
+        its waiters were never rung). The process id is compared at use, not reset by
+        ``os.register_at_fork``: uWSGI's workers are forked without Python's hooks.
+        pymongo's client and pools reset themselves in the child.
+        """
+        with _FORK_MUTEX:
+            if self._pid == os.getpid():  # another thread of the child did it
+                return
+            self._prepare_mutex = threading.Lock()
+            self._index_mutex = threading.Lock()
+            self._index_thread = None
+            if self._prepared:
+                self._index.forked()
+            else:  # the parent's first step was under way: the child takes its own
+                self._index = _IndexPlan()
+            if self._watcher is not None:
+                self._watcher = _Watcher(self._collection, self._namespace)
+            self._pid = os.getpid()
 
     def _make_index(self) -> None:
         self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
 
-    def _recheck_index(self) -> None:
-        """If the index is due to be made again, start making it in a thread of its own.
+    def _recheck_index(self) -> threading.Thread | None:
+        """If the index is due to be made (again), start making it in a thread of its
+        own, and return that thread.
 
         Found by review: it was made in the step that found it due, one createIndexes
         round trip every ``INDEX_RECHECK`` inside a user's acquire or the renewer's
@@ -747,7 +791,7 @@ class MongoStore:
         """
         with self._index_mutex:
             if self._closed or not self._index.take():
-                return
+                return None
             thread = threading.Thread(
                 target=self._remake_index, name="keymutex-mongodb-index", daemon=True
             )
@@ -755,8 +799,9 @@ class MongoStore:
                 thread.start()
             except RuntimeError as exc:  # no thread to be had (the interpreter is exiting)
                 self._index.failed(exc)
-                return
+                return None
             self._index_thread = thread
+            return thread
 
     def _remake_index(self) -> None:
         failure: Exception | None = None
@@ -856,6 +901,8 @@ class MongoStore:
         return waiter
 
     def close(self) -> None:
+        if self._pid != os.getpid():  # not the parent's mutex, nor its threads to wait for
+            self._forked()
         with self._index_mutex:
             self._closed = True  # no making of the index starts any more
             making = self._index_thread
@@ -975,6 +1022,14 @@ class AsyncMongoStore:
         self._closed = False
 
     async def _prepare(self) -> None:
+        """As ``MongoStore._prepare``: the first making of the index is a task that the
+        first step waits for up to ``INDEX_FIRST_PATIENCE``; cancelling the step (a
+        timeout around it) does not cancel the task.
+
+        Not made again after a fork, unlike ``MongoStore``: a store belongs to its event
+        loop (``loop_bound``), and asyncio gives a forked child no running loop of its
+        parent's; each loop of the child opens a store of its own.
+        """
         if self._prepared:
             self._recheck_index()
             return
@@ -994,36 +1049,26 @@ class AsyncMongoStore:
                         "isMaster", codec_options=_CODEC_OPTIONS
                     )
             self._clock.learn_from_hello(hello, sent, time.time())
-            if self._index.take():  # the first making is waited for, as in MongoStore
-                try:
-                    await self._make_index()
-                except OperationFailure as exc:
-                    self._index.failed(exc)
-                except PyMongoError as exc:
-                    self._index = _IndexPlan()
-                    raise StoreError(f"MongoDB index creation: {exc}") from exc
-                except BaseException:  # cancelled (a timeout around the step): found by
-                    # review, the plan stayed "under way" and the index was never made
-                    # again by this store; the next step makes it, as a first
-                    self._index = _IndexPlan()
-                    raise
-                else:
-                    self._index.made()
+            making = self._recheck_index()  # the first making (none before it)
             if notifies(hello):
                 self._watcher = _AsyncWatcher(self._collection, self._namespace)
                 self.capabilities = replace(CAPABILITIES, notifies=True)
             self._prepared = True
+        if making is not None:  # asyncio.wait cancels it neither at its timeout nor if
+            # the step is cancelled; and the other tasks' steps go on meanwhile
+            await asyncio.wait({making}, timeout=INDEX_FIRST_PATIENCE)
 
     async def _make_index(self) -> None:
         await self._collection.create_index("e", expireAfterSeconds=GC_GRACE, name="keymutex_gc")
 
-    def _recheck_index(self) -> None:
-        """As ``MongoStore._recheck_index``: a task of the store's loop makes it again."""
+    def _recheck_index(self) -> asyncio.Task[None] | None:
+        """As ``MongoStore._recheck_index``: a task of the store's loop makes it."""
         if self._closed or not self._index.take():
-            return
+            return None
         self._index_task = asyncio.get_running_loop().create_task(
             self._remake_index(), name="keymutex-mongodb-index"
         )
+        return self._index_task
 
     async def _remake_index(self) -> None:
         try:
