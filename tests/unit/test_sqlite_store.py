@@ -605,3 +605,63 @@ def test_bad_sqlite_urls_say_what_is_accepted(
 ) -> None:
     with pytest.raises(error, match=match):
         keymutex.Locks(url)
+
+
+def test_threads_on_namespaces_of_one_file_never_find_it_locked_by_each_other(
+    tmp_path: Path,
+) -> None:
+    """One process with a client per namespace of one file (as the lock server has):
+    its steps take turns in the process, and none waits on SQLite's write lock for
+    another. Found under load (a lock server, 100 clients over 120 namespaces): each
+    namespace's connection waited for the others' on the write lock, sleeping and
+    looking again in a worker thread, and renewals queued behind those threads. Here
+    the busy timeout is so short that one such wait raises "database is locked"."""
+    url = f"sqlite:///{tmp_path}/locks.db?busy_timeout=0.000001"
+    clients = [keymutex.Locks(url, namespace=f"team-{number}") for number in range(12)]
+    failures: list[BaseException] = []
+
+    def work(locks: keymutex.Locks) -> None:
+        try:
+            for number in range(100):
+                lease = locks.acquire(f"doc-{number % 3}", timeout=0)
+                lease.renew()
+                assert locks.holder(lease.key) is not None
+                lease.release()
+        except BaseException as exc:  # reported by the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(locks,)) for locks in clients]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        for locks in clients:
+            locks.close()
+    assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_with_several_namespaces_of_one_file_forks(tmp_path: Path) -> None:
+    """The stores of one file share their mutex, which the fork handler takes once (a
+    second take of it would never return) and the child gets anew."""
+    url = f"sqlite:///{tmp_path}/locks.db"
+    with keymutex.Locks(url, namespace="a") as a, keymutex.Locks(url, namespace="b") as b:
+        a.acquire("doc", timeout=0).release()
+        b.acquire("doc", timeout=0).release()
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if both its acquires went through
+            code = 1
+            try:
+                a.acquire("child", timeout=0, ttl=60)
+                b.acquire("child", timeout=0, ttl=60)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the forked child could not acquire"
+        assert a.holder("child") is not None
+        assert b.holder("child") is not None
+        a.acquire("after", timeout=0).release()  # the parent's mutex was let go

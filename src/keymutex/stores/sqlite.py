@@ -16,10 +16,14 @@
   fences; ``synchronous=full`` closes that gap at the cost of an fsync per step.
 - A released lease's row is deleted; expired ones are swept a few at a time by later
   grants, so nothing grows with the number of distinct keys ever used.
+- The stores of one process on one file (one per namespace: the lock server has one
+  for each namespace it serves) take turns on one mutex of that file, each step in
+  turn: they do not meet on SQLite's write lock, where a blocked step sleeps and looks
+  again. Processes meet there, as they must.
 - Async (``AsyncLocks``): a step first runs on the event loop's thread, where it
-  never waits: if another thread of the process is in a step, or another connection
-  holds the write lock, it gives up before changing anything and runs in a worker
-  thread instead (a round trip to a thread costs several times a step). With
+  never waits: if another thread of the process is in a step on the file, or another
+  process holds the write lock, it gives up before changing anything and runs in a
+  worker thread instead (a round trip to a thread costs several times a step). With
   ``synchronous=full`` (an fsync per commit) every step runs in a worker thread.
 - Waiting: each waiter binds a Linux abstract datagram socket and joins the key's
   queue (a row holding its request) in the same transaction that refused it. A
@@ -350,13 +354,14 @@ class _SqliteWaiter:
 
 
 class _StepLock:
-    """The store's mutex: one step at a time on its connection.
+    """The mutex of one database file in this process: one step at a time on it, of any
+    of the process's stores (namespaces) of that file (``_file_mutex``).
 
     In an inline attempt (``SqliteStore.attempt``, on the event loop's thread) it never
     waits: a mutex held by a step in a worker thread is ``WouldBlock``.
     """
 
-    __slots__ = ("_lock", "attempting")
+    __slots__ = ("__weakref__", "_lock", "attempting")  # weak: kept per file while used
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -436,6 +441,28 @@ def _new_sender() -> socket.socket | None:
 _STORES: weakref.WeakSet[SqliteStore] = weakref.WeakSet()
 # The mutexes that _before_fork took, for the parent to let go of after the fork.
 _HELD_OVER_FORK: list[_StepLock] = []
+# Per database file (its real path), the mutex its stores in this process share; kept
+# while a store of that file lives.
+_FILE_MUTEXES: weakref.WeakValueDictionary[str, _StepLock] = weakref.WeakValueDictionary()
+_FILE_MUTEXES_GUARD = threading.Lock()
+
+
+def _file_mutex(real_path: str) -> _StepLock:
+    """The step mutex shared by this process's stores of the file at ``real_path``.
+
+    Each store (one per namespace: the lock server opens one per namespace it serves)
+    has a connection of its own; steps of one process on one file take turns on this
+    mutex rather than on SQLite's write lock. Found under load (100 clients over 120
+    namespaces of a lock server): on the write lock, a blocked step sleeps and looks
+    again (``_retry_busy``), with nobody's turn kept, in a worker thread it holds the
+    while; on a mutex it is woken when the step before it ends. Other processes still
+    meet on the write lock, as before.
+    """
+    with _FILE_MUTEXES_GUARD:
+        mutex = _FILE_MUTEXES.get(real_path)
+        if mutex is None:
+            mutex = _FILE_MUTEXES[real_path] = _StepLock()
+        return mutex
 
 
 def _before_fork() -> None:
@@ -447,8 +474,8 @@ def _before_fork() -> None:
     forever in ``sqlite3.connect``, or found the database locked for ``busy_timeout``
     (3 children in 100, forked from a parent renewing 300 leases).
     """
-    for store in list(_STORES):
-        mutex = store._mutex
+    # Once each: the stores of one file share their mutex.
+    for mutex in {id(store._mutex): store._mutex for store in list(_STORES)}.values():
         mutex._lock.acquire()
         _HELD_OVER_FORK.append(mutex)
 
@@ -460,6 +487,7 @@ def _after_fork_in_parent() -> None:
 
 def _reset_after_fork() -> None:
     _HELD_OVER_FORK.clear()  # the child's stores get mutexes of their own
+    _FILE_MUTEXES.clear()
     for store in list(_STORES):
         store._after_fork_in_child()
 
@@ -485,25 +513,26 @@ class SqliteStore:
         self._namespace = namespace
         self.synchronous = synchronous
         self._busy_timeout = busy_timeout
-        self._mutex = _StepLock()
+        self._mutex = _file_mutex(os.path.realpath(self._file))
         self._pid = os.getpid()
         # From a random place: a store that grants fewer than SWEEP_EVERY leases (a
         # `keymutex run`, a cron job) still sweeps now and then, at the same odds per
         # grant as a long-lived one. Counting from 0, none ever did.
         self._grants = random.randrange(SWEEP_EVERY)
         self._sweep_from = ("", "")
-        self._conn = self._connect()  # first: if it fails, there is nothing to close
+        with self._mutex:  # opening writes too (the schema, the boot)
+            self._conn = self._connect()  # first: if it fails, there is nothing to close
         self._sockets = _SocketPool()
         self._sender = _new_sender()
         _STORES.add(self)
 
     def _after_fork_in_child(self) -> None:
-        """A forked child gets its own mutex and sockets; its connection reopens lazily.
+        """A forked child gets its own mutexes and sockets; its connection reopens lazily.
 
         The child's copies of the parent's waiting sockets are closed, so that a parent
         that dies is seen as gone, and the child never reads the parent's wake-ups.
         """
-        self._mutex = _StepLock()
+        self._mutex = _file_mutex(os.path.realpath(self._file))
         self._sockets.close()
         self._sockets = _SocketPool()
         if self._sender is not None:
