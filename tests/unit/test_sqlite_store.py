@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import keymutex
+from _fork import fork_running
 
 
 def rows(db: Path, table: str) -> int:
@@ -519,14 +520,7 @@ def test_a_forked_child_reopens_a_relative_path_after_a_change_of_directory(
     with keymutex.Locks("sqlite:sub/locks.db") as locks:
         locks.acquire("parent", timeout=0).release()
         monkeypatch.chdir(tmp_path / "elsewhere")
-        pid = os.fork()
-        if pid == 0:  # the child: exit status 0 only if its acquire went through
-            code = 1
-            try:
-                locks.acquire("child", timeout=0, ttl=60)
-                code = 0
-            finally:
-                os._exit(code)
+        pid = fork_running(lambda: _acquire_in_each(locks))
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, "the forked child could not acquire"
         held = locks.holder("child")
@@ -643,6 +637,13 @@ def test_threads_on_namespaces_of_one_file_never_find_it_locked_by_each_other(
     assert failures == []
 
 
+def _acquire_in_each(*clients: keymutex.Locks) -> int:
+    """0 once each client has acquired "child" (a forked child's exit status)."""
+    for locks in clients:
+        locks.acquire("child", timeout=0, ttl=60)
+    return 0
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_process_with_several_namespaces_of_one_file_forks(tmp_path: Path) -> None:
     """The stores of one file share their mutex, which the fork handler takes once (a
@@ -651,15 +652,7 @@ def test_a_process_with_several_namespaces_of_one_file_forks(tmp_path: Path) -> 
     with keymutex.Locks(url, namespace="a") as a, keymutex.Locks(url, namespace="b") as b:
         a.acquire("doc", timeout=0).release()
         b.acquire("doc", timeout=0).release()
-        pid = os.fork()
-        if pid == 0:  # the child: exit status 0 only if both its acquires went through
-            code = 1
-            try:
-                a.acquire("child", timeout=0, ttl=60)
-                b.acquire("child", timeout=0, ttl=60)
-                code = 0
-            finally:
-                os._exit(code)
+        pid = fork_running(lambda: _acquire_in_each(a, b))
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, "the forked child could not acquire"
         assert a.holder("child") is not None
