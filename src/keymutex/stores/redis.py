@@ -45,6 +45,18 @@
   partitioned) has the cluster client read the slot map again, so that the next try
   goes to a replica promoted meanwhile. A pub/sub connection that fails while no
   waiter listens on it is closed, not opened again (its node may be gone for good).
+- A ``redis://`` URL whose name or address moves to a new master (DNS, a virtual IP)
+  leaves the store's open connections on the old one, now a replica: a step it
+  answers ``READONLY`` (having written nothing) is sent once more on a new connection,
+  the idle ones dropped (see ``_Connections``); a second ``READONLY`` is a
+  ``StoreError`` that says the URL leads to a replica. The store's pub/sub connections
+  move too, and its waiters confirm the grants they hear from then on (as on a
+  cluster). Not covered: a waiter in another process whose pub/sub connection stays
+  on the old master, now a replica, while that process meets no ``READONLY`` (none of
+  its steps are sent meanwhile) can hear a grant that the new master's ``PUBLISH`` did
+  not count and the release took back, and take it. A name or address that moves
+  while the old master lives on as a replica is safe only behind Sentinel
+  (``redis+sentinel://``); a virtual IP that moves breaks the old connections.
 - Sentinel: redis-py asks the sentinels for the master only when it opens a
   connection, and the store keeps its connections open; so the store asks again at
   most once a second, before a step, and moves its connections (pub/sub included) to
@@ -58,7 +70,6 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import inspect
 import json
 import logging
 import math
@@ -818,10 +829,11 @@ def _unsubscribed_by_redis(
     return True
 
 
-def _elsewhere(pubsub: Any, master: tuple[str, int]) -> bool:
-    """Whether ``pubsub`` is connected to another node than ``master``."""
+def _elsewhere(pubsub: Any, master: tuple[str, int] | None) -> bool:
+    """Whether ``pubsub`` is connected to another node than ``master`` (``None``: to
+    whatever node, for a ``redis://`` address that moved: see ``RedisStore._moved``)."""
     conn = None if pubsub is None else pubsub.connection
-    return conn is not None and (conn.host, conn.port) != master
+    return conn is not None and (master is None or (conn.host, conn.port) != master)
 
 
 # What a forked child must reset: the locks a parent's thread may have held at the fork
@@ -1067,7 +1079,7 @@ class _Subscriptions:
             if message is not None:
                 self._dispatch(message)
 
-    def follow(self, master: tuple[str, int]) -> None:
+    def follow(self, master: tuple[str, int] | None) -> None:
         """After a Sentinel failover: if the connection is to another node than
         ``master``, have the next reader reconnect (to the master the sentinels name;
         redis-py subscribes its channels again), and wake every waiter to try again at
@@ -1216,7 +1228,7 @@ class _Hubs:
                 hub = self._hubs[name] = _Subscriptions(make_pubsub, sharded=self._sharded)
             return hub
 
-    def follow(self, master: tuple[str, int]) -> None:
+    def follow(self, master: tuple[str, int] | None) -> None:
         with self._mutex:
             hubs = list(self._hubs.values())
         for hub in hubs:
@@ -1329,7 +1341,7 @@ class _AsyncSubscriptions:
         if not self._closed:
             self._channels.remove(waiter.channel, waiter)
 
-    def follow(self, master: tuple[str, int]) -> None:
+    def follow(self, master: tuple[str, int] | None) -> None:
         """As ``_Subscriptions.follow``: the reader task reconnects."""
         if self._closed or not _elsewhere(self._pubsub, master):
             return
@@ -1421,7 +1433,7 @@ class _AsyncHubs:
             hub = self._hubs[name] = _AsyncSubscriptions(make_pubsub, sharded=self._sharded)
         return hub
 
-    def follow(self, master: tuple[str, int]) -> None:
+    def follow(self, master: tuple[str, int] | None) -> None:
         for hub in list(self._hubs.values()):
             hub.follow(master)
 
@@ -1480,6 +1492,28 @@ async def _send_pipeline_async(
     return _checked(await pipe.execute(raise_on_error=False))
 
 
+def _send_scripts(client: Any, calls: Sequence[_Call], indices: list[int]) -> list[Any]:
+    """``_send_pipeline``, sent again after loading the scripts on a node that lacks them."""
+    try:
+        return _send_pipeline(client, calls, indices)
+    except NoScriptError:
+        for script in {calls[index].script for index in indices}:
+            client.script_load(script.source)
+        return _send_pipeline(client, calls, indices)
+
+
+async def _send_scripts_async(
+    client: Any, calls: Sequence[_Call], indices: list[int]
+) -> list[Any]:
+    """``_send_scripts`` for ``redis.asyncio``."""
+    try:
+        return await _send_pipeline_async(client, calls, indices)
+    except NoScriptError:
+        for script in {calls[index].script for index in indices}:
+            await client.script_load(script.source)
+        return await _send_pipeline_async(client, calls, indices)
+
+
 @dataclass(frozen=True, slots=True)
 class _Unanswered:
     """A renewal of a batch whose cluster node could not be reached (``error``)."""
@@ -1530,15 +1564,6 @@ def _gather(
             replies[index] = reply
 
 
-def _asked_last(initialize: Callable[..., Any], silent: str) -> dict[str, str]:
-    """The argument of redis-py's ``NodesManager.initialize`` that asks the node
-    ``silent`` for the slot map last, where it has one (redis-py 5 has not: it may ask
-    that node first, and wait its socket timeout before it asks another)."""
-    if "last_failed_node_name" in inspect.signature(initialize).parameters:
-        return {"last_failed_node_name": silent}
-    return {}
-
-
 def _silent_nodes(
     groups: Sequence[tuple[str, Any, list[int]]], replies: Sequence[Any]
 ) -> list[str]:
@@ -1554,6 +1579,10 @@ def _silent_nodes(
 # for what goes through redis-py's own path: the pub/sub connection, a renewal's
 # pipeline, ``holder``/``holders``, loading the scripts again.
 POOL_RESERVE = 2
+
+
+def _nothing() -> None:
+    pass
 
 
 def _kept_at_most(pool: Any) -> int | None:
@@ -1579,6 +1608,17 @@ class _Connections:
     one; one that timed out is not: Redis may have run it, and a release or a queueing
     try run twice would be answered wrongly the second time. A pool limited by
     ``max_connections`` keeps some of its connections (``_kept_at_most``).
+
+    A step answered ``READONLY`` is tried once more, on a new connection, after every
+    idle connection is dropped (``drop_idle``): its server became a replica. Found by
+    review: a ``redis://`` URL whose name or address moved to a new master (a DNS
+    name, a virtual IP) kept its connections to the old one, now a replica, and every
+    step failed with ``READONLY`` until they broke. Safe to send again: a replica
+    refuses a script's first write, so the step changed nothing (it is not counted in
+    ``resent``), and sent again it checks the token anew. A second ``READONLY`` is
+    raised (see ``_still_a_replica``). A Sentinel store never sees one: redis-py's Sentinel
+    connection turns it into a ``ConnectionError`` (the previous master is now a
+    replica), and the pool asks the sentinels again.
     """
 
     def __init__(self, pool: Any) -> None:
@@ -1588,6 +1628,7 @@ class _Connections:
         self._kept_at_most = _kept_at_most(pool)
         self._keeping = threading.Lock()  # with a limit: the count and the append together
         self._closed = False
+        self.on_moved: Callable[[], None] = _nothing  # told at a READONLY (``drop_idle``)
 
     def _keep(self, conn: Any) -> None:
         """Keep ``conn`` for the next step, or give it back to the pool (see there).
@@ -1609,13 +1650,19 @@ class _Connections:
         if not kept:
             self._pool.release(conn)
 
-    def call(self, *args: Any, resent: list[bool] | None = None) -> Any:
+    def call(
+        self, *args: Any, resent: list[bool] | None = None, after_read_only: bool = False
+    ) -> Any:
         """Send a command and read its reply. ``resent``: told (``True`` appended) when
-        the command went out whole before the connection broke, and was sent again."""
+        the command went out whole before the connection broke, and was sent again.
+        ``after_read_only``: this is the try after a ``READONLY``, on a new connection."""
         if self._pid != os.getpid():  # forked: the parent's sockets are not ours
             self._free, self._pid = [], os.getpid()
         try:
-            conn, used = self._free.pop(), True
+            if after_read_only:  # the pool's idle connections were dropped: made anew
+                conn, used = self._pool.get_connection(), False
+            else:
+                conn, used = self._free.pop(), True
         except IndexError:
             conn, used = self._pool.get_connection(), False
         sent = False
@@ -1623,6 +1670,13 @@ class _Connections:
             conn.send_command(*args)
             sent = True
             reply = conn.read_response()
+        except redis.exceptions.ReadOnlyError:
+            conn.disconnect()
+            self._pool.release(conn)
+            if after_read_only:
+                raise
+            self.drop_idle()
+            return self.call(*args, resent=resent, after_read_only=True)
         except redis.exceptions.ResponseError:
             self._keep(conn)  # an error reply: the connection is fine
             raise
@@ -1645,9 +1699,20 @@ class _Connections:
         """Drop the free connections to another node than ``master`` (a Sentinel
         failover): the next steps connect to the master. (One in use now is dropped by
         a later check.) Safe while other threads take and give back connections."""
+        self._drop_free(lambda conn: (conn.host, conn.port) != master)
+
+    def drop_idle(self) -> None:
+        """Disconnect every idle connection, kept here or in the pool: their server
+        answered ``READONLY`` (it is a replica now), and a new connection to the same
+        address may reach the new master. (One in use now meets ``READONLY`` itself.)"""
+        self.on_moved()
+        self._drop_free(lambda conn: True)
+        self._pool.disconnect(inuse_connections=False)
+
+    def _drop_free(self, dropped: Callable[[Any], bool]) -> None:
         if self._pid != os.getpid():
             return
-        for conn in [c for c in self._free if (c.host, c.port) != master]:
+        for conn in [c for c in self._free if dropped(c)]:
             try:
                 self._free.remove(conn)
             except ValueError:  # taken meanwhile
@@ -1692,6 +1757,7 @@ class _AsyncConnections:
         self._free: list[Any] = []
         self._kept_at_most = _kept_at_most(pool)
         self._closed = False
+        self.on_moved: Callable[[], None] = _nothing  # as in _Connections
 
     async def _keep(self, conn: Any) -> None:
         """As ``_Connections._keep`` (one event loop: no lock needed)."""
@@ -1703,14 +1769,26 @@ class _AsyncConnections:
         else:
             await self._pool.release(conn)
 
-    async def call(self, *args: Any, resent: list[bool] | None = None) -> Any:
+    async def call(
+        self, *args: Any, resent: list[bool] | None = None, after_read_only: bool = False
+    ) -> Any:
         try:
-            conn, used = self._free.pop(), True
+            if after_read_only:  # as in _Connections.call
+                conn, used = await self._pool.get_connection(), False
+            else:
+                conn, used = self._free.pop(), True
         except IndexError:
             conn, used = await self._pool.get_connection(), False
         try:
             await _send(conn, args)
             reply = await conn.read_response()
+        except redis.exceptions.ReadOnlyError:
+            await conn.disconnect()
+            await self._pool.release(conn)
+            if after_read_only:
+                raise
+            await self.drop_idle()
+            return await self.call(*args, resent=resent, after_read_only=True)
         except redis.exceptions.ResponseError:
             await self._keep(conn)
             raise
@@ -1736,6 +1814,15 @@ class _AsyncConnections:
         for conn in stale:
             await conn.disconnect()
             await self._pool.release(conn)
+
+    async def drop_idle(self) -> None:
+        """As ``_Connections.drop_idle``."""
+        self.on_moved()
+        stale, self._free = self._free, []
+        for conn in stale:
+            await conn.disconnect()
+            await self._pool.release(conn)
+        await self._pool.disconnect(inuse_connections=False)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -1883,6 +1970,16 @@ def _sender(
     return send
 
 
+def _still_a_replica(what: str, exc: redis.exceptions.ReadOnlyError) -> StoreError:
+    """A step answered ``READONLY`` on a connection made anew too (see ``_Connections``)."""
+    return StoreError(
+        f"{what}: Redis answered READONLY, and again on a new connection: the server this"
+        " URL leads to is a replica. A redis:// or rediss:// URL must lead to a master (one"
+        " whose name or address moves to the new master in a failover has not moved yet;"
+        f" for Sentinel use redis+sentinel://): {exc}"
+    )
+
+
 def _read_once_more(call: _Call, reply: Any, resent: list[bool]) -> Outcome:
     """``call``'s outcome from ``reply``. A release sent again after its connection broke
     with the first one out (Redis may have run it) that finds the lease gone cannot tell
@@ -1918,9 +2015,23 @@ class RedisStore:
         self._steps = _Steps(layout)
         self._layout = layout
         self._hubs = _Hubs(locate, sharded=layout.sharded)
+        if self._conns is not None:
+            self._conns.on_moved = self._moved
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
         self._reading_slots = threading.Lock()  # held while _read_slots_again reads
         _FORK_AWARE.add(self)
+
+    def _moved(self) -> None:
+        """A step met ``READONLY``: the URL's address leads to a new master now (see
+        ``_Connections``). The pub/sub connections, still to the old one, move too
+        (their waiters try again at once), and from now on a waiter confirms a grant it
+        hears (``_Layout.confirms_grants``). Found by review: a waiter listening on the
+        old master, now a replica, heard the new master's grant that PUBLISH had not
+        counted, and that the release had therefore taken back, and took it (a second
+        holder). A waiter of another process that has met no ``READONLY`` is not told:
+        see the module's docstring."""
+        self._layout.confirms_grants = True
+        self._hubs.follow(None)
 
     def _forked(self) -> None:
         """In a forked child: redis-py's pools reset themselves at their first use there,
@@ -1945,10 +2056,15 @@ class RedisStore:
             send = _sender(self._client, self._conns, call, resent)
             try:
                 reply = send("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-            except NoScriptError:  # a restarted or flushed server: load and go again
-                self._client.script_load(call.script.source)
-                reply = send("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-        except _DRIVER_ERRORS:
+            except NoScriptError:
+                # A new, restarted or flushed server: the source, which it keeps for the
+                # next EVALSHA. Sent as the step was, not loaded through redis-py's pool:
+                # found by review, after a redis:// URL's address moved to a new master
+                # (see _Connections), the pool loaded the script on the old one.
+                reply = send("EVAL", call.script.source, len(call.keys), *call.keys, *call.args)
+        except _DRIVER_ERRORS as exc:
+            if isinstance(exc, redis.exceptions.ReadOnlyError) and self._conns is not None:
+                raise _still_a_replica(_step_name(call), exc) from exc
             # Translated by the one translator, entered only on failure: on every step
             # it cost about as much as the rest of this method.
             with translate_errors(*_DRIVER_ERRORS, what=_step_name(call)):
@@ -2073,7 +2189,7 @@ class RedisStore:
         def read() -> None:
             try:
                 manager = self._client.nodes_manager
-                manager.initialize(**_asked_last(manager.initialize, silent))
+                manager.initialize(last_failed_node_name=silent)  # asked for the map last
             except Exception as exc:  # the next renewal tries again
                 _LOG.debug("could not read the Redis cluster's slots again: %s", exc)
             finally:
@@ -2088,14 +2204,17 @@ class RedisStore:
         """The replies of ``calls[indices]``, all of one node, by index."""
         try:
             try:
-                answers = _send_pipeline(client, calls, indices)
-            except NoScriptError:
-                for script in {calls[index].script for index in indices}:
-                    client.script_load(script.source)
-                answers = _send_pipeline(client, calls, indices)
+                answers = _send_scripts(client, calls, indices)
+            except redis.exceptions.ReadOnlyError:
+                if self._conns is None:
+                    raise
+                self._conns.drop_idle()  # and once more: see _Connections
+                answers = _send_scripts(client, calls, indices)
             return dict(zip(indices, answers, strict=True))
         except _DRIVER_ERRORS as exc:
             if not self._layout.sharded:
+                if isinstance(exc, redis.exceptions.ReadOnlyError):
+                    raise _still_a_replica(f"Redis renewal of {len(indices)} leases", exc) from exc
                 raise
             if isinstance(exc, (redis.exceptions.TimeoutError, TimeoutError)):
                 # A node that does not answer (paused, partitioned) still owns its slots:
@@ -2193,8 +2312,15 @@ class AsyncRedisStore:
         self._steps = _Steps(layout)
         self._layout = layout
         self._hubs = _AsyncHubs(locate, sharded=layout.sharded)
+        if self._conns is not None:
+            self._conns.on_moved = self._moved
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
         self._reading_slots: asyncio.Task[None] | None = None  # see _read_slots_again
+
+    def _moved(self) -> None:
+        """As ``RedisStore._moved``."""
+        self._layout.confirms_grants = True
+        self._hubs.follow(None)
 
     async def _run(self, call: _Call) -> Outcome:
         resent: list[bool] = []
@@ -2206,13 +2332,14 @@ class AsyncRedisStore:
                 reply = await send(
                     "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
                 )
-            except NoScriptError:
-                await self._client.script_load(call.script.source)
+            except NoScriptError:  # as in RedisStore
                 reply = await send(
-                    "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
+                    "EVAL", call.script.source, len(call.keys), *call.keys, *call.args
                 )
-        except _DRIVER_ERRORS:
-            with translate_errors(*_DRIVER_ERRORS, what=_step_name(call)):  # as in RedisStore
+        except _DRIVER_ERRORS as exc:  # as in RedisStore
+            if isinstance(exc, redis.exceptions.ReadOnlyError) and self._conns is not None:
+                raise _still_a_replica(_step_name(call), exc) from exc
+            with translate_errors(*_DRIVER_ERRORS, what=_step_name(call)):
                 raise
         return _read_once_more(call, reply, resent)
 
@@ -2310,7 +2437,7 @@ class AsyncRedisStore:
         async def read() -> None:
             try:
                 manager = self._client.nodes_manager
-                await manager.initialize(**_asked_last(manager.initialize, silent))
+                await manager.initialize(last_failed_node_name=silent)  # asked for the map last
             except Exception as exc:  # the next renewal tries again
                 _LOG.debug("could not read the Redis cluster's slots again: %s", exc)
 
@@ -2324,14 +2451,17 @@ class AsyncRedisStore:
         """As ``RedisStore._on_node``."""
         try:
             try:
-                answers = await _send_pipeline_async(client, calls, indices)
-            except NoScriptError:
-                for script in {calls[index].script for index in indices}:
-                    await client.script_load(script.source)
-                answers = await _send_pipeline_async(client, calls, indices)
+                answers = await _send_scripts_async(client, calls, indices)
+            except redis.exceptions.ReadOnlyError:
+                if self._conns is None:
+                    raise
+                await self._conns.drop_idle()
+                answers = await _send_scripts_async(client, calls, indices)
             return dict(zip(indices, answers, strict=True))
         except _DRIVER_ERRORS as exc:
             if not self._layout.sharded:
+                if isinstance(exc, redis.exceptions.ReadOnlyError):
+                    raise _still_a_replica(f"Redis renewal of {len(indices)} leases", exc) from exc
                 raise
             if isinstance(exc, (redis.exceptions.TimeoutError, TimeoutError)):
                 return {index: _Unanswered(exc) for index in indices}  # as RedisStore's
