@@ -102,3 +102,24 @@ def test_tls_options_are_checked_before_any_request(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         keymutex.Locks(url, **options)
+
+
+def test_clients_without_tls_options_share_one_default_context(
+    live: Live, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found under load: each client loaded the whole CA bundle for a context of its own
+    (20-40 ms, on the event loop's thread for ``AsyncLocks``), even for ``http://``. The
+    default context is made once per process; with it, a server of a private CA is still
+    not trusted (the test above)."""
+    loads: list[object] = []
+    load = ssl.SSLContext.load_verify_locations
+
+    def counted(context: ssl.SSLContext, *args: Any, **kwargs: Any) -> None:
+        loads.append(args or kwargs)
+        load(context, *args, **kwargs)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", counted)
+    for number in range(5):
+        with keymutex.Locks(live.url, namespace=f"client-{number}") as locks:
+            locks.acquire("k", timeout=0).release()
+    assert len(loads) <= 1, loads

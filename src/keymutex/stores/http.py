@@ -58,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import ssl
@@ -419,10 +420,22 @@ class _WaiterState:
         return token
 
 
-def _verify(tls: ssl.SSLContext | None) -> ssl.SSLContext | bool:
+def _verify(tls: ssl.SSLContext | None) -> ssl.SSLContext:
     """httpx's ``verify`` for the store's TLS options; none given: httpx's default (certifi's
-    bundle, or ``SSL_CERT_FILE``/``SSL_CERT_DIR``)."""
-    return True if tls is None else tls
+    bundle, or ``SSL_CERT_FILE``/``SSL_CERT_DIR``), made once per process.
+
+    Found under load: every store made its own, which loads the whole CA bundle (20-40 ms
+    of CPU, on the event loop's thread for ``AsyncLocks``), even for an ``http://`` URL that
+    never uses it; a server's clients made per task stalled the loop for seconds. One
+    context serves every connection (each store's transport speaks HTTP/1.1 only, the
+    one setting httpcore writes into it).
+    """
+    return _default_tls() if tls is None else tls
+
+
+@functools.cache
+def _default_tls() -> ssl.SSLContext:
+    return httpx.create_ssl_context()
 
 
 def _environment_proxy(base_url: str) -> str | None:
