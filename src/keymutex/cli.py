@@ -777,6 +777,18 @@ def _listen(host: str, port: int) -> socket.socket:
     help="How long a request may take to arrive, from its first byte to its last, before"
     " it is answered 408 and its connection closed. Waiting for a lock does not count.",
 )
+@click.option(
+    "--max-namespaces",
+    type=click.IntRange(min=1),
+    default=64,  # create_app's default (the server's modules load only when it runs)
+    show_default=True,
+    metavar="N",
+    help="Namespaces whose store connections stay open between requests. When more are"
+    " in use, the others connect again each time they are used: a warning is logged, and"
+    " /metrics counts keymutex_namespace_opens_total. Each open namespace holds its"
+    " store's connections: 3 file descriptors on SQLite; on PostgreSQL or Redis,"
+    " connections that count against the database server's own limit.",
+)
 @click.pass_context
 def serve_command(
     ctx: click.Context,
@@ -786,6 +798,7 @@ def serve_command(
     token_file: Path | None,
     access_log: bool,
     request_timeout: float,
+    max_namespaces: int,
 ) -> None:
     """Serve the store's locks over HTTP, with a dashboard at / (Ctrl-C stops).
 
@@ -817,7 +830,7 @@ def serve_command(
             raise click.BadParameter(str(exc), ctx, param_hint="'--token-file'") from exc
     with _store_errors(url):
         try:
-            app = create_app(url, token_file=token_file)
+            app = create_app(url, token_file=token_file, max_namespaces=max_namespaces)
         except (TypeError, ValueError) as exc:
             _bad_store(ctx, exc)
         except ImportError as exc:

@@ -82,6 +82,37 @@ def test_refuses_a_bad_token_file_and_a_bad_store(tmp_path: Path) -> None:
     assert "nosuch" in done.stderr
 
 
+def test_max_namespaces_is_documented_and_checked(tmp_path: Path) -> None:
+    helped = _serve("--help", cwd=tmp_path)
+    assert helped.returncode == 0
+    assert "--max-namespaces N" in helped.stdout
+    assert "[default: 64; x>=1]" in helped.stdout
+    for bad in ("0", "-3", "many"):
+        store = f"sqlite:///{tmp_path}/x.db"
+        done = _serve("--max-namespaces", bad, "--store", store, cwd=tmp_path)
+        assert done.returncode == 2
+        assert "Invalid value for '--max-namespaces'" in done.stderr, done.stderr
+        assert not (tmp_path / "x.db").exists()  # refused before opening anything
+
+
+def test_max_namespaces_keeps_that_many_open(tmp_path: Path) -> None:
+    """Before: ``serve`` had no such option, and with more than 64 namespaces in use
+    some were closed and opened again (a new store connection) as they were used."""
+    log = tmp_path / "out.log"
+    store = f"sqlite:///{tmp_path}/locks.db"
+    with (
+        _running("--store", store, "--max-namespaces", "100", log=log) as (_, url),
+        httpx.Client(base_url=url, timeout=WAIT) as client,
+    ):
+        for _ in range(2):
+            for n in range(80):
+                reply = client.get("/v1/holder", params={"namespace": f"ns{n}", "key": "k"})
+                assert reply.status_code == 200, reply.text
+        metrics = client.get("/metrics").text
+    assert "keymutex_namespace_opens_total 81.0" in metrics  # the default one, and 80
+    assert "keymutex_namespaces_open 81.0" in metrics
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
 def test_prints_its_url_serves_and_stops_cleanly(tmp_path: Path, stop: signal.Signals) -> None:
     log = tmp_path / "out.log"

@@ -480,7 +480,7 @@ class _Server:
         self.metrics = Metrics()
         self.changes = Changes(self.metrics.waiting.set)
         self.snapshots = _Snapshots(self.stream_snapshot)
-        self.namespaces = Namespaces(store_url, max_namespaces)
+        self.namespaces = Namespaces(store_url, max_namespaces, self.metrics)
         # Set when shutdown starts: requests waiting are answered, event streams end.
         self.stopping = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -949,8 +949,9 @@ class _Server:
         held: dict[str, int] = {}
         for namespace in self.namespaces.names():
             try:
-                async with self.namespaces.using(namespace) as locks:
-                    held[namespace] = len(await locks.holders(""))
+                async with self.namespaces.visiting(namespace) as locks:
+                    if locks is not None:  # not closed since
+                        held[namespace] = len(await locks.holders(""))
             except StoreError as exc:  # one namespace's store failing leaves the others'
                 LOG.warning("metrics: cannot count the leases of namespace %r: %s", namespace, exc)
             except Exception:  # a bug: its traceback
@@ -1119,7 +1120,9 @@ def create_app(
       every request addressed to an IP address or localhost (``Host``) is allowed
       (bind to loopback only), and one addressed by another DNS name refused 403.
     - ``max_wait``: the longest a request waits at the server (acquire, wait).
-    - ``max_namespaces``: idle namespace clients kept open.
+    - ``max_namespaces``: namespaces whose store client (its connections) stays open
+      between requests, at least 1; more in use than this are reopened when used
+      (``Namespaces`` says which are closed).
 
     Raises ``ValueError``/``TypeError`` for a bad URL or token file and ``StoreError``
     when the store cannot be opened, before serving anything. The store is closed when
@@ -1128,6 +1131,11 @@ def create_app(
     max_wait = check_ttl(max_wait, "max_wait")
     if isinstance(max_namespaces, bool) or not isinstance(max_namespaces, int):
         raise TypeError(f"max_namespaces must be an int, not {max_namespaces!r}")
+    if max_namespaces < 1:
+        raise ValueError(
+            f"max_namespaces must be at least 1 (namespaces kept open between requests),"
+            f" not {max_namespaces}"
+        )
     auth = Auth(None if token_file is None else load_token_file(token_file))
     default = AsyncLocks(store_url, namespace="")
     server = _Server(

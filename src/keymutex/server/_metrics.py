@@ -84,6 +84,23 @@ class Metrics:
             ["namespace"],
             registry=registry,
         )
+        self.namespaces_open = Gauge(
+            "keymutex_namespaces_open",
+            "Namespaces whose store client is open at this server (at most max_namespaces"
+            " between requests).",
+            registry=registry,
+        )
+        self.namespace_opens = Counter(
+            "keymutex_namespace_opens",
+            "Namespace store clients opened (a store connection each): a count that grows"
+            " in step with requests says more namespaces are in use than max_namespaces.",
+            registry=registry,
+        )
+        self.namespace_closes = Counter(
+            "keymutex_namespace_closes",
+            "Namespace store clients closed to keep at most max_namespaces open.",
+            registry=registry,
+        )
         self.waiting = Gauge(
             "keymutex_waiting_requests",
             "Requests waiting at this server right now.",
