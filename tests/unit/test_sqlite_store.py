@@ -658,3 +658,45 @@ def test_a_process_with_several_namespaces_of_one_file_forks(tmp_path: Path) -> 
         assert a.holder("child") is not None
         assert b.holder("child") is not None
         a.acquire("after", timeout=0).release()  # the parent's mutex was let go
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_another_thread_opens_a_store_does_not_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a thread opening a store looks its file's mutex up in a table
+    under a lock of its own; a fork in that moment left the lock held in the child,
+    whose fork handler, giving its stores their mutexes anew, took it and hung for good
+    (before it could run a line of its own). Here the opening thread is held inside the
+    lookup (making the mutex of its new file) for a while, and the process forks."""
+    from keymutex.stores import sqlite as store_module
+
+    url = f"sqlite:///{tmp_path}/locks.db"
+    inside, opener = threading.Event(), threading.current_thread()
+
+    class SlowToMake(store_module._StepLock):
+        __slots__ = ()
+
+        def __init__(self) -> None:
+            super().__init__()
+            if threading.current_thread() is opener:
+                inside.set()
+                time.sleep(2)  # the lookup's lock held meanwhile
+
+    with keymutex.Locks(url, namespace="kept") as locks:
+        monkeypatch.setattr(store_module, "_StepLock", SlowToMake)
+        opener = threading.Thread(
+            target=lambda: keymutex.Locks(f"sqlite:///{tmp_path}/b.db").close()
+        )
+        opener.start()
+        assert inside.wait(30), "the opening thread never made its file's mutex"
+        pid = fork_running(lambda: _acquire_in_each(locks))
+        deadline = time.monotonic() + 30
+        while (found := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if found == (0, 0):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        opener.join(30)
+        assert found != (0, 0), "the forked child hung in the fork handler"
+        assert os.waitstatus_to_exitcode(found[1]) == 0, "the forked child could not acquire"

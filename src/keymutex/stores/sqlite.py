@@ -474,8 +474,13 @@ def _before_fork() -> None:
     forever in ``sqlite3.connect``, or found the database locked for ``busy_timeout``
     (3 children in 100, forked from a parent renewing 300 leases).
     """
-    # Once each: the stores of one file share their mutex.
-    for mutex in {id(store._mutex): store._mutex for store in list(_STORES)}.values():
+    # Once each: the stores of one file share their mutex. The table's lock first, and
+    # held over the fork: the child's handler takes it to give its stores new mutexes
+    # (found by review: a child forked while another thread looked a file's mutex up
+    # inherited that lock held, and hung for good in its handler). Each file's mutex,
+    # a store's that is opening (not yet in _STORES) too.
+    _FILE_MUTEXES_GUARD.acquire()
+    for mutex in list(_FILE_MUTEXES.values()):
         mutex._lock.acquire()
         _HELD_OVER_FORK.append(mutex)
 
@@ -483,11 +488,13 @@ def _before_fork() -> None:
 def _after_fork_in_parent() -> None:
     while _HELD_OVER_FORK:
         _HELD_OVER_FORK.pop()._lock.release()
+    _FILE_MUTEXES_GUARD.release()
 
 
 def _reset_after_fork() -> None:
     _HELD_OVER_FORK.clear()  # the child's stores get mutexes of their own
     _FILE_MUTEXES.clear()
+    _FILE_MUTEXES_GUARD.release()  # taken by _before_fork, in this thread
     for store in list(_STORES):
         store._after_fork_in_child()
 
