@@ -700,3 +700,35 @@ def test_a_child_forked_while_another_thread_opens_a_store_does_not_hang(
         opener.join(30)
         assert found != (0, 0), "the forked child hung in the fork handler"
         assert os.waitstatus_to_exitcode(found[1]) == 0, "the forked child could not acquire"
+
+
+def test_a_read_in_one_namespace_does_not_wait_for_a_write_blocked_in_another(
+    tmp_path: Path,
+) -> None:
+    """Found by review of the shared mutex: a read in one namespace waited for a write of
+    another that waited for another process's write lock, up to ``busy_timeout``. In
+    WAL mode a read waits for no writer, and now takes only its own store's mutex."""
+    url = f"sqlite:///{tmp_path}/locks.db?busy_timeout=60"
+    with keymutex.Locks(url, namespace="a") as a, keymutex.Locks(url, namespace="b") as b:
+        b.acquire("doc", timeout=0)
+        other = sqlite3.connect(tmp_path / "locks.db", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another process's write, as SQLite sees it
+        writing = threading.Thread(target=lambda: a.acquire("doc", timeout=0).release())
+        try:
+            writing.start()
+            writes: Any = a._store._writes._lock  # a's acquire waits for SQLite, holding it
+            deadline = time.monotonic() + 30
+            while not writes.locked():
+                assert time.monotonic() < deadline, "the write never started"
+                time.sleep(0.01)
+            read: list[Any] = []
+            reading = threading.Thread(target=lambda: read.append(b.holder("doc")))
+            reading.start()
+            reading.join(30)
+            assert read, "the read waited for the other namespace's blocked write"
+            assert read[0] is not None
+            assert writing.is_alive()  # the write was still waiting all along
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+            writing.join(30)

@@ -17,9 +17,10 @@
 - A released lease's row is deleted; expired ones are swept a few at a time by later
   grants, so nothing grows with the number of distinct keys ever used.
 - The stores of one process on one file (one per namespace: the lock server has one
-  for each namespace it serves) take turns on one mutex of that file, each step in
-  turn: they do not meet on SQLite's write lock, where a blocked step sleeps and looks
-  again. Processes meet there, as they must.
+  for each namespace it serves) take turns on one mutex of that file for their write
+  transactions: they do not meet on SQLite's write lock, where a blocked step sleeps
+  and looks again. Processes meet there, as they must. Reads (``holder``,
+  ``holders``) wait for no writer.
 - Async (``AsyncLocks``): a step first runs on the event loop's thread, where it
   never waits: if another thread of the process is in a step on the file, or another
   process holds the write lock, it gives up before changing anything and runs in a
@@ -353,9 +354,14 @@ class _SqliteWaiter:
                 self._store._sockets.give_back(sock, self.address)
 
 
+# .on: this thread makes an inline attempt (``SqliteStore.attempt``), of whichever store.
+_ATTEMPTING = threading.local()
+
+
 class _StepLock:
-    """The mutex of one database file in this process: one step at a time on it, of any
-    of the process's stores (namespaces) of that file (``_file_mutex``).
+    """A mutex of the SQLite store: a store's own (one step at a time on its
+    connection), or a database file's (one write transaction at a time on it, of any of
+    the process's stores of that file: ``_file_mutex``).
 
     In an inline attempt (``SqliteStore.attempt``, on the event loop's thread) it never
     waits: a mutex held by a step in a worker thread is ``WouldBlock``.
@@ -365,7 +371,7 @@ class _StepLock:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.attempting = threading.local()  # .on: this thread makes an inline attempt
+        self.attempting = _ATTEMPTING
 
     def __enter__(self) -> None:
         if not self._lock.acquire(blocking=not getattr(self.attempting, "on", False)):
@@ -448,11 +454,14 @@ _FILE_MUTEXES_GUARD = threading.Lock()
 
 
 def _file_mutex(real_path: str) -> _StepLock:
-    """The step mutex shared by this process's stores of the file at ``real_path``.
+    """The write mutex shared by this process's stores of the file at ``real_path``.
 
     Each store (one per namespace: the lock server opens one per namespace it serves)
-    has a connection of its own; steps of one process on one file take turns on this
-    mutex rather than on SQLite's write lock. Found under load (100 clients over 120
+    has a connection of its own; the write transactions of one process on one file
+    take turns on this mutex rather than on SQLite's write lock (reads take only their
+    store's own mutex: in WAL mode they wait for no writer, and found by review, a
+    read in one namespace waited here for another's write that waited for another
+    process's, up to ``busy_timeout``). Found under load (100 clients over 120
     namespaces of a lock server): on the write lock, a blocked step sleeps and looks
     again (``_retry_busy``), with nobody's turn kept, in a worker thread it holds the
     while; on a mutex it is woken when the step before it ends. Other processes still
@@ -474,13 +483,14 @@ def _before_fork() -> None:
     forever in ``sqlite3.connect``, or found the database locked for ``busy_timeout``
     (3 children in 100, forked from a parent renewing 300 leases).
     """
-    # Once each: the stores of one file share their mutex. The table's lock first, and
-    # held over the fork: the child's handler takes it to give its stores new mutexes
-    # (found by review: a child forked while another thread looked a file's mutex up
-    # inherited that lock held, and hung for good in its handler). Each file's mutex,
-    # a store's that is opening (not yet in _STORES) too.
+    # The table's lock first, and held over the fork: the child's handler takes it to
+    # give its stores new mutexes (found by review: a child forked while another thread
+    # looked a file's mutex up inherited that lock held, and hung for good in its
+    # handler). Then each store's own mutex (a read, a step under way), then each
+    # file's (a write; a store that is opening, not yet in _STORES, too): in the order
+    # a step takes them.
     _FILE_MUTEXES_GUARD.acquire()
-    for mutex in list(_FILE_MUTEXES.values()):
+    for mutex in [store._mutex for store in list(_STORES)] + list(_FILE_MUTEXES.values()):
         mutex._lock.acquire()
         _HELD_OVER_FORK.append(mutex)
 
@@ -520,15 +530,15 @@ class SqliteStore:
         self._namespace = namespace
         self.synchronous = synchronous
         self._busy_timeout = busy_timeout
-        self._mutex = _file_mutex(os.path.realpath(self._file))
+        self._mutex = _StepLock()  # its connection's
+        self._writes = _file_mutex(os.path.realpath(self._file))  # the file's, in the process
         self._pid = os.getpid()
         # From a random place: a store that grants fewer than SWEEP_EVERY leases (a
         # `keymutex run`, a cron job) still sweeps now and then, at the same odds per
         # grant as a long-lived one. Counting from 0, none ever did.
         self._grants = random.randrange(SWEEP_EVERY)
         self._sweep_from = ("", "")
-        with self._mutex:  # opening writes too (the schema, the boot)
-            self._conn = self._connect()  # first: if it fails, there is nothing to close
+        self._conn = self._connect()  # first: if it fails, there is nothing to close
         self._sockets = _SocketPool()
         self._sender = _new_sender()
         _STORES.add(self)
@@ -539,7 +549,8 @@ class SqliteStore:
         The child's copies of the parent's waiting sockets are closed, so that a parent
         that dies is seen as gone, and the child never reads the parent's wake-ups.
         """
-        self._mutex = _file_mutex(os.path.realpath(self._file))
+        self._mutex = _StepLock()
+        self._writes = _file_mutex(os.path.realpath(self._file))
         self._sockets.close()
         self._sockets = _SocketPool()
         if self._sender is not None:
@@ -675,17 +686,18 @@ class SqliteStore:
     def _transaction(
         self, conn: sqlite3.Connection, step: Callable[[sqlite3.Connection, float], T]
     ) -> T:
-        try:
-            # Inside the try: an interrupt (Ctrl-C) just after BEGIN must roll back too,
-            # or the connection stays in a write transaction that locks out every
-            # process until this one ends.
-            self._retry_busy(lambda: conn.execute("BEGIN IMMEDIATE"))
-            result = step(conn, _clock.monotonic())
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+        with self._writes:  # the process's writers of the file take turns here
+            try:
+                # Inside the try: an interrupt (Ctrl-C) just after BEGIN must roll back
+                # too, or the connection stays in a write transaction that locks out
+                # every process until this one ends.
+                self._retry_busy(lambda: conn.execute("BEGIN IMMEDIATE"))
+                result = step(conn, _clock.monotonic())
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
         # Committed: an inline attempt can no longer be given up (and run again in a
         # thread). What else the step does waits as it must, in the loop's thread.
         self._mutex.attempting.on = False
