@@ -1097,7 +1097,7 @@ class _Subscriptions:
         connection is not safe to close while another thread reads it."""
         if self._moved:
             self._moved = False
-            _LOG.info("Redis Sentinel named a new master: moving the pub/sub connection")
+            _LOG.info("Redis has a new master: moving the pub/sub connection")
             with contextlib.suppress(Exception):
                 pubsub.connection.disconnect()
 
@@ -1355,9 +1355,7 @@ class _AsyncSubscriptions:
                 if self._moved:  # not while join subscribes: under the mutex
                     async with self._mutex:
                         self._moved = False
-                        _LOG.info(
-                            "Redis Sentinel named a new master: moving the pub/sub connection"
-                        )
+                        _LOG.info("Redis has a new master: moving the pub/sub connection")
                         await self._pubsub.connection.disconnect()
                 unused = self._channels.expired()
                 for channel in unused:
