@@ -1,6 +1,7 @@
 """The ``keymutex`` command: run a command under a lock, and look at or clear locks.
 
     keymutex serve [--store URL] [--host 127.0.0.1] [--port 7420] [--token-file F]
+                   [--access-log] [--request-timeout S] [--max-namespaces N]
     keymutex run KEY [--store URL] [--ttl S] [--timeout S] -- COMMAND [ARG...]
     keymutex ls [PREFIX] [--store URL] [--json]
     keymutex show KEY [--store URL] [--json]

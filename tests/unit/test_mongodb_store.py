@@ -1295,7 +1295,7 @@ def test_a_first_making_that_stalls_neither_holds_up_nor_fails_the_first_step(
     tried again. While a build stalled, every step of every new store (each worker of
     a web app that starts) waited 10 s and failed. The first step now waits
     ``INDEX_FIRST_PATIENCE`` seconds at most, and a failure is a warning."""
-    monkeypatch.setattr(mongodb, "INDEX_FIRST_PATIENCE", 0.2, raising=False)
+    monkeypatch.setattr(mongodb, "INDEX_FIRST_PATIENCE", 0.2)
     collection = _StalledBuild()
     with caplog.at_level(logging.WARNING, logger="keymutex"):
         store = _prepared_on(collection)  # the first step: no StoreError
@@ -1329,7 +1329,7 @@ async def test_the_async_first_making_that_stalls_neither_holds_up_nor_fails_the
                 raise NetworkTimeout("127.0.0.1:27017: timed out (socketTimeoutMS: 10000.0ms)")
             return super().create_index(*args, **kwargs)
 
-    monkeypatch.setattr(mongodb, "INDEX_FIRST_PATIENCE", 0.2, raising=False)
+    monkeypatch.setattr(mongodb, "INDEX_FIRST_PATIENCE", 0.2)
     released = asyncio.Event()
     collection = Collection()
     store = mongodb.driver.open_async("mongodb://127.0.0.1:9/", namespace="n", options={})
