@@ -367,14 +367,13 @@ class _StepLock:
     waits: a mutex held by a step in a worker thread is ``WouldBlock``.
     """
 
-    __slots__ = ("__weakref__", "_lock", "attempting")  # weak: kept per file while used
+    __slots__ = ("__weakref__", "_lock")  # weak: kept per file while used
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.attempting = _ATTEMPTING
 
     def __enter__(self) -> None:
-        if not self._lock.acquire(blocking=not getattr(self.attempting, "on", False)):
+        if not self._lock.acquire(blocking=not getattr(_ATTEMPTING, "on", False)):
             raise WouldBlock
 
     def __exit__(self, *_: object) -> None:
@@ -567,12 +566,11 @@ class SqliteStore:
         that is gone, rare, is a second transaction). With ``synchronous=full`` every
         commit waits for the disk: those steps always run in threads.
         """
-        attempting = self._mutex.attempting
-        attempting.on = True
+        _ATTEMPTING.on = True
         try:
             return step(*args, **kwargs)
         finally:
-            attempting.on = False
+            _ATTEMPTING.on = False
 
     # -- connection and transactions -----------------------------------------------
 
@@ -676,7 +674,7 @@ class SqliteStore:
             except sqlite3.OperationalError as exc:
                 if not _is_busy(exc):
                     raise
-                if getattr(self._mutex.attempting, "on", False):
+                if getattr(_ATTEMPTING, "on", False):
                     raise WouldBlock from None  # nothing changed yet: go to a thread
                 if _clock.monotonic() >= give_up:
                     raise
@@ -700,7 +698,7 @@ class SqliteStore:
                 raise
         # Committed: an inline attempt can no longer be given up (and run again in a
         # thread). What else the step does waits as it must, in the loop's thread.
-        self._mutex.attempting.on = False
+        _ATTEMPTING.on = False
         return result
 
     def _write(self, step: Callable[[sqlite3.Connection, float], T]) -> T:
@@ -736,12 +734,11 @@ class SqliteStore:
         commits a transaction of its own, which ends an attempt's inline part (found by
         review: the step's own transaction then waited for a busy file on the event
         loop's thread, up to the busy timeout)."""
-        attempting = self._mutex.attempting
-        inline = getattr(attempting, "on", False)
+        inline = getattr(_ATTEMPTING, "on", False)
         try:
             return self._connect()
         finally:
-            attempting.on = inline
+            _ATTEMPTING.on = inline
 
     def _file_identity(self) -> tuple[int, int] | None:
         """The file at the path now (``None``: none there, or none this process can see).
