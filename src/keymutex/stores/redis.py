@@ -1579,10 +1579,6 @@ def _silent_nodes(
 POOL_RESERVE = 2
 
 
-def _nothing() -> None:
-    pass
-
-
 def _kept_at_most(pool: Any) -> int | None:
     """How many idle connections ``_Connections`` may keep out of ``pool``: any number,
     unless the user limited the pool (``max_connections``; redis-py's default is
@@ -1619,14 +1615,14 @@ class _Connections:
     replica), and the pool asks the sentinels again.
     """
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, on_moved: Callable[[], None]) -> None:
         self._pool = pool
+        self._on_moved = on_moved  # told at a READONLY (``drop_idle``)
         self._free: list[Any] = []  # list.append / pop are atomic: no lock needed
         self._pid = os.getpid()
         self._kept_at_most = _kept_at_most(pool)
         self._keeping = threading.Lock()  # with a limit: the count and the append together
         self._closed = False
-        self.on_moved: Callable[[], None] = _nothing  # told at a READONLY (``drop_idle``)
 
     def _keep(self, conn: Any) -> None:
         """Keep ``conn`` for the next step, or give it back to the pool (see there).
@@ -1703,7 +1699,7 @@ class _Connections:
         """Disconnect every idle connection, kept here or in the pool: their server
         answered ``READONLY`` (it is a replica now), and a new connection to the same
         address may reach the new master. (One in use now meets ``READONLY`` itself.)"""
-        self.on_moved()
+        self._on_moved()
         self._drop_free(lambda conn: True)
         self._pool.disconnect(inuse_connections=False)
 
@@ -1750,12 +1746,12 @@ async def _send(conn: Any, args: tuple[Any, ...]) -> None:
 class _AsyncConnections:
     """``_Connections`` for an async store (connections of ``redis.asyncio``)."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, on_moved: Callable[[], None]) -> None:
         self._pool = pool
+        self._on_moved = on_moved  # as in _Connections
         self._free: list[Any] = []
         self._kept_at_most = _kept_at_most(pool)
         self._closed = False
-        self.on_moved: Callable[[], None] = _nothing  # as in _Connections
 
     async def _keep(self, conn: Any) -> None:
         """As ``_Connections._keep`` (one event loop: no lock needed)."""
@@ -1815,7 +1811,7 @@ class _AsyncConnections:
 
     async def drop_idle(self) -> None:
         """As ``_Connections.drop_idle``."""
-        self.on_moved()
+        self._on_moved()
         stale, self._free = self._free, []
         for conn in stale:
             await conn.disconnect()
@@ -2009,12 +2005,10 @@ class RedisStore:
         self._also_close = also_close
         self._nodes = nodes or _NodeClients(None)
         # A cluster routes each script by its key: redis-py's own path does that.
-        self._conns = None if layout.sharded else _Connections(client.connection_pool)
+        self._conns = None if layout.sharded else _Connections(client.connection_pool, self._moved)
         self._steps = _Steps(layout)
         self._layout = layout
         self._hubs = _Hubs(locate, sharded=layout.sharded)
-        if self._conns is not None:
-            self._conns.on_moved = self._moved
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
         self._reading_slots = threading.Lock()  # held while _read_slots_again reads
         _FORK_AWARE.add(self)
@@ -2306,12 +2300,12 @@ class AsyncRedisStore:
         self._left: set[asyncio.Future[Any]] = (
             set()
         )  # node renewals left to end (each_within_async)
-        self._conns = None if layout.sharded else _AsyncConnections(client.connection_pool)
+        self._conns = (
+            None if layout.sharded else _AsyncConnections(client.connection_pool, self._moved)
+        )
         self._steps = _Steps(layout)
         self._layout = layout
         self._hubs = _AsyncHubs(locate, sharded=layout.sharded)
-        if self._conns is not None:
-            self._conns.on_moved = self._moved
         self._subscribe_timeout = DEFAULT_SOCKET_TIMEOUT
         self._reading_slots: asyncio.Task[None] | None = None  # see _read_slots_again
 
