@@ -59,7 +59,7 @@ lost after the ``hello`` still fails the step, by the step's own round trip).
 cannot stop a sync call: a slower one ends by itself, within the client's socket
 timeout); ``aclose()`` cancels it. No making is tried again after a failure that
 trying again will not mend (codes 13, 85, 86). A sync store used in a forked child
-makes the index there on the parent's schedule, and reads its change stream with a
+makes the index again at its first step there, and reads its change stream with a
 thread of its own (``MongoStore._forked``). Reads (``holder``, ``holders``) neither
 make the index nor start a making: every document is written by a step, whose store
 made the index at its first step and keeps it while it writes; and a dashboard or a
@@ -684,12 +684,6 @@ class _IndexPlan:
     def made(self) -> None:
         self._making = False
 
-    def forked(self) -> None:
-        """In a forked child: a making under way at the fork is the parent's, whose end
-        is never told here (found by review: the child never made the index again).
-        The next is due when the parent's is: the monotonic clock is the host's."""
-        self._making = False
-
     def failed(self, exc: Exception) -> None:
         # Locks work without the index; only the garbage collection of documents does not.
         self._making = False
@@ -769,10 +763,9 @@ class MongoStore:
             self._prepare_mutex = threading.Lock()
             self._index_mutex = threading.Lock()
             self._index_thread = None
-            if self._prepared:
-                self._index.forked()
-            else:  # the parent's first step was under way: the child takes its own
-                self._index = _IndexPlan()
+            # Due at once: a making under way at the fork was the parent's, whose end is
+            # never told here (found by review: the child never made the index again).
+            self._index = _IndexPlan()
             if self._watcher is not None:
                 self._watcher = _Watcher(self._collection, self._namespace)
             self._pid = os.getpid()
