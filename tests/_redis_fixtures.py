@@ -132,3 +132,10 @@ class Waiter:
         self._thread.join(self._patience + 5)
         assert self.result is not None, "the waiter is still waiting"
         return self.result
+
+    def lease(self) -> keymutex.Lease:
+        """What it got, which must be a lease (the waiter's error is the cause)."""
+        got = self.outcome()
+        if isinstance(got, BaseException):
+            raise AssertionError(f"the waiter failed: {got!r}") from got
+        return got

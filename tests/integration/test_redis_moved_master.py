@@ -313,8 +313,7 @@ def test_a_waiter_of_a_client_that_met_the_move_listens_on_the_new_master(
         moving.move()
         _connected(waiting)  # its kept connection: READONLY, then the new master
         holder.release("doc", held.token)
-        got = waiter.outcome()
-        assert isinstance(got, keymutex.Lease), got
+        got = waiter.lease()
         seen = on_b.holder("doc")
         assert seen is not None, "the waiter took a grant the new master does not hold"
         assert (seen.owner, seen.fence) == ("waiter", got.fence)

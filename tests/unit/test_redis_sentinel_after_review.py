@@ -212,8 +212,7 @@ def test_a_waiter_listens_on_the_new_master_after_a_planned_failover(
         print(f"\nB listens on the new master {took:.2f} s after the sentinels named it")
         assert not waiter.done.is_set(), waiter.result
         held.release()
-        lease = waiter.outcome()
-        assert isinstance(lease, keymutex.Lease), lease
+        lease = waiter.lease()
         assert lease.fence > held.fence
         lease.release()
 
@@ -256,8 +255,7 @@ def test_a_waiter_left_on_a_master_demoted_by_hand_takes_no_grant_it_was_not_giv
         )
         assert _subscribers(old, channel) == 1  # B still listens there
         held.release()  # on the new master: A's store asks the sentinels first
-        got = waiter.outcome()
-        assert isinstance(got, keymutex.Lease), got
+        got = waiter.lease()
         the_sole_holder(got, "B", c_locks)
         got.release()
 
