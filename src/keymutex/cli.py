@@ -721,6 +721,67 @@ def _is_loopback(host: str) -> bool:
     )
 
 
+# What ``serve`` counts on in open files (descriptors): per open namespace (at most
+# --max-namespaces between requests), SQLite's database, -wal and -shm files (3), or a
+# network store's idle connections: PostgreSQL's one and its LISTEN connection, Redis's
+# one and its pub/sub connection, MongoDB's one, its change stream's, and pymongo's two
+# monitoring connections per member (8 on a replica set of three). A store's busy
+# connections, which come with concurrent requests, are counted with those requests:
+SERVE_FILES_PER_NAMESPACE = 8
+# and for the rest of the process: the clients' connections (a waiting request on
+# SQLite holds one more, its waiter's socket), the listening socket, the event loop's
+# own, the interpreter's.
+SERVE_FILES_BESIDES = 256
+
+
+def _enough_open_files(max_namespaces: int) -> None:
+    """Raise this process's soft limit on open files (``RLIMIT_NOFILE``) to what
+    ``max_namespaces`` open namespaces are counted to need, as far as its hard limit
+    allows, and warn if that is still short.
+
+    Never refuses to start: the estimate is rough, and a limit reached fails the
+    requests that need a file then (503: the store's connection cannot be opened), not
+    the server. Raised to the estimate, not to the hard limit: no further than it is
+    counted to need. Found by review: nothing compared the limit with
+    ``--max-namespaces``; by this estimate a soft limit of 1,024 (a common default)
+    fits 96 namespaces.
+    """
+    if sys.platform == "win32":  # no such limit
+        return
+    import resource
+
+    needed = max_namespaces * SERVE_FILES_PER_NAMESPACE + SERVE_FILES_BESIDES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if raised > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        except (OSError, ValueError):  # macOS: above kern.maxfilesperproc
+            pass
+        else:
+            soft = raised
+    if soft >= needed:
+        return
+    fits = (soft - SERVE_FILES_BESIDES) // SERVE_FILES_PER_NAMESPACE
+    logging.getLogger("keymutex.server").warning(
+        "the limit on open files is %d (ulimit -n; hard limit %s), below the %d that"
+        " --max-namespaces %d is counted to need (%d per namespace, %d besides): raise it"
+        " (ulimit -n %d, or LimitNOFILE=%d in a systemd unit)%s, or requests fail (503)"
+        " once the files run out",
+        soft,
+        "unlimited" if hard == resource.RLIM_INFINITY else hard,
+        needed,
+        max_namespaces,
+        SERVE_FILES_PER_NAMESPACE,
+        SERVE_FILES_BESIDES,
+        needed,
+        needed,
+        f" or lower --max-namespaces (to {fits} for this limit)" if fits >= 1 else "",
+    )
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: any free port)."""
     family, kind, proto, _, address = socket.getaddrinfo(
@@ -788,7 +849,8 @@ def _listen(host: str, port: int) -> socket.socket:
     " in use, the others connect again each time they are used: a warning is logged, and"
     " /metrics counts keymutex_namespace_opens_total. Each open namespace holds its"
     " store's connections: 3 file descriptors on SQLite; on PostgreSQL or Redis,"
-    " connections that count against the database server's own limit.",
+    " connections that count against the database server's own limit. At start, the"
+    " limit on open files is raised to fit (up to the hard limit), else a warning says so.",
 )
 @click.pass_context
 def serve_command(
@@ -829,6 +891,7 @@ def serve_command(
             load_token_file(token_file)
         except ValueError as exc:
             raise click.BadParameter(str(exc), ctx, param_hint="'--token-file'") from exc
+    _enough_open_files(max_namespaces)
     with _store_errors(url):
         try:
             app = create_app(url, token_file=token_file, max_namespaces=max_namespaces)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -36,12 +38,21 @@ def _serve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @contextlib.contextmanager
 def _running(
-    *args: str, log: Path, env: dict[str, str] | None = None
+    *args: str,
+    log: Path,
+    env: dict[str, str] | None = None,
+    open_files: tuple[int, int] | None = None,
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """``keymutex serve ARGS`` with its output in ``log``, once it listens: (process, URL).
 
-    Killed on the way out if the test did not stop it.
+    ``open_files``: the (soft, hard) limit on open files it starts with (``ulimit -Sn``,
+    ``-Hn``). Killed on the way out if the test did not stop it.
     """
+    limit_open_files = None  # set in the child, before it runs keymutex
+    if open_files is not None:
+        limit_open_files = functools.partial(
+            resource.setrlimit, resource.RLIMIT_NOFILE, open_files
+        )
     with log.open("wb") as output:
         process = subprocess.Popen(
             [*KEYMUTEX, "serve", "--port", "0", *args],
@@ -49,6 +60,7 @@ def _running(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
+            preexec_fn=limit_open_files,
         )
     try:
         deadline = time.monotonic() + WAIT
@@ -111,6 +123,52 @@ def test_max_namespaces_keeps_that_many_open(tmp_path: Path) -> None:
         metrics = client.get("/metrics").text
     assert "keymutex_namespace_opens_total 81.0" in metrics  # the default one, and 80
     assert "keymutex_namespaces_open 81.0" in metrics
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    """A process's (soft, hard) limit on open files, as ``prlimit --pid PID -n`` says."""
+    return resource.prlimit(pid, resource.RLIMIT_NOFILE)
+
+
+@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="prlimit() is Linux's")
+def test_raises_a_low_limit_on_open_files_to_fit_max_namespaces(tmp_path: Path) -> None:
+    """Before: nothing compared the limit on open files with --max-namespaces; a server
+    started with ``ulimit -n 256`` kept it, and answered 503 ("unable to open database
+    file") from about the 80th namespace open on (each SQLite namespace holds three
+    files). Now it raises it (up to the hard limit) to 8 per namespace and 256 besides."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2000:
+        pytest.skip(f"the hard limit on open files here is {hard}")
+    log = tmp_path / "out.log"
+    args = ("--store", f"sqlite:///{tmp_path}/locks.db", "--max-namespaces", "100")
+    with _running(*args, log=log, open_files=(256, hard)) as (process, url):
+        assert _open_files_limit(process.pid) == (100 * 8 + 256, hard)
+        with httpx.Client(base_url=url, timeout=WAIT) as client:
+            # 100 open with the default one: 300 files, more than the limit it started with
+            for n in range(99):
+                reply = client.get("/v1/holder", params={"namespace": f"ns{n}", "key": "k"})
+                assert reply.status_code == 200, reply.text
+            assert "keymutex_namespaces_open 100.0" in client.get("/metrics").text
+    assert "WARNING" not in log.read_text()
+
+
+@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="prlimit() is Linux's")
+def test_warns_when_the_hard_limit_on_open_files_is_too_low_for_max_namespaces(
+    tmp_path: Path,
+) -> None:
+    """A hard limit below what --max-namespaces needs cannot be raised by the server:
+    it says what to do, and serves all the same."""
+    log = tmp_path / "out.log"
+    args = ("--store", f"sqlite:///{tmp_path}/locks.db", "--max-namespaces", "64")
+    with _running(*args, log=log, open_files=(300, 600)) as (process, url):
+        assert httpx.get(f"{url}/healthz", timeout=WAIT).status_code == 200
+        assert _open_files_limit(process.pid) == (600, 600)  # raised as far as it goes
+    assert (
+        "keymutex: WARNING: the limit on open files is 600 (ulimit -n; hard limit 600),"
+        " below the 768 that --max-namespaces 64 is counted to need (8 per namespace,"
+        " 256 besides): raise it (ulimit -n 768, or LimitNOFILE=768 in a systemd unit)"
+        " or lower --max-namespaces (to 43 for this limit)"
+    ) in log.read_text()
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])

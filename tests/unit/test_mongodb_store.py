@@ -31,7 +31,13 @@ from typing import Any
 import bson
 import pytest
 from bson.int64 import Int64
-from pymongo.errors import NetworkTimeout, NotPrimaryError, OperationFailure
+from pymongo.errors import (
+    AutoReconnect,
+    NetworkTimeout,
+    NotPrimaryError,
+    OperationFailure,
+    ServerSelectionTimeoutError,
+)
 
 import keymutex
 from _fork import fork_running
@@ -699,7 +705,8 @@ def _made_again(store: MongoStore) -> None:
     ("failure", "made_again"),
     [
         (OperationFailure("operation exceeded time limit", code=50), True),
-        (OperationFailure("a mongos could not reach the shard", code=6), True),
+        # A mongos that cannot reach a shard (code 6): made again within seconds, below.
+        (OperationFailure("waiting for replication timed out", code=64), True),
         (OperationFailure("not authorized on keymutex", code=13), False),
         (OperationFailure("index keymutex_gc exists with other options", code=85), False),
     ],
@@ -871,6 +878,130 @@ def test_the_ttl_index_is_made_one_at_a_time(monkeypatch: pytest.MonkeyPatch) ->
     plan.failed(OperationFailure("not authorized on keymutex", code=13))
     now += 10 * mongodb.INDEX_RECHECK
     assert not plan.take(), "made again after a failure that cannot pass"
+
+
+# Failures to reach the server (or its primary), as pymongo raises them.
+_UNREACHABLE = [
+    ServerSelectionTimeoutError("127.0.0.1:27017: [Errno 111] Connection refused"),
+    AutoReconnect("127.0.0.1:27017: connection closed"),
+    NetworkTimeout("127.0.0.1:27017: timed out (socketTimeoutMS: 10000.0ms)"),
+    NotPrimaryError("not primary"),
+    OperationFailure("a mongos could not reach the shard", code=6),
+]
+
+
+@pytest.mark.parametrize("failure", _UNREACHABLE, ids=lambda exc: type(exc).__name__)
+def test_the_ttl_index_is_made_again_within_seconds_after_the_server_could_not_be_reached(
+    failure: Exception, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: a making that failed because the server could not be reached
+    (restarting, an election, a network blip) was tried again only ``INDEX_RECHECK``
+    (ten minutes) later, and meanwhile the documents of ended leases were not collected.
+    Now it is due ``INDEX_RETRY_FIRST`` seconds after such a failure, doubled at each
+    one in a row up to ``INDEX_RECHECK``; once made, every ``INDEX_RECHECK`` again. A
+    warning at the first failure in a row and at the long interval, not at each try."""
+    now = mongodb._clock.monotonic()
+    monkeypatch.setattr(mongodb._clock, "monotonic", lambda: now)
+    plan = mongodb._IndexPlan()
+    assert plan.take()
+    with caplog.at_level(logging.WARNING, logger="keymutex"):
+        for wait in [5, 10, 20, 40, 80, 160, 320, 600, 600]:  # failures in a row
+            plan.failed(failure)
+            failed_at = now
+            now = failed_at + wait - 1
+            assert not plan.take(), f"made again sooner than {wait} s after a failure"
+            now = failed_at + wait
+            assert plan.take(), f"not made again {wait} s after a failure"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"MongoDB: cannot create the TTL index on 'e' (tried again in {wait} s): {failure}"
+        for wait in (5, 600, 600)
+    ]
+    plan.made()  # made: the backoff starts again, and it is due every INDEX_RECHECK
+    now += mongodb.INDEX_RECHECK - 1
+    assert not plan.take()
+    now += 1
+    assert plan.take()
+    plan.failed(failure)
+    now += 5  # INDEX_RETRY_FIRST
+    assert plan.take(), "the backoff did not start again after the index was made"
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OperationFailure("not authorized on keymutex", code=13),
+        OperationFailure("operation exceeded time limit", code=50),
+        RuntimeError("can't create new thread at interpreter shutdown"),
+    ],
+    ids=["unauthorized", "time-limit", "no-thread"],
+)
+def test_other_failures_to_make_the_ttl_index_keep_the_long_interval(
+    failure: Exception, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No privilege is never mended by trying again (never made again, as before); a
+    time limit exceeded is a build slower than the client waits, which a making again
+    soon would only wait for again: ``INDEX_RECHECK``, as before."""
+    now = mongodb._clock.monotonic()
+    monkeypatch.setattr(mongodb._clock, "monotonic", lambda: now)
+    plan = mongodb._IndexPlan()
+    assert plan.take()
+    plan.failed(failure)
+    now += mongodb.INDEX_RECHECK - 1
+    assert not plan.take(), "made again sooner than INDEX_RECHECK"
+    now += 1
+    final = isinstance(failure, OperationFailure) and failure.code == 13
+    assert plan.take() is not final
+
+
+def test_a_first_making_that_could_not_reach_the_server_is_made_again_within_seconds(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sync store: its first step, whose making of the index found no server,
+    does not fail; a step ``INDEX_RETRY_FIRST`` seconds later makes it again."""
+    collection = _IndexedCollection(ServerSelectionTimeoutError("connection refused"))
+    with caplog.at_level(logging.WARNING, logger="keymutex"):
+        store = _prepared_on(collection)
+    try:
+        assert collection.made == 1
+        later = mongodb._clock.monotonic() + 5  # INDEX_RETRY_FIRST
+        monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
+        store._prepare()
+        _made_again(store)
+        assert collection.made == 2, "not made again 5 s later"
+        assert "cannot create the TTL index on 'e' (tried again in 5 s)" in caplog.text
+        store._prepare()
+        _made_again(store)
+        assert collection.made == 2, "made again before INDEX_RECHECK once made"
+    finally:
+        store.close()
+
+
+@pytest.mark.asyncio
+async def test_an_async_first_making_that_could_not_reach_the_server_is_made_again_within_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Collection(_IndexedCollection):
+        async def create_index(self, *args: object, **kwargs: object) -> str:  # type: ignore[override]
+            return super().create_index(*args, **kwargs)
+
+    store = mongodb.driver.open_async("mongodb://127.0.0.1:9/", namespace="n", options={})
+    client = store._client
+    collection = Collection(AutoReconnect("127.0.0.1:27017: connection closed"))
+    try:
+        store._client = type("Client", (), {"admin": type("Admin", (), {})()})()  # type: ignore[assignment]
+        store._client.admin.command = _standalone_async  # type: ignore[attr-defined]
+        store._collection = collection
+        await store._prepare()
+        assert collection.made == 1
+        later = mongodb._clock.monotonic() + 5  # INDEX_RETRY_FIRST
+        monkeypatch.setattr(mongodb._clock, "monotonic", lambda: later)
+        await store._prepare()
+        assert store._index_task is not None
+        await asyncio.wait_for(store._index_task, 10)
+        assert collection.made == 2, "not made again 5 s later"
+    finally:
+        store._client = client
+        await store.aclose()
 
 
 @pytest.mark.asyncio

@@ -47,8 +47,10 @@ for anyway; a short-lived process (``keymutex run``, a job that takes one lock) 
 otherwise close its store before the index was made. It is made again every
 ``INDEX_RECHECK`` seconds while the store is used (a no-op while the index is there),
 so that after a failure that may pass, and after the collection was dropped, it comes
-back. Every making runs off the steps, in a thread (the async store: a task of its
-loop), one at a time: the step that finds it due starts it and goes on (found by
+back; after a failure to reach the server (or its primary), sooner:
+``INDEX_RETRY_FIRST`` seconds later, doubled at each such failure in a row up to
+``INDEX_RECHECK``. Every making runs off the steps, in a thread (the async store: a task
+of its loop), one at a time: the step that finds it due starts it and goes on (found by
 review: it was made inside that step, a createIndexes round trip every ten minutes in
 a user's acquire or the renewer's call). Its failure is a warning, never a step's, the
 first's too (found by review: a first making that timed out failed its step, and the
@@ -116,7 +118,13 @@ import pymongo.collection
 from bson.codec_options import CodecOptions
 from pymongo import AsyncMongoClient, MongoClient, ReadPreference, ReturnDocument
 from pymongo.common import URI_OPTIONS_VALIDATOR_MAP
-from pymongo.errors import ConfigurationError, DuplicateKeyError, OperationFailure, PyMongoError
+from pymongo.errors import (
+    ConfigurationError,
+    ConnectionFailure,
+    DuplicateKeyError,
+    OperationFailure,
+    PyMongoError,
+)
 from pymongo.uri_parser import split_options
 
 from keymutex import _clock
@@ -154,6 +162,16 @@ INDEX_FIRST_PATIENCE = 2.0
 # What trying again will not mend: no privilege, or an index on ``e`` already there
 # with other options or under another name.
 _INDEX_FINAL_CODES = frozenset({13, 85, 86})
+# Seconds to the first making again after a failure that passes in seconds (the server
+# or its primary out of reach, ``_index_failure_passes``), doubled at each such failure
+# in a row up to ``INDEX_RECHECK``. Found by review: made again only after
+# ``INDEX_RECHECK``, a first making that met a server restarting or an election left
+# the documents of ended leases uncollected for ten minutes.
+INDEX_RETRY_FIRST = 5.0
+# What a mongos (or a member) answers when it cannot reach another member:
+# HostUnreachable, HostNotFound, NetworkTimeout, SocketException. pymongo raises them as
+# ``OperationFailure``; its own failures to reach a server are ``ConnectionFailure``.
+_INDEX_NETWORK_CODES = frozenset({6, 7, 89, 9001})
 # Taken by a forked child's first use of a sync store (``MongoStore._forked``) only.
 _FORK_MUTEX = threading.Lock()
 # Timeouts pymongo gets unless the URL sets them: a lock call must not hang for 30 s.
@@ -656,19 +674,42 @@ class _Watcher:
             self._thread.join(WATCH_AWAIT_MS / 1000 * 4)
 
 
+def _index_failure_passes(exc: Exception) -> bool:
+    """Whether a making of the index failed because the server (or its primary) could
+    not be reached, which passes in seconds: a restart, an election, a network blip.
+
+    pymongo's ``ConnectionFailure``: ``AutoReconnect`` and its ``NetworkTimeout``,
+    ``NotPrimaryError`` (also raised for the server's "not primary" and "shutting down"
+    codes) and ``ServerSelectionTimeoutError``, and ``WaitQueueTimeoutError``; and a
+    mongos's network errors (``_INDEX_NETWORK_CODES``). Not the other
+    ``OperationFailure``s: a time limit exceeded (a build slower than the client waits,
+    which a making again soon would only wait for again), a write concern not met, or
+    no privilege (``_INDEX_FINAL_CODES``, never made again).
+    """
+    if isinstance(exc, ConnectionFailure):
+        return True
+    return isinstance(exc, OperationFailure) and exc.code in _INDEX_NETWORK_CODES
+
+
 class _IndexPlan:
     """When a store makes its TTL index (again): at its first step, then every
     ``INDEX_RECHECK`` seconds while used (a no-op while the index is there), one at a
     time, and never again after a failure that trying again will not mend.
 
+    After a failure that passes in seconds (``_index_failure_passes``), it is due again
+    ``INDEX_RETRY_FIRST`` seconds after that failure, doubled at each such failure in
+    a row up to ``INDEX_RECHECK``; a making that ends well starts that count again. As
+    every making, it is started by the store's first step after it fell due.
+
     Not thread-safe: the sync store consults it under a mutex.
     """
 
-    __slots__ = ("_due", "_making")
+    __slots__ = ("_due", "_making", "_retry_in")
 
     def __init__(self) -> None:
         self._due: float | None = 0.0
         self._making = False
+        self._retry_in = INDEX_RETRY_FIRST  # after the next failure that passes
 
     def take(self) -> bool:
         """Whether to make it now; if so, the next time is set already, and nothing is
@@ -683,6 +724,7 @@ class _IndexPlan:
 
     def made(self) -> None:
         self._making = False
+        self._retry_in = INDEX_RETRY_FIRST
 
     def failed(self, exc: Exception) -> None:
         # Locks work without the index; only the garbage collection of documents does not.
@@ -690,6 +732,19 @@ class _IndexPlan:
         if isinstance(exc, OperationFailure) and exc.code in _INDEX_FINAL_CODES:
             self._due = None
             _LOG.warning("MongoDB: cannot create the TTL index on 'e': %s", exc)
+        elif _index_failure_passes(exc):
+            retry_in, first = self._retry_in, self._retry_in == INDEX_RETRY_FIRST
+            self._due = _clock.monotonic() + retry_in
+            self._retry_in = min(INDEX_RECHECK, retry_in * 2)
+            # A warning at the first failure in a row, and at each one once the backoff
+            # has reached INDEX_RECHECK, as any other failure's; the six in between
+            # (over the first ten minutes or so that a server is down) at DEBUG.
+            _LOG.log(
+                logging.WARNING if first or retry_in >= INDEX_RECHECK else logging.DEBUG,
+                "MongoDB: cannot create the TTL index on 'e' (tried again in %.0f s): %s",
+                retry_in,
+                exc,
+            )
         else:
             _LOG.warning(
                 "MongoDB: cannot create the TTL index on 'e' (tried again in %.0f s): %s",
