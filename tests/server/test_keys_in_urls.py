@@ -51,8 +51,8 @@ class _EditPage(HTMLParser):
             self.key = json.loads(data)["key"]
 
 
-def _open_edit_page(live: Live, path: str) -> _EditPage:
-    """GET ``path`` as written, and the page's base and key."""
+def _get_as_written(live: Live, path: str) -> tuple[int, str, str]:
+    """GET ``path`` exactly as written: the status, the content type and the body."""
     host = httpx.URL(live.url)
     connection = http.client.HTTPConnection(host.host, host.port, timeout=10)
     try:
@@ -61,7 +61,13 @@ def _open_edit_page(live: Live, path: str) -> _EditPage:
         body = reply.read().decode()
     finally:
         connection.close()
-    assert reply.status == 200, body
+    return reply.status, reply.getheader("content-type", ""), body
+
+
+def _open_edit_page(live: Live, path: str) -> _EditPage:
+    """GET ``path`` as written, and the page's base and key."""
+    status, _, body = _get_as_written(live, path)
+    assert status == 200, body
     page = _EditPage()
     page.feed(body)
     assert page.base is not None, f"the page at {path} has no <base>: {body[:600]}"
@@ -132,6 +138,30 @@ def test_every_key_has_an_edit_page_that_names_it(live: Live, key: str) -> None:
 )
 def test_links_written_by_hand_open_the_key_they_show(live: Live, path: str, key: str) -> None:
     assert _open_edit_page(live, path).key == key
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/demo/edit/%FF",
+        "/demo/edit/a%FEb",
+        "/demo/edit/%ED%A0%80",  # an encoded lone surrogate
+        "/demo/edit/?key=%FF",
+        "/demo/edit/doc?namespace=%FF",
+    ],
+)
+def test_a_link_whose_escapes_are_not_utf8_is_refused_not_read_as_another_key(
+    live: Live, path: str
+) -> None:
+    """Found by a new user's walk-through: the path was decoded with U+FFFD for each
+    bad byte, so /demo/edit/%FF and /demo/edit/%FE opened one key, "\ufffd", which
+    neither link names. The API refuses ?key=%FF; the page's address is refused alike."""
+    status, content_type, body = _get_as_written(live, path)
+    assert status == 400, body
+    assert content_type == "application/json"
+    answer = json.loads(body)
+    assert answer["error"] == "invalid_argument"
+    assert "not UTF-8" in answer["message"]
 
 
 @pytest.mark.parametrize("key", [*KEYS, "a%252F", "%2e%2e", "?", "&", "=", "+"])
