@@ -733,20 +733,22 @@ class Connection:
             self._fill()
         line = self._buffer[:end]
         self._buffer = self._buffer[end + 2 :]
-        code, *tokens = line.split(b" ")
+        code, _, rest = line.partition(b" ")
         if code in (b"ERROR", b"CLIENT_ERROR", b"SERVER_ERROR"):
             # The reply to a command memcached refused (e.g. an item too large): the
             # stream stays in step; the caller decides (``expect``).
             return Reply(code, {}, None, line)
         value = None
         try:  # what memcached sends parses; anything else is a ProtocolError (StoreError)
+            # Decoded once for the line, not per flag: most replies have one flag or none.
+            tokens = rest.decode("ascii").split(" ") if rest else []
             if code == b"VA":
                 size = int(tokens.pop(0))
                 while len(self._buffer) < size + 2:
                     self._fill()
                 value = self._buffer[:size]
                 self._buffer = self._buffer[size + 2 :]
-            flags = {token[:1].decode(): token[1:].decode() for token in tokens}
+            flags = {token[:1]: token[1:] for token in tokens} if tokens else {}
         except (IndexError, ValueError):  # UnicodeDecodeError among them
             raise ProtocolError(f"a malformed reply from memcached: {line[:80]!r}") from None
         return Reply(code, flags, value, line)
@@ -1398,18 +1400,18 @@ class MemcachedStore:
         """A grant stored by ``stored`` (its reply carries the CAS): the fence, and the
         index entry (``appended``: the reply to the append sent with it, if any)."""
         assert record.epoch is not None  # every grant's record names its epoch
-        fence = record.epoch + stored.cas
+        cas = stored.cas
         lease = Record(
             record.key,
             record.token,
             record.owner,
             record.info,
-            fence,
+            record.epoch + cas,
             record.acquired_at,
             record.expires_at,
             record.queue,
         )
-        self._remember(name, lease, stored.cas, session)
+        self._remember(name, lease, cas, session)
         self._held.pop(name, None)
         self._index(session, name, appended)
         return granted(lease, record.acquired_at)
