@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -388,6 +388,103 @@ def test_a_paused_cluster_master_costs_no_healthy_lease_when_leases_fall_due_one
             leases[key].release()
 
 
+def _move_slot(topology: servers.RedisCluster, name: str, target: servers.RedisServer) -> None:
+    """A resharding: the slot of the key ``name``, with every key in it, moves to
+    ``target`` (``CLUSTER SETSLOT``, ``MIGRATE``), and the cluster is healthy again."""
+    source = topology.owner_of(name)
+    slot = int(source.command("CLUSTER", "KEYSLOT", name))  # type: ignore[call-overload]
+    source_id, target_id = source.command("CLUSTER", "MYID"), target.command("CLUSTER", "MYID")
+    target.command("CLUSTER", "SETSLOT", slot, "IMPORTING", str(source_id))
+    source.command("CLUSTER", "SETSLOT", slot, "MIGRATING", str(target_id))
+    names = source.command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+    assert isinstance(names, list)
+    assert name in names
+    source.command("MIGRATE", servers.HOST, target.port, "", 0, 5000, "KEYS", *names)
+    for node in topology.masters():
+        node.command("CLUSTER", "SETSLOT", slot, "NODE", str(target_id))
+    topology.wait_healthy()
+    assert topology.owner_of(name) is target
+
+
+def _a_key_on(topology: servers.RedisCluster, layout: Any, master: servers.RedisServer) -> str:
+    """A key whose lease would live on ``master``."""
+    for n in range(1000):
+        key = f"order:{n}"
+        if topology.owner_of(layout.lease(key)) is master:
+            return key
+    raise AssertionError(f"no key on {master!r}")
+
+
+def _renewed_alone(partial: Any, fence: int) -> None:
+    """A batch renewal's ``PartialRenewal``: its first lease (``fence``) renewed, its
+    second (on the dead master) unknown."""
+    renewed, unknown = partial.outcomes
+    assert unknown is None
+    assert renewed is not None
+    assert renewed.ok
+    assert renewed.holder is not None
+    assert renewed.holder.fence == fence
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_whose_slot_moved_is_renewed_while_another_master_is_dead(
+    tmp_path: Path, namespace: str
+) -> None:
+    """A resharding moves a held key's slot to a master that has not run the renewal
+    script, and another master is SIGKILLed (no replica; its slots stay down): a batch
+    renewal fails the dead master's lease alone, and renews the moved one where it
+    went. Before, the moved one failed too: its old master answered MOVED, the cluster
+    client took its renewal to the new one, which answered NOSCRIPT, and the script was
+    loaded with SCRIPT LOAD, which redis-py's cluster client sends to every master, the
+    dead one included. Now the script's source goes with the renewal, to its master."""
+    from keymutex._store import PartialRenewal, RenewRequest
+
+    with (
+        servers.cluster(tmp_path, masters=3, extra_config=_PARTIAL_COVERAGE) as topology,
+        keymutex.Locks(topology.url, namespace=namespace) as locks,
+    ):
+        store = locks._store
+        layout = locks._store._layout  # type: ignore[attr-defined]
+        source, target, dead = topology.masters()
+        moved = locks.acquire(_a_key_on(topology, layout, source), ttl=30)
+        on_dead = locks.acquire(_a_key_on(topology, layout, dead), ttl=30)
+        _move_slot(topology, layout.lease(moved.key), target)
+        target.command("SCRIPT", "FLUSH")  # as a new or restarted master: no script
+        dead.kill()
+        requests = [RenewRequest(lease.key, lease.token, 30.0) for lease in (moved, on_dead)]
+        with pytest.raises(PartialRenewal) as partial:
+            store.renew_many(requests)
+        _renewed_alone(partial.value, moved.fence)
+        moved.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_whose_slot_moved_is_renewed_while_another_master_is_dead_async(
+    tmp_path: Path, namespace: str
+) -> None:
+    """The same with ``AsyncLocks``."""
+    from keymutex._store import PartialRenewal, RenewRequest
+
+    async def scenario(topology: servers.RedisCluster) -> None:
+        async with keymutex.AsyncLocks(topology.url, namespace=namespace) as locks:
+            store = locks._store
+            layout = locks._store._layout  # type: ignore[attr-defined]
+            source, target, dead = topology.masters()
+            moved = await locks.acquire(_a_key_on(topology, layout, source), ttl=30)
+            on_dead = await locks.acquire(_a_key_on(topology, layout, dead), ttl=30)
+            _move_slot(topology, layout.lease(moved.key), target)
+            target.command("SCRIPT", "FLUSH")
+            dead.kill()
+            requests = [RenewRequest(x.key, x.token, 30.0) for x in (moved, on_dead)]
+            with pytest.raises(PartialRenewal) as partial:
+                await store.renew_many(requests)
+            _renewed_alone(partial.value, moved.fence)
+            await moved.release()
+
+    with servers.cluster(tmp_path, masters=3, extra_config=_PARTIAL_COVERAGE) as topology:
+        asyncio.run(scenario(topology))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cluster_failover_of_a_master_keeps_leases_fences_and_waiting(
@@ -738,18 +835,7 @@ def test_a_waiter_hears_its_hand_over_after_its_slot_moved_to_another_master(
         channel = b_locks._store._layout.channel("k")  # type: ignore[attr-defined]
         wait_until(lambda: _shard_subscribers(source, channel) == 1, "B listens")
 
-        slot = int(source.command("CLUSTER", "KEYSLOT", layout.lease("k")))  # type: ignore[call-overload]
-        source_id, target_id = source.command("CLUSTER", "MYID"), target.command("CLUSTER", "MYID")
-        target.command("CLUSTER", "SETSLOT", slot, "IMPORTING", str(source_id))
-        source.command("CLUSTER", "SETSLOT", slot, "MIGRATING", str(target_id))
-        names = source.command("CLUSTER", "GETKEYSINSLOT", slot, 100)
-        assert isinstance(names, list)
-        assert layout.lease("k") in names
-        source.command("MIGRATE", servers.HOST, target.port, "", 0, 5000, "KEYS", *names)
-        for node in topology.masters():
-            node.command("CLUSTER", "SETSLOT", slot, "NODE", str(target_id))
-        topology.wait_healthy()
-        assert topology.owner_of(layout.lease("k")) is target
+        _move_slot(topology, layout.lease("k"), target)
         moved_at = time.time()
 
         def renewed_where_it_went() -> bool:

@@ -1,5 +1,6 @@
-"""The Redis store under limits users set on it, found by review: a pool limited by
-``max_connections``, and an ACL user without the pub/sub channels keymutex uses.
+"""The Redis store under limits users set on it: a pool limited by ``max_connections``
+and an ACL user without the pub/sub channels keymutex uses (found by review), and an
+ACL user without ``SCRIPT``.
 
 Against a real redis-server (the session's ``redis_url``).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -176,3 +178,71 @@ def test_a_release_whose_publish_is_refused_is_a_release_all_the_same(
 def _queued(redis_url: str, namespace: str) -> bool:
     with redis.Redis.from_url(redis_url) as client:
         return any(client.scan_iter(match=f"km:q:*{namespace}*"))
+
+
+# -- an ACL user without SCRIPT -------------------------------------------------------
+# The scripts run by EVALSHA, and by EVAL (their source) on a server that lacks them
+# (restarted, flushed). The renewer's batch loaded them with SCRIPT LOAD instead, which
+# an ACL user without SCRIPT is refused (NOPERM): after a restart, a lease renewed in
+# the background was never renewed again, and was lost.
+
+TTL = 3.0
+
+
+@pytest.fixture
+def scriptless_url(server: redis.Redis, redis_url: str) -> Iterator[str]:
+    user = f"app-{uuid.uuid4().hex[:8]}"
+    server.execute_command(
+        "ACL", "SETUSER", user, "on", ">pw", "~*", "allchannels", "+@all", "-script"
+    )
+    host_port = redis_url.split("://", 1)[1]
+    yield f"redis://{user}:pw@{host_port}"
+    server.execute_command("ACL", "DELUSER", user)
+
+
+def _renewed(holder: keymutex.Holder | None, granted: keymutex.Holder | None) -> bool:
+    """Whether the lease seen (``holder``) was renewed since it was seen as ``granted``:
+    its expiry moved by a renewal's worth (one is due a third of the TTL after the
+    grant), not by the milliseconds of reading it (``expires_at`` is read as PTTL)."""
+    assert granted is not None
+    assert holder is not None, "the lease expired: not renewed after the flush"
+    return holder.expires_at > granted.expires_at + TTL / 6
+
+
+def test_a_lease_renewed_in_the_background_outlives_a_flush_without_script(
+    server: redis.Redis, scriptless_url: str, redis_url: str, namespace: str
+) -> None:
+    lost: list[keymutex.Lease] = []
+    with (
+        keymutex.Locks(scriptless_url, namespace=namespace) as locks,
+        keymutex.Locks(redis_url, namespace=namespace) as observer,
+    ):
+        lease = locks.acquire("k", ttl=TTL, renew=True, on_lost=lost.append)
+        server.script_flush()  # as after a restart: the renewal script is gone
+        granted = observer.holder("k")
+        deadline = time.monotonic() + WAIT
+        while not _renewed(observer.holder("k"), granted):
+            assert time.monotonic() < deadline, "never renewed after the flush"
+            time.sleep(0.05)
+        assert not lease.lost
+        assert lost == []
+        lease.release()
+
+
+@pytest.mark.asyncio
+async def test_async_a_lease_renewed_in_the_background_outlives_a_flush_without_script(
+    server: redis.Redis, scriptless_url: str, redis_url: str, namespace: str
+) -> None:
+    async with (
+        keymutex.AsyncLocks(scriptless_url, namespace=namespace) as locks,
+        keymutex.AsyncLocks(redis_url, namespace=namespace) as observer,
+    ):
+        lease = await locks.acquire("k", ttl=TTL, renew=True)
+        server.script_flush()
+        granted = await observer.holder("k")
+        deadline = time.monotonic() + WAIT
+        while not _renewed(await observer.holder("k"), granted):
+            assert time.monotonic() < deadline, "never renewed after the flush"
+            await asyncio.sleep(0.05)
+        assert not lease.lost
+        await lease.release()

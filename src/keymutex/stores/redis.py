@@ -1,9 +1,10 @@
 """``redis://``, ``rediss://``, ``redis+cluster://``, ``redis+sentinel://``: leases in Redis or Valkey.
 
-- Each step is one round trip: a Lua script, loaded once and called by SHA (reloaded
-  after ``NOSCRIPT``), checks, grants or refuses, and returns the holder in the same
-  reply. ``renew_many`` sends all its scripts in one pipeline (one per node in a
-  cluster: a node that cannot be reached fails only its own leases' renewals).
+- Each step is one round trip: a Lua script, called by SHA (after ``NOSCRIPT``, sent
+  again with its source, the way the step went, and kept by the server for the next),
+  checks, grants or refuses, and returns the holder in the same reply. ``renew_many``
+  sends all its scripts in one pipeline (one per node in a cluster: a node that cannot
+  be reached fails only its own leases' renewals).
 - A lease is one small hash (token, owner, info, fence, acquired-at) whose TTL Redis
   enforces itself (``PEXPIRE``): TTLs are measured by the server's clock, and a
   crashed holder's key frees itself.
@@ -1462,12 +1463,24 @@ def _lost_if_not_a_lease(exc: StoreError) -> Outcome:
     raise exc
 
 
-def _pipelined(client: Any, calls: Sequence[_Call], indices: list[int]) -> Any:
-    """A pipeline of the scripts of ``calls[indices]`` on ``client``, not yet sent."""
+def _pipelined(
+    client: Any, calls: Sequence[_Call], indices: list[int], *, sourced: bool = False
+) -> Any:
+    """A pipeline of the scripts of ``calls[indices]`` on ``client``, not yet sent.
+
+    ``sourced``: each script's first call carries its source (``EVAL``): the server
+    keeps it, and the calls after it, on the same connection, find it by SHA."""
     pipe = client.pipeline(transaction=False)
+    sent: set[_Script] = set()
     for index in indices:
         call = calls[index]
-        pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        if sourced and call.script not in sent:
+            sent.add(call.script)
+            pipe.execute_command(
+                "EVAL", call.script.source, len(call.keys), *call.keys, *call.args
+            )
+        else:
+            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
     return pipe
 
 
@@ -1479,25 +1492,31 @@ def _checked(answers: list[Any]) -> list[Any]:
     return answers
 
 
-def _send_pipeline(client: Any, calls: Sequence[_Call], indices: list[int]) -> list[Any]:
-    return _checked(_pipelined(client, calls, indices).execute(raise_on_error=False))
+def _send_pipeline(
+    client: Any, calls: Sequence[_Call], indices: list[int], *, sourced: bool = False
+) -> list[Any]:
+    pipe = _pipelined(client, calls, indices, sourced=sourced)
+    return _checked(pipe.execute(raise_on_error=False))
 
 
 async def _send_pipeline_async(
-    client: Any, calls: Sequence[_Call], indices: list[int]
+    client: Any, calls: Sequence[_Call], indices: list[int], *, sourced: bool = False
 ) -> list[Any]:
-    pipe = _pipelined(client, calls, indices)
+    pipe = _pipelined(client, calls, indices, sourced=sourced)
     return _checked(await pipe.execute(raise_on_error=False))
 
 
 def _send_scripts(client: Any, calls: Sequence[_Call], indices: list[int]) -> list[Any]:
-    """``_send_pipeline``, sent again after loading the scripts on a node that lacks them."""
+    """``_send_pipeline``, sent again with the scripts' source to a node that lacks them.
+
+    The source goes in the pipeline itself (``sourced``), as a single step sends it,
+    not loaded first through the client's pool (``SCRIPT LOAD``): one round trip
+    fewer, and no permission needed beyond ``EVAL``/``EVALSHA``. (A renewal run twice,
+    the first time answered before the ``NOSCRIPT``, answers alike.)"""
     try:
         return _send_pipeline(client, calls, indices)
     except NoScriptError:
-        for script in {calls[index].script for index in indices}:
-            client.script_load(script.source)
-        return _send_pipeline(client, calls, indices)
+        return _send_pipeline(client, calls, indices, sourced=True)
 
 
 async def _send_scripts_async(
@@ -1507,9 +1526,7 @@ async def _send_scripts_async(
     try:
         return await _send_pipeline_async(client, calls, indices)
     except NoScriptError:
-        for script in {calls[index].script for index in indices}:
-            await client.script_load(script.source)
-        return await _send_pipeline_async(client, calls, indices)
+        return await _send_pipeline_async(client, calls, indices, sourced=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -2216,18 +2233,24 @@ class RedisStore:
             # The node failed or gave its slots away (a failover): one call each
             # through the cluster client, which follows MOVED and learns the new
             # owners for the next tick. A new owner (a promoted replica) may lack
-            # the script: given it, and asked again at once (a failover can take
-            # most of a lease's TTL already). One that fails fails its lease alone.
+            # the script: sent its source at once, routed by the key as the EVALSHA
+            # was (a failover can take most of a lease's TTL already). Not loaded with
+            # SCRIPT LOAD, which the cluster client sends to every master: one that
+            # could not be reached failed this lease too. One that fails fails its
+            # lease alone.
             replies: dict[int, Any] = {}
             for index in indices:
                 call = calls[index]
-                args = ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+                keys_and_args = (len(call.keys), *call.keys, *call.args)
                 try:
                     try:
-                        replies[index] = self._client.execute_command(*args)
+                        replies[index] = self._client.execute_command(
+                            "EVALSHA", call.script.sha, *keys_and_args
+                        )
                     except NoScriptError:
-                        self._client.script_load(call.script.source)
-                        replies[index] = self._client.execute_command(*args)
+                        replies[index] = self._client.execute_command(
+                            "EVAL", call.script.source, *keys_and_args
+                        )
                 except _DRIVER_ERRORS as exc:
                     replies[index] = _Unanswered(exc)
             return replies
@@ -2460,13 +2483,16 @@ class AsyncRedisStore:
             replies: dict[int, Any] = {}
             for index in indices:  # as in RedisStore._on_node
                 call = calls[index]
-                args = ("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+                keys_and_args = (len(call.keys), *call.keys, *call.args)
                 try:
                     try:
-                        replies[index] = await self._client.execute_command(*args)
+                        replies[index] = await self._client.execute_command(
+                            "EVALSHA", call.script.sha, *keys_and_args
+                        )
                     except NoScriptError:
-                        await self._client.script_load(call.script.source)
-                        replies[index] = await self._client.execute_command(*args)
+                        replies[index] = await self._client.execute_command(
+                            "EVAL", call.script.source, *keys_and_args
+                        )
                 except _DRIVER_ERRORS as exc:
                     replies[index] = _Unanswered(exc)
             return replies
