@@ -1,4 +1,4 @@
-"""Story 4: the lock on a cache server, first hand-rolled, then with keymutex.
+"""Story 4, the lock on a cache server: first hand-rolled, then with keymutex.
 
 The hand-rolled version is what many codebases have: ``SET key 1 NX`` marks the
 resource taken, a waiter sleeps 100 ms and retries, the holder deletes the key when
@@ -30,13 +30,12 @@ import sys
 import threading
 import time
 import uuid
-
-try:
-    import redis
-except ImportError:  # one line, not a traceback (found by review)
-    sys.exit("error: this example needs the Redis client library: pip install 'keymutex[redis]'")
+from typing import TYPE_CHECKING
 
 import keymutex
+
+if TYPE_CHECKING:
+    import redis  # imported by main(), once the URL is known to be a Redis one
 
 POLL = 0.1  # the hand-rolled waiter's sleep between tries
 
@@ -67,6 +66,14 @@ def main() -> int:
         sys.exit(
             f"error: {url!r}: this example compares with a lock hand-rolled on Redis"
             " and needs a Redis URL (redis://, rediss:// or unix:///path/redis.sock)"
+        )
+    # After the URL's check: found by a new user's walk-through, a SQLite URL without
+    # the Redis extra was told to install it, before being told it cannot be used.
+    try:
+        import redis
+    except ImportError:  # one line, not a traceback (found by review)
+        sys.exit(
+            "error: this example needs the Redis client library: pip install 'keymutex[redis]'"
         )
     r = redis.Redis.from_url(url, decode_responses=True)
     try:

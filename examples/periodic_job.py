@@ -1,4 +1,4 @@
-"""Story 4: only one instance of a periodic job runs at a time, whichever worker fires it.
+"""Story 4, the periodic job: only one instance runs at a time, whichever worker fires it.
 
 A scheduler (Celery beat, cron on several hosts, a Kubernetes CronJob with replicas)
 fires the nightly report on every worker at once. Each worker wraps the job in

@@ -19,7 +19,7 @@ What happens, on a timeline (seconds from the start):
   and his last upload (3.0) goes through, with a larger fence.
 
     python examples/publish_per_user.py URL [--record FILE]
-    # URL: postgresql://user@host/db, mongodb://host/db, ... (default: $KEYMUTEX_STORE)
+    # URL: postgresql://user@host/db, mongodb://host/db, sqlite:///tmp/p.db, ... (default: $KEYMUTEX_STORE)
 
 Every worker appends what it did to a JSON-lines record, so the claims can be checked
 from what happened rather than from the lines printed here. ``--record FILE`` keeps that
@@ -238,7 +238,10 @@ def main() -> int:
     parser.add_argument("--record", help="JSON-lines file of what every worker did")
     args = parser.parse_args()
     if not args.url:
-        parser.error("give a store URL (postgresql://…, mongodb://…) or set $KEYMUTEX_STORE")
+        parser.error(
+            "give a store URL (postgresql://…, mongodb://…, sqlite:///tmp/p.db) or set"
+            " $KEYMUTEX_STORE"
+        )
     check_shared_store(parser, args.url, "sqlite:///tmp/p.db")
     return with_record(lambda record: play(args.url, record), args.record, "publish.jsonl")
 

@@ -204,11 +204,17 @@ class _Translation:
     ``contextlib.contextmanager`` generator, which costs several times more to enter
     and leave (it wraps every store step)."""
 
-    __slots__ = ("_driver_errors", "_what")
+    __slots__ = ("_driver_errors", "_reason", "_what")
 
-    def __init__(self, driver_errors: tuple[type[BaseException], ...], what: str) -> None:
+    def __init__(
+        self,
+        driver_errors: tuple[type[BaseException], ...],
+        what: str,
+        reason: Callable[[BaseException], str] | None,
+    ) -> None:
         self._driver_errors = driver_errors
         self._what = what
+        self._reason = reason
 
     def __enter__(self) -> None:
         return None
@@ -220,7 +226,8 @@ class _Translation:
         traceback: TracebackType | None,
     ) -> None:
         if exc is not None and isinstance(exc, self._driver_errors):
-            raise StoreError(f"{self._what}: {str(exc) or type(exc).__name__}") from exc
+            reason = str(exc) if self._reason is None else self._reason(exc)
+            raise StoreError(f"{self._what}: {reason or type(exc).__name__}") from exc
 
 
 async def stop_task(task: asyncio.Task[Any] | None) -> None:
@@ -249,9 +256,14 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def translate_errors(*driver_errors: type[BaseException], what: str) -> _Translation:
-    """Turn the driver's own exceptions into ``StoreError`` (the original as cause)."""
-    return _Translation(driver_errors, what)
+def translate_errors(
+    *driver_errors: type[BaseException],
+    what: str,
+    reason: Callable[[BaseException], str] | None = None,
+) -> _Translation:
+    """Turn the driver's own exceptions into ``StoreError`` (the original as cause):
+    ``what: reason``, the reason by default the exception's own text."""
+    return _Translation(driver_errors, what, reason)
 
 
 def _settle(step: asyncio.Future[Any]) -> None:

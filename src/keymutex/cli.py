@@ -71,6 +71,7 @@ from keymutex._validate import (
     check_text,
     check_timeout,
     check_ttl,
+    shown_number,
 )
 from keymutex._version import __version__
 from keymutex.stores.memory import table_name as memory_table_name
@@ -143,9 +144,19 @@ def _store_errors(url: str) -> Iterator[None]:
     try:
         yield
     except StoreError as exc:
-        raise _Unavailable(f"store {redacted(url)} failed: {scrubbed(str(exc), url)}") from exc
+        message = scrubbed(str(exc), url)
+        if _names_store(message, url):  # a lock server's: "lock server URL failed: ..."
+            raise _Unavailable(message) from exc
+        raise _Unavailable(f"store {redacted(url)} failed: {message}") from exc
     except ValueError as exc:
         raise _Unavailable(f"store {redacted(url)} refused: {scrubbed(str(exc), url)}") from exc
+
+
+def _names_store(message: str, url: str) -> bool:
+    """Whether the store's ``message`` names ``url`` itself: said once, not twice. Found
+    by a new user's walk-through: "store http://127.0.0.1:1 failed: lock server
+    http://127.0.0.1:1 failed: [Errno 111] Connection refused"."""
+    return redacted(url).rstrip("/").lower() in message.lower()
 
 
 def _echo(line: str) -> None:
@@ -197,15 +208,59 @@ def _not_utf8_hint(value: object) -> str:
     return ""
 
 
-class _FiniteRange(click.FloatRange):
+def _as_typed(message: str, number: object, value: object) -> str:
+    """``message`` about ``number`` with ``value`` quoted as it was typed in its place.
+
+    Found by a new user's walk-through: ``--ttl 0`` said "not 0.0" and ``--ttl 1e400``
+    "not inf", which is not what was typed; the Python API says "not 0". A message that
+    does not show ``number`` is left as it is.
+    """
+    if not isinstance(value, str):  # a default, or a value passed by a program
+        return message
+    nan = isinstance(number, float) and math.isnan(number)
+    shown = "NaN" if nan else shown_number(number)  # NaN: as seconds_of says it
+    return message.replace(f"not {shown}", f"not {value!r}", 1)
+
+
+class _InRange:
+    """click's range types, whose messages quote the value as it was typed (``'0' is
+    not in the range ...``), not the number it was read as (``0.0``, ``inf``)."""
+
+    what = "a number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return super().convert(value, param, ctx)  # type: ignore[misc]
+        except click.BadParameter as exc:
+            if not isinstance(value, str):
+                raise
+            _, in_range, rest = exc.message.partition(" is not in the range ")
+            if in_range:
+                message = f"{value!r} is not in the range {rest}"
+            elif " is not a valid " in exc.message:  # click's "'x' is not a valid integer."
+                message = f"{value!r} is not {self.what}."
+            else:  # worded otherwise by another click: as it says it
+                raise
+            raise click.BadParameter(message, ctx=ctx, param=param) from None
+
+
+class _FiniteRange(_InRange, click.FloatRange):
     """``click.FloatRange`` that refuses NaN, which passes its comparisons (found by
     review: ``serve --request-timeout nan`` answered 400 to every request)."""
+
+    what = "a number of seconds"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         number = super().convert(value, param, ctx)
         if math.isnan(number):
-            self.fail(f"{value!r} is not a number of seconds.", param, ctx)
+            self.fail(f"{value!r} is not {self.what}.", param, ctx)
         return number
+
+
+class _IntRange(_InRange, click.IntRange):
+    """``click.IntRange`` whose messages quote what was typed."""
+
+    what = "a whole number"
 
 
 class _Seconds(_SecondsParam):
@@ -222,14 +277,21 @@ class _Seconds(_SecondsParam):
             seconds = float(value)
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if ctx is not None:  # for the checks made once the store is known (_check_ttl_for)
+            ctx.meta[_typed_key(self.name)] = value
         try:
             checked = self._check(seconds, self.name)
         except (TypeError, ValueError) as exc:
             # The library's words for "wait forever" (None) are the CLI's "leave it out".
             message = str(exc).replace("None (wait forever)", "left out (wait forever)")
-            self.fail(message, param, ctx)
+            self.fail(_as_typed(message, seconds, value), param, ctx)
         assert checked is not None
         return checked
+
+
+def _typed_key(name: str) -> str:
+    """Where ``ctx.meta`` keeps the text typed for the option ``name``."""
+    return f"keymutex.typed.{name}"
 
 
 class _InfoObject(_ObjectParam):
@@ -318,7 +380,8 @@ def _check_ttl_for(ctx: click.Context, url: str, ttl: float) -> None:
     try:
         check_ttl(ttl, at_most=limit)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), ctx, param_hint="'--ttl'") from None
+        message = _as_typed(str(exc), ttl, ctx.meta.get(_typed_key("ttl")))
+        raise click.BadParameter(message, ctx, param_hint="'--ttl'") from None
 
 
 def _scheme(url: str) -> str | None:
@@ -615,8 +678,9 @@ def show_command(
             f"{_clock_time(holder.acquired_at)} ({_duration(now - holder.acquired_at)} ago)",
         ),
         ("expires", f"{_clock_time(holder.expires_at)} (in {_duration(holder.expires_at - now)})"),
-        ("info", _info_text(holder.info)),
     ]
+    if holder.info is not None:  # none: no line (found by a new user's walk-through: "info:")
+        fields.append(("info", _info_text(holder.info)))
     for name, value in fields:
         _echo(f"{name + ':':<10}{value}".rstrip())
 
@@ -810,7 +874,7 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
     "--port",
-    type=click.IntRange(0, 65535),
+    type=_IntRange(0, 65535),
     default=7420,
     show_default=True,
     help="Port to listen on (0: any free port; the URL printed says which).",
@@ -841,7 +905,7 @@ def _listen(host: str, port: int) -> socket.socket:
 )
 @click.option(
     "--max-namespaces",
-    type=click.IntRange(min=1),
+    type=_IntRange(min=1),
     default=64,  # create_app's default (the server's modules load only when it runs)
     show_default=True,
     metavar="N",
@@ -1600,11 +1664,15 @@ class _RunCommand(click.Command):
             for name in (*param.opts, *param.secondary_opts)
         }
         at, positional = 0, 0
+        unknown: str | None = None  # the first unknown option before KEY: meant as KEY?
         while at < len(args):
             arg = args[at]
             if arg == "--":
                 break
             if arg.startswith("-") and len(arg) > 1:  # an option, maybe with its value
+                name = arg.partition("=")[0]
+                if positional == 0 and unknown is None and name not in takes_value:
+                    unknown = arg
                 at += 2 if "=" not in arg and takes_value.get(arg, False) else 1
                 continue
             positional += 1
@@ -1612,7 +1680,18 @@ class _RunCommand(click.Command):
                 args = [*args[:at], "--", *args[at:]]
                 break
             at += 1
-        return super().parse_args(ctx, args)
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            if unknown is None:
+                raise
+            # Found by a new user's walk-through: `run -k -- true` said only "No such
+            # option '-k'", not how to lock a key that begins with -.
+            raise click.UsageError(
+                f"{exc.format_message()} A KEY that begins with - follows --:"
+                f" keymutex run -- {shlex.quote(unknown)} -- COMMAND",
+                ctx,
+            ) from None
 
 
 @cli.command(name="run", cls=_RunCommand)

@@ -1039,7 +1039,7 @@ def test_store_defaults_to_the_user_data_directory(tmp_path: Path, env: dict[str
     [
         (["run", "k", "--ttl", "0", "--", "true"], "ttl must be greater than 0"),
         (["run", "k", "--ttl", "-1", "--", "true"], "ttl must be greater than 0"),
-        (["run", "k", "--ttl", "nan", "--", "true"], "not NaN"),
+        (["run", "k", "--ttl", "nan", "--", "true"], "not 'nan'"),
         (["run", "k", "--ttl", "inf", "--", "true"], "ttl must be greater than 0"),
         (["run", "k", "--ttl", "soon", "--", "true"], "'soon' is not a number of seconds"),
         (["run", "k", "--timeout", "-1", "--", "true"], "timeout must be left out (wait forever)"),
@@ -1047,7 +1047,7 @@ def test_store_defaults_to_the_user_data_directory(tmp_path: Path, env: dict[str
             ["run", "k", "--timeout", "inf", "--", "true"],
             "timeout must be left out (wait forever)",
         ),
-        (["run", "k", "--timeout", "nan", "--", "true"], "not NaN"),
+        (["run", "k", "--timeout", "nan", "--", "true"], "not 'nan'"),
         (["run", "", "--", "true"], "key must not be empty"),
         (["run", "k" * 1025, "--", "true"], "at most 1024 are accepted"),
         (["run", "k"], "Missing argument"),
@@ -1064,6 +1064,71 @@ def test_bad_input_is_a_usage_error(args: list[str], message: str, env: dict[str
     result = keymutex(*args, env=env, check=2)
     assert message in result.stderr
     assert "Usage:" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["run", "k", "--ttl", "0"],
+            "ttl must be greater than 0 and at most 315360000 s, not '0'",
+        ),
+        (["run", "k", "--ttl", "1e400"], "at most 315360000 s, not '1e400'"),
+        (["run", "k", "--ttl=-1"], "at most 315360000 s, not '-1'"),
+        (["run", "k", "--ttl", "0.0005"], "ttl must be at least 0.001 s (1 ms), not '0.0005'"),
+        (
+            ["run", "k", "--ttl", "100000", "--store", "http://127.0.0.1:9"],
+            "ttl must be greater than 0 and at most 86400 s, not '100000'",
+        ),
+        (["run", "k", "--timeout", "1e400"], "finite seconds > 0, not '1e400'"),
+        (["run", "k", "--timeout=-1"], "finite seconds > 0, not '-1'"),
+        (["serve", "--port", "70000"], "'70000' is not in the range 0<=x<=65535."),
+        (["serve", "--port", "http"], "'http' is not a whole number."),
+        (["serve", "--request-timeout", "0"], "'0' is not in the range 0.1<=x<=3600."),
+        (["serve", "--request-timeout", "1e400"], "'1e400' is not in the range 0.1<=x<=3600."),
+        (["serve", "--request-timeout", "soon"], "'soon' is not a number of seconds."),
+        (["serve", "--max-namespaces", "0"], "'0' is not in the range x>=1."),
+    ],
+)
+def test_a_number_refused_is_quoted_as_it_was_typed(
+    args: list[str], message: str, env: dict[str, str]
+) -> None:
+    """Found by a new user's walk-through: ``--ttl 0`` said "not 0.0" and ``--ttl 1e400``
+    "not inf", and ``serve --request-timeout 0`` "0.0 is not in the range": not what
+    was typed. Every numeric option of every subcommand quotes it."""
+    if args[0] == "run":
+        args = [*args, "--", "true"]
+    result = keymutex(*args, env=env, check=2)
+    assert message in result.stderr, result.stderr
+
+
+def test_an_unknown_option_where_key_goes_says_how_to_give_a_key_beginning_with_a_dash(
+    store: str, env: dict[str, str]
+) -> None:
+    """Found by a new user's walk-through: ``run -k -- true`` said only "No such option
+    '-k'". The form it names works; an unknown option after KEY gets no such hint."""
+    refused = keymutex("run", "-k", "--store", store, "--", "true", env=env, check=2)
+    assert "No such option '-k'." in refused.stderr
+    assert "A KEY that begins with - follows --: keymutex run -- -k -- COMMAND" in refused.stderr
+    keymutex("run", "--store", store, "--", "-k", "--", sys.executable, "-c", "pass", env=env)
+    after_key = keymutex("run", "k", "--wait", "5", "--", "true", env=env, check=2)
+    assert "No such option '--wait'" in after_key.stderr
+    assert "begins with -" not in after_key.stderr
+
+
+def test_show_has_no_info_line_when_the_holder_has_no_info(
+    store: str, env: dict[str, str]
+) -> None:
+    """Found by a new user's walk-through: a bare "info:" line."""
+    with keymutex_lib.Locks(store) as locks:
+        locks.acquire("bare", ttl=30)
+        locks.acquire("described", ttl=30, info={"job": "nightly"})
+        bare = keymutex("show", "bare", "--store", store, env=env).stdout.splitlines()
+        assert [line.split(":")[0] for line in bare] == [
+            "key", "owner", "fence", "acquired", "expires"
+        ]  # fmt: skip
+        described = keymutex("show", "described", "--store", store, env=env).stdout
+        assert 'info:     {"job":"nightly"}' in described.splitlines()
 
 
 def test_key_that_is_not_valid_utf8_is_a_usage_error(env: dict[str, str]) -> None:
@@ -1089,6 +1154,22 @@ def test_a_bad_api_token_in_the_environment_is_not_blamed_on_the_store(
     result = keymutex("ls", "--store", "http://127.0.0.1:1", env=env, check=2)
     assert "$KEYMUTEX_API_TOKEN must be the API token" in result.stderr
     assert "--store" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["ls"], ["show", "k"], ["release", "k", "--force"], ["run", "k", "--", "true"]]
+)
+def test_a_lock_server_that_refuses_connections_is_said_once_and_alike(
+    tmp_path: Path, env: dict[str, str], args: list[str]
+) -> None:
+    """Found by a new user's walk-through: "store URL failed: lock server URL failed:
+    [Errno 111] Connection refused", and from ``run`` (the async client) "All
+    connection attempts failed": one situation, two wordings, the store named twice.
+    Here a server that was just stopped, at the address it served."""
+    with serve(tmp_path) as server:
+        url = server.url
+    result = keymutex(args[0], "--store", url, *args[1:], env=env, check=69)
+    assert result.stderr == f"keymutex: lock server {url} failed: [Errno 111] Connection refused\n"
 
 
 def test_unreachable_store_exits_69(tmp_path: Path, env: dict[str, str]) -> None:

@@ -455,6 +455,37 @@ def test_cache_lock_without_the_redis_extra_says_what_to_install() -> None:
     )
 
 
+def test_cache_lock_on_another_store_says_it_needs_redis_before_the_redis_extra() -> None:
+    """Found by a new user's walk-through: ``cache_lock.py sqlite:///x.db`` without the
+    Redis extra said to install it, and only then would have said that it needs a Redis
+    URL."""
+    without_redis = (
+        "import runpy, sys; sys.modules['redis'] = None; sys.argv = sys.argv[1:];"
+        " runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", without_redis, str(EXAMPLES / "cache_lock.py"), "sqlite:///x.db"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr == (
+        "error: 'sqlite:///x.db': this example compares with a lock hand-rolled on Redis and"
+        " needs a Redis URL (redis://, rediss:// or unix:///path/redis.sock)\n"
+    )
+
+
+def test_publish_per_user_without_a_url_suggests_sqlite_too() -> None:
+    """Found by a new user's walk-through: it suggested only PostgreSQL and MongoDB,
+    though it runs on a SQLite file (as its check of a memory:// URL suggests)."""
+    env = {k: v for k, v in os.environ.items() if k != "KEYMUTEX_STORE"}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "publish_per_user.py")],
+        capture_output=True, text=True, timeout=60, check=False, env=env,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "give a store URL (postgresql://…, mongodb://…, sqlite:///tmp/p.db)" in result.stderr
+
+
 def test_ctrl_c_in_cache_lock_leaves_no_key_in_redis(
     redis_socket_url: str, tmp_path: Path
 ) -> None:

@@ -283,8 +283,11 @@ async def test_healthz_openapi_and_metrics(api: httpx.AsyncClient) -> None:
     expected = {"acquire", "renew", "renew-many", "release", "wait", "holder", "holders"}
     expected |= {"force-release", "events"}
     assert {f"/v1/{name}" for name in expected} <= set(document["paths"])
+    assert {"/healthz", "/metrics"} <= set(document["paths"])  # /metrics: found by review
+    documented = document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     metrics = await api.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
+    assert list(documented) == ["text/plain"]
     assert "keymutex_http_request_duration_seconds" in metrics.text
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from keymutex.server import create_app
 
-from .conftest import EDITOR_TOKEN, bearer, close_app, write_tokens
+from .conftest import EDITOR_TOKEN, Live, bearer, close_app, write_tokens
 
 ANSWERED = [
     "127.0.0.1:7420",
@@ -79,6 +79,18 @@ async def test_without_a_token_file_another_host_is_refused_and_changes_nothing(
         assert listing.status_code == 200  # the key was never taken
     finally:
         await close_app(app)
+
+
+def test_the_refusal_of_a_host_names_the_address_the_server_was_reached_at(live: Live) -> None:
+    """Found by a new user's walk-through: the example was always ``127.0.0.1:7420``,
+    whatever port the server listened on."""
+    port = httpx.URL(live.url).port
+    reply = httpx.post(
+        f"{live.url}/v1/acquire", json={"key": "doc"}, headers={"Host": "attacker.example"}
+    )
+    assert reply.status_code == 403, reply.text
+    message = reply.json()["message"]
+    assert f"(Host: 127.0.0.1:{port}, localhost:{port}, [::1]:{port})" in message, message
 
 
 @pytest.mark.asyncio

@@ -156,6 +156,15 @@ async def test_holders_refuses_unknown_query_parameters(api: httpx.AsyncClient) 
     _error(await api.get("/v1/events?namespace=a&namespace=b"), 400, "invalid_argument")
 
 
+async def test_healthz_refuses_query_parameters_as_the_api_does(api: httpx.AsyncClient) -> None:
+    """Found by a new user's walk-through: ``/healthz?x=1`` was answered 200, though an
+    unknown query parameter is ``invalid_argument`` (docs/http-api.md, Conventions)."""
+    message = _error(await api.get("/healthz?x=1"), 400, "invalid_argument", "'x'")
+    assert message == "unknown query parameter(s) 'x'; accepted: none"
+    _error(await api.get("/healthz?%FF"), 400, "invalid_argument", "UTF-8")
+    assert (await api.get("/healthz")).status_code == 200
+
+
 async def test_renew_many_is_bounded_by_count_and_by_body_size(api: httpx.AsyncClient) -> None:
     # 1000 leases never fit in 16 KiB; the count limit holds however the body is sent.
     leases = [{"key": "a", "token": "t"}] * 1001

@@ -246,6 +246,22 @@ def _is_rebinding_proof_host(host: str) -> bool:
     return True
 
 
+def _own_host(scope: Scope) -> str:
+    """``Host`` values this server answers, by the address and port it was reached at.
+
+    Found by a new user's walk-through: the refusal gave ``127.0.0.1:7420`` whatever
+    port the server listened on."""
+    server = scope.get("server")
+    if not server or server[1] is None:  # a Unix socket, or no address known
+        return "127.0.0.1, localhost, [::1]"
+    address, port = server
+    own = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    others = [
+        f"{name}:{port}" for name in ("localhost", "[::1]") if name != own.rpartition(":")[0]
+    ]
+    return ", ".join([own, *others])
+
+
 class _NoRebinding:
     """Without a token file: refuse requests addressed by a DNS name other than localhost.
 
@@ -268,8 +284,8 @@ class _NoRebinding:
                     403,
                     "forbidden",
                     "this lock server has no token file, so it answers only requests"
-                    " addressed to an IP address or localhost (Host: 127.0.0.1:7420,"
-                    f" localhost, [::1]), not to a DNS name such as {host[:100]!r}",
+                    f" addressed to an IP address or localhost (Host: {_own_host(scope)}),"
+                    f" not to a DNS name such as {host[:100]!r}",
                 )
                 await error_response(refusal)(scope, receive, send)
                 return
@@ -934,6 +950,9 @@ class _Server:
     # -- the rest
 
     async def healthz(self, request: Request) -> Response:
+        # No query parameters: an unknown one is refused as everywhere in the API (found
+        # by a new user's walk-through: /healthz?x=1 was answered).
+        self.query(request, ())
         async with self.namespaces.using("") as locks:
             await locks.holder(HEALTH_KEY)
         return JSONResponse(

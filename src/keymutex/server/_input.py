@@ -201,7 +201,8 @@ class Fields:
         unknown = sorted(set(data) - set(allowed))
         if unknown:
             names = ", ".join(repr(name) for name in unknown)
-            raise invalid(f"unknown {where}(s) {names}; accepted: {', '.join(sorted(allowed))}")
+            accepted = ", ".join(sorted(allowed)) or "none"
+            raise invalid(f"unknown {where}(s) {names}; accepted: {accepted}")
 
     def get(self, name: str, check: Callable[[object, str], T], default: T = _MISSING) -> T:
         """The field checked by ``check(value, name)``; ``default`` when it is absent."""

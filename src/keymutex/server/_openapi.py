@@ -430,7 +430,28 @@ PATHS: dict[str, Any] = {
                         ("ok", "store", "durable_fences"),
                     ),
                 ),
+                "400",
                 "503",
+                body=False,
+            ),
+        }
+    },
+    "/metrics": {
+        "get": {
+            "summary": "Prometheus metrics (read permission on every namespace, '*').",
+            "responses": _answers(
+                {
+                    "description": (
+                        "Prometheus text format: acquires, refusals, waits, renewals, lost"
+                        " leases, releases, force releases and held locks per namespace, the"
+                        " namespaces open, request latency per route (docs/http-api.md)."
+                    ),
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                },
+                "401",
+                "403",
+                "408",
+                "431",
                 body=False,
             ),
         }

@@ -112,6 +112,41 @@ def _dropped(exc: StoreError) -> bool:
     return isinstance(exc.__cause__, _DROPPED)
 
 
+def _why(exc: BaseException) -> str:
+    """The reason a ``StoreError`` gives for httpx's ``exc``: its text; for a connection
+    that could not be made, the system's words for the first attempt's error, as the
+    sync client says them (``[Errno 111] Connection refused``).
+
+    Found by a new user's walk-through: the async client (anyio) says "All connection
+    attempts failed" for the same refusal, with the attempts' errors as its cause, so
+    ``keymutex ls`` and ``keymutex run`` worded one situation two ways.
+    """
+    if isinstance(exc, httpx.ConnectError):
+        number = _first_errno(exc)
+        if number is not None:
+            return f"[Errno {number}] {os.strerror(number)}"
+    return str(exc)
+
+
+def _first_errno(exc: BaseException) -> int | None:
+    """The errno of the first system error behind ``exc``: along its causes, and the
+    first of a group's; ``None`` if there is none, or it is a TLS error (whose errno is
+    OpenSSL's, not the system's)."""
+    cause: BaseException | None = exc
+    for _ in range(16):  # bounded: a chain may loop through __context__
+        if cause is None:
+            return None
+        if isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+            cause = cause.exceptions[0]
+            continue
+        if isinstance(cause, OSError) and cause.errno is not None:
+            if isinstance(cause, ssl.SSLError) or cause.errno <= 0:
+                return None
+            return cause.errno
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def _released_again(outcome: Outcome, key: str) -> Outcome:
     """A release sent again after its first try's connection broke: one that finds the
     lease gone cannot tell whether the first released it or it was lost before."""
@@ -577,7 +612,9 @@ class HttpStore:
     def _send(self, call: _Call) -> tuple[int, JSONDict]:
         if self._pid != os.getpid():  # a forked child must not share the parent's sockets
             self._pid, self._transport = os.getpid(), self._new_transport()
-        with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
+        with translate_errors(
+            *HTTP_ERRORS, what=f"lock server {self._base_url} failed", reason=_why
+        ):
             request = self._requests.build(call)
             budget = self._requests.budget(call)
             deadline = _clock.monotonic() + budget
@@ -746,7 +783,9 @@ class AsyncHttpStore:
     async def _send(self, call: _Call) -> tuple[int, JSONDict]:
         if self._pid != os.getpid():  # a forked child must not share the parent's sockets
             self._pid, self._transport = os.getpid(), self._new_transport()
-        with translate_errors(*HTTP_ERRORS, what=f"lock server {self._base_url} failed"):
+        with translate_errors(
+            *HTTP_ERRORS, what=f"lock server {self._base_url} failed", reason=_why
+        ):
             request = self._requests.build(call)
             budget = self._requests.budget(call)
             try:
