@@ -234,11 +234,15 @@ class _InRange:
         except click.BadParameter as exc:
             if not isinstance(value, str):
                 raise
+            # "Not a valid" first: that message quotes what was typed, which may read
+            # " is not in the range " itself (found by review: --port "1 is not in the
+            # range 2" was said to be "not in the range 2' is not a valid integer
+            # range."); a range's message holds only numbers.
             _, in_range, rest = exc.message.partition(" is not in the range ")
-            if in_range:
-                message = f"{value!r} is not in the range {rest}"
-            elif " is not a valid " in exc.message:  # click's "'x' is not a valid integer."
+            if " is not a valid " in exc.message:  # click's "'x' is not a valid integer."
                 message = f"{value!r} is not {self.what}."
+            elif in_range:
+                message = f"{value!r} is not in the range {rest}"
             else:  # worded otherwise by another click: as it says it
                 raise
             raise click.BadParameter(message, ctx=ctx, param=param) from None
@@ -822,7 +826,10 @@ def _enough_open_files(max_namespaces: int) -> None:
     if raised > soft:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-        except (OSError, ValueError):  # macOS: above kern.maxfilesperproc
+        except (OSError, ValueError, OverflowError):
+            # ValueError: on macOS, above kern.maxfilesperproc. OverflowError: beyond a C
+            # long, which only an unlimited hard limit (macOS's) lets through: found by
+            # review, --max-namespaces 2000000000000000000 was a traceback there.
             pass
         else:
             soft = raised
@@ -1683,7 +1690,7 @@ class _RunCommand(click.Command):
         try:
             return super().parse_args(ctx, args)
         except click.NoSuchOption as exc:
-            if unknown is None:
+            if unknown is None or exc.possibilities:  # none, or a typo ("Did you mean")
                 raise
             # Found by a new user's walk-through: `run -k -- true` said only "No such
             # option '-k'", not how to lock a key that begins with -.

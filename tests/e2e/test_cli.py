@@ -1084,6 +1084,15 @@ def test_bad_input_is_a_usage_error(args: list[str], message: str, env: dict[str
         (["run", "k", "--timeout=-1"], "finite seconds > 0, not '-1'"),
         (["serve", "--port", "70000"], "'70000' is not in the range 0<=x<=65535."),
         (["serve", "--port", "http"], "'http' is not a whole number."),
+        # found by review: what was typed read " is not in the range " itself
+        (
+            ["serve", "--port", "1 is not in the range 2"],
+            "'1 is not in the range 2' is not a whole number.",
+        ),
+        (
+            ["serve", "--request-timeout", "x is not in the range y"],
+            "'x is not in the range y' is not a number of seconds.",
+        ),
         (["serve", "--request-timeout", "0"], "'0' is not in the range 0.1<=x<=3600."),
         (["serve", "--request-timeout", "1e400"], "'1e400' is not in the range 0.1<=x<=3600."),
         (["serve", "--request-timeout", "soon"], "'soon' is not a number of seconds."),
@@ -1106,7 +1115,8 @@ def test_an_unknown_option_where_key_goes_says_how_to_give_a_key_beginning_with_
     store: str, env: dict[str, str]
 ) -> None:
     """Found by a new user's walk-through: ``run -k -- true`` said only "No such option
-    '-k'". The form it names works; an unknown option after KEY gets no such hint."""
+    '-k'". The form it names works; an unknown option after KEY, or one like a known
+    option, gets no such hint."""
     refused = keymutex("run", "-k", "--store", store, "--", "true", env=env, check=2)
     assert "No such option '-k'." in refused.stderr
     assert "A KEY that begins with - follows --: keymutex run -- -k -- COMMAND" in refused.stderr
@@ -1114,6 +1124,10 @@ def test_an_unknown_option_where_key_goes_says_how_to_give_a_key_beginning_with_
     after_key = keymutex("run", "k", "--wait", "5", "--", "true", env=env, check=2)
     assert "No such option '--wait'" in after_key.stderr
     assert "begins with -" not in after_key.stderr
+    # A typo of an option is not a key (found by review: it was told to lock "--tll").
+    typo = keymutex("run", "--tll", "5", "k", "--", "true", env=env, check=2)
+    assert "Did you mean '--ttl'?" in typo.stderr
+    assert "begins with -" not in typo.stderr
 
 
 def test_show_has_no_info_line_when_the_holder_has_no_info(

@@ -9,7 +9,10 @@ situation two ways.
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 
+import httpx
 import pytest
 
 import keymutex
@@ -30,3 +33,19 @@ def test_a_refused_connection_says_the_same_from_locks_and_async_locks(host: str
     with pytest.raises(keymutex.StoreError) as async_failed:
         asyncio.run(holders())
     assert (str(sync_failed.value), str(async_failed.value)) == (said, said)
+
+
+def test_of_several_addresses_tried_the_last_ones_error_is_said_as_the_sync_client_does() -> None:
+    """``localhost`` on a host without IPv6: anyio's attempt on ``::1`` fails with errno
+    99 ("Cannot assign requested address"), then 127.0.0.1 refuses; the sync client
+    (``socket.create_connection``) reports the last address's error, and so does the
+    async one (found by review: it reported the first's, so the two differed there)."""
+    from keymutex.stores import http
+
+    attempts = ExceptionGroup(
+        "attempts",
+        [OSError(errno.EADDRNOTAVAIL, "no IPv6"), ConnectionRefusedError(errno.ECONNREFUSED, "")],
+    )
+    failure = httpx.ConnectError("All connection attempts failed")
+    failure.__cause__ = attempts
+    assert http._why(failure) == f"[Errno {errno.ECONNREFUSED}] {os.strerror(errno.ECONNREFUSED)}"

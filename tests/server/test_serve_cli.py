@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import re
 import resource
@@ -169,6 +170,25 @@ def test_warns_when_the_hard_limit_on_open_files_is_too_low_for_max_namespaces(
         " 256 besides): raise it (ulimit -n 768, or LimitNOFILE=768 in a systemd unit)"
         " or lower --max-namespaces (to 43 for this limit)"
     ) in log.read_text()
+
+
+def test_a_max_namespaces_beyond_what_setrlimit_takes_is_warned_of_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: where the hard limit is unlimited (macOS's default; Linux has
+    none such), ``--max-namespaces 2000000000000000000`` asked setrlimit() for more than
+    a C long holds, and its OverflowError ended ``serve`` in a traceback. It is warned
+    of as any limit that cannot be raised. The hard limit is read as unlimited here;
+    setrlimit() is the real one, and this process's limit stays as it was."""
+    from keymutex import cli
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (256, resource.RLIM_INFINITY))
+    with caplog.at_level(logging.WARNING, logger="keymutex.server"):
+        cli._enough_open_files(2_000_000_000_000_000_000)
+    monkeypatch.undo()
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) == before
+    assert "the limit on open files is 256 (ulimit -n; hard limit unlimited)" in caplog.text
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])

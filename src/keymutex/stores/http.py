@@ -114,7 +114,7 @@ def _dropped(exc: StoreError) -> bool:
 
 def _why(exc: BaseException) -> str:
     """The reason a ``StoreError`` gives for httpx's ``exc``: its text; for a connection
-    that could not be made, the system's words for the first attempt's error, as the
+    that could not be made, the system's words for the last attempt's error, as the
     sync client says them (``[Errno 111] Connection refused``).
 
     Found by a new user's walk-through: the async client (anyio) says "All connection
@@ -122,27 +122,30 @@ def _why(exc: BaseException) -> str:
     ``keymutex ls`` and ``keymutex run`` worded one situation two ways.
     """
     if isinstance(exc, httpx.ConnectError):
-        number = _first_errno(exc)
+        number = _system_errno(exc)
         if number is not None:
             return f"[Errno {number}] {os.strerror(number)}"
     return str(exc)
 
 
-def _first_errno(exc: BaseException) -> int | None:
-    """The errno of the first system error behind ``exc``: along its causes, and the
-    first of a group's; ``None`` if there is none, or it is a TLS error (whose errno is
-    OpenSSL's, not the system's)."""
+def _system_errno(exc: BaseException) -> int | None:
+    """The errno of the system error behind ``exc``, along its causes: of a group's
+    last (as the sync client's ``socket.create_connection`` reports its last address's:
+    ``localhost`` on a host without IPv6 fails on ``::1`` with errno 99, then is
+    refused on 127.0.0.1); ``None`` if there is none, or it is a TLS error (whose errno
+    is OpenSSL's, not the system's)."""
     cause: BaseException | None = exc
     for _ in range(16):  # bounded: a chain may loop through __context__
         if cause is None:
             return None
         if isinstance(cause, BaseExceptionGroup) and cause.exceptions:
-            cause = cause.exceptions[0]
+            cause = cause.exceptions[-1]
             continue
         if isinstance(cause, OSError) and cause.errno is not None:
-            if isinstance(cause, ssl.SSLError) or cause.errno <= 0:
+            number = cause.errno
+            if isinstance(cause, ssl.SSLError) or not isinstance(number, int) or number <= 0:
                 return None
-            return cause.errno
+            return number
         cause = cause.__cause__ or cause.__context__
     return None
 
