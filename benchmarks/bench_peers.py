@@ -60,6 +60,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import random
 import statistics
 import subprocess
 import sys
@@ -605,49 +606,71 @@ class Uncontended:
 FLOOR = "floor"
 
 
+def _open_calls(
+    target: Target, cases: list[Case], namespace: str, skip: dict[str, str], result: Uncontended
+) -> tuple[dict[str, Callable[[], object]], list[Callable[[], object]]]:
+    """The floor's call and each case's pair on connections of their own, warmed up,
+    and what closes them. A case that cannot be made or fails is noted in ``result``."""
+    calls: dict[str, Callable[[], object]] = {}
+    closers: list[Callable[[], object]] = []
+    floor_call, floor_close = target.floor()
+    closers.append(floor_close)
+    calls[FLOOR] = floor_call
+    for case in cases:
+        if case.library in skip:
+            result.failed[case.label] = skip[case.library]
+            continue
+        if case.label in result.failed:
+            continue
+        try:
+            client = FACTORIES[case.library](target.where, namespace)
+        except Exception as exc:
+            result.failed[case.label] = f"{type(exc).__name__}: {exc}"
+            continue
+        closers.append(client.close)
+        key = f"free-{case.library}"
+
+        def pair(client: Client = client, key: str = key) -> None:
+            with client.hold(key):
+                pass
+
+        calls[case.label] = pair
+    for _ in range(WARM_UP_PAIRS):
+        for label, call in list(calls.items()):
+            try:
+                call()
+            except Exception as exc:
+                result.failed[label] = f"{type(exc).__name__}: {exc}"
+                del calls[label]
+    return calls, closers
+
+
 def uncontended(
     target: Target, cases: list[Case], seconds: float, rounds: int, skip: dict[str, str]
 ) -> Uncontended:
+    """Each case's pair, and the floor, side by side.
+
+    Every round opens new connections for all of them: a server serves a connection
+    from one of its threads or processes for the connection's whole life, and the
+    scheduler's placement of that thread beside the client or away from it made one
+    connection's round trip 20 µs and another's 80 µs on this 2-core machine, for as
+    long as each lived. Found when the two keymutex rows, the same store's code on two
+    connections, came out 1.4–2 × apart in one run and alike in the next. New
+    connections each round draw that lot again, and the medians over rounds even it out.
+    """
     result = Uncontended()
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
-    calls: dict[str, Callable[[], object]] = {}
-    closers: list[Callable[[], object]] = []
-    try:
-        floor_call, floor_close = target.floor()
-        closers.append(floor_close)
-        calls[FLOOR] = floor_call
-        for case in cases:
-            if case.library in skip:
-                result.failed[case.label] = skip[case.library]
-                continue
-            try:
-                client = FACTORIES[case.library](target.where, namespace)
-            except Exception as exc:
-                result.failed[case.label] = f"{type(exc).__name__}: {exc}"
-                continue
-            closers.append(client.close)
-            key = f"free-{case.library}"
-
-            def pair(client: Client = client, key: str = key) -> None:
-                with client.hold(key):
-                    pass
-
-            calls[case.label] = pair
-        for _ in range(WARM_UP_PAIRS):
-            for label, call in list(calls.items()):
-                try:
-                    call()
-                except Exception as exc:
-                    result.failed[label] = f"{type(exc).__name__}: {exc}"
-                    del calls[label]
-        medians: dict[str, list[float]] = {label: [] for label in calls}
-        p90s: dict[str, list[float]] = {label: [] for label in calls}
-        for round_number in range(rounds):
-            # Interleaved call by call, the order rotating each round: the machine is
-            # shared and its load drifts, so every case sees the same moments.
+    medians: dict[str, list[float]] = {}
+    p90s: dict[str, list[float]] = {}
+    for round_number in range(rounds):
+        calls, closers = _open_calls(target, cases, namespace, skip, result)
+        try:
+            # Interleaved call by call: the machine is shared and its load drifts, so
+            # every case sees the same moments. In another order each round, not
+            # rotated: a rotation keeps each case behind the same one (tooz's closed
+            # connection, a PostgreSQL backend that exits, slowed whichever came next).
             order = list(calls.items())
-            shift = round_number % len(order)
-            order = order[shift:] + order[:shift]
+            random.Random(round_number).shuffle(order)
             times: dict[str, list[float]] = {label: [] for label in calls}
             ends = time.monotonic() + seconds
             while time.monotonic() < ends and len(times[FLOOR]) < MAX_PAIRS:
@@ -655,14 +678,16 @@ def uncontended(
                     started = time.perf_counter()
                     call()
                     times[label].append((time.perf_counter() - started) * 1e6)
-            for label, values in times.items():
-                medians[label].append(statistics.median(values))
-                p90s[label].append(_percentile(values, 0.9))
-                result.pairs[label] = result.pairs.get(label, 0) + len(values)
-    finally:
-        for close in reversed(closers):
-            with contextlib.suppress(Exception):
-                close()
+        finally:
+            for close in reversed(closers):
+                with contextlib.suppress(Exception):
+                    close()
+        for label, values in times.items():
+            medians.setdefault(label, []).append(statistics.median(values))
+            p90s.setdefault(label, []).append(_percentile(values, 0.9))
+            result.pairs[label] = result.pairs.get(label, 0) + len(values)
+    # A case that failed in a later round has fewer rounds than the floor: left out.
+    medians = {label: values for label, values in medians.items() if label not in result.failed}
     reference = KEYMUTEX_LABEL if KEYMUTEX_LABEL in medians else None
     for label in medians:
         result.medians[label] = statistics.median(medians[label])
@@ -1041,7 +1066,9 @@ def report(
     lines += [
         "This machine is shared with other work and has 2 cores: absolute figures move"
         " between runs. Compare within one run: × floor and × keymutex are medians of"
-        " per-round ratios, measured call by call side by side. Contention runs rotate"
+        " per-round ratios, measured call by call side by side, each round on new"
+        " connections (a connection's round trip depends for its whole life on where the"
+        " server's thread or process that serves it runs). Contention runs rotate"
         " the order of the libraries each round; the table shows medians over runs, the"
         " sums of lost updates, overlaps and handoffs (grants to another process than the"
         " one that just released: the handoff percentiles come from these alone), and the"
