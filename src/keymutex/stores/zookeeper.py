@@ -22,7 +22,10 @@ exists before the newcomer looks). Each waiter watches only the node just ahead 
 (one data watch): a release wakes exactly one waiter, never a herd. A waiter
 that finds itself first claims the key by rewriting its node to ``h``. A key handed
 over like this to a waiter that does not claim it within ``HANDOVER_GRACE`` (as seen by
-the next contender's clock) is taken from it: its process is gone or stuck.
+the next contender's clock) is taken from it: its process is gone or stuck. Nodes only
+ever leave the part of the queue ahead of a node, so a waiter whose last listing showed
+one node ahead of its own knows itself first once that node is deleted (its watch says
+so, or a read finds it gone), and claims without listing again.
 
 **Fences** are the creation zxid (``czxid``) of the holder's node. Zxids are assigned
 by the leader in one total order, grow across leader elections (the epoch is their
@@ -60,10 +63,13 @@ created it, not for a TTL. keymutex keeps a per-lease deadline on top:
 **Steps** (round trips). Uncontended acquire [2]: create the node already holding,
 list the key's contenders, find it first. Release [1]: delete (by version). Renew [1]:
 ``setData`` by version. A refused try [3, pipelined to 2]: create, list, then read the
-holder, set our node waiting and watch our predecessor at once. A woken waiter [2]:
-list, claim. ``renew(key, token)`` / ``release(key, token)`` from a client that did not
-grant the lease add a listing and a read. Writes go through the leader; reads may be
-served by a follower a little behind, which can only make a key look held longer.
+holder, set our node waiting and watch our predecessor at once (the holder's read sets
+the watch when the holder is our predecessor). A woken waiter [2]: list, claim; one
+that was second in line at its last listing [1]: claim, once the node ahead is deleted,
+else read that node again (and watch it). ``renew(key, token)`` / ``release(key, token)``
+from a client that did not grant the lease add a listing and a read. Writes go through
+the leader; reads may be served by a follower a little behind, which can only make a key
+look held longer.
 
 **Security.** With credentials (``zookeeper://user:password@…``, or the options
 ``username``/``password``) the session authenticates with the ``digest`` scheme, and
@@ -121,6 +127,7 @@ from kazoo.exceptions import (  # type: ignore[import-untyped]
 )
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
 from kazoo.protocol.serialization import Create2  # type: ignore[import-untyped]
+from kazoo.protocol.states import EventType  # type: ignore[import-untyped]
 from kazoo.retry import KazooRetry  # type: ignore[import-untyped]
 from kazoo.security import (  # type: ignore[import-untyped]
     OPEN_ACL_UNSAFE,
@@ -269,6 +276,39 @@ def _node(path: str, data: bytes, stat: Any) -> _Node:
     )
 
 
+class _Ahead:
+    """What a waiter's last listing told: only the node at ``path`` was ahead of its
+    node ``mine`` (made in ``session``).
+
+    Nodes only ever leave the part of a queue ahead of a node: a newcomer sorts behind
+    every existing one (sequence numbers grow while the key's node has children, and ours
+    is one). So once ``path`` is gone, ``mine`` is first, and no listing is needed to
+    know it. ``gone`` is set when that is known: a ``NodeDeleted`` event of the watch set
+    through this object (one object per listing), a read that finds the node missing,
+    or our own delete of it. It only ever goes from false to true, set before the
+    waiter is rung.
+    """
+
+    __slots__ = ("gone", "mine", "path", "session", "waiter")
+
+    def __init__(self, waiter: _ZooKeeperWaiter, mine: _Node, path: str) -> None:
+        self.waiter = waiter
+        self.mine = mine.path
+        self.session = mine.session
+        self.path = path
+        self.gone = False
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition("/")[2]
+
+    def watched(self, event: Any) -> None:
+        """kazoo's watch callback on ``path``: deleted (so ours is first), or changed."""
+        if event.type == EventType.DELETED:
+            self.gone = True
+        self.waiter.ring()
+
+
 class _ZooKeeperWaiter(Doorbell):
     """A client waiting for a key: its contender node, once it has one.
 
@@ -276,7 +316,7 @@ class _ZooKeeperWaiter(Doorbell):
     by every reconnection (watches do not survive one).
     """
 
-    __slots__ = ("__weakref__", "digest", "key", "node", "store", "unanswered")
+    __slots__ = ("__weakref__", "ahead", "digest", "key", "node", "store", "unanswered")
 
     def __init__(self, store: ZooKeeperStore, key: str) -> None:
         super().__init__()
@@ -284,6 +324,8 @@ class _ZooKeeperWaiter(Doorbell):
         self.key = key
         self.node: _Node | None = None
         self.digest: str | None = None
+        # Set while the last listing found the node one place from the front.
+        self.ahead: _Ahead | None = None
         # Its last try failed for want of the server: leaving asks it nothing more.
         self.unanswered = False
 
@@ -664,22 +706,36 @@ class ZooKeeperStore:
                     fresh_grant = True
                     if waiter is not None:
                         waiter.node, waiter.digest = mine, digest
-                queue = self._children(parent) or []
-                if mine.name not in queue:
-                    # Our node is gone: a steal, a handover we were too slow for, or
-                    # the session's end. Queue again, at the back.
-                    mine = None
-                    continue
-                position = queue.index(mine.name)
-                if position > 0 and not steal and queue[0].startswith(digest + "-"):
-                    held = self._held_already(key, token, f"{parent}/{queue[0]}", waiter)
-                    if held is not None:
-                        self._delete(mine.path)
+                # Second at our last listing (and set waiting since): only the node
+                # ahead can have changed. Gone, ours is first (claimed below, by our
+                # node's version: a node taken from us fails the claim); there, it is
+                # read (and watched) again.
+                ahead = None if steal or fresh_grant else self._ahead_of(waiter, mine)
+                if ahead is not None:
+                    queue, position = [ahead.name, mine.name], 0 if ahead.gone else 1
+                else:
+                    queue = self._children(parent) or []
+                    if mine.name not in queue:
+                        # Our node is gone: a steal, a handover we were too slow for, or
+                        # the session's end. Queue again, at the back.
                         mine = None
-                        return held
-                if steal and position > 0:
-                    self._take_over(parent, queue[:position])
-                    position = 0
+                        continue
+                    position = queue.index(mine.name)
+                    if position > 0 and not steal and queue[0].startswith(digest + "-"):
+                        held = self._held_already(key, token, f"{parent}/{queue[0]}", waiter)
+                        if held is not None:
+                            self._delete(mine.path)
+                            mine = None
+                            return held
+                    if steal and position > 0:
+                        self._take_over(parent, queue[:position])
+                        position = 0
+                    if waiter is not None:
+                        waiter.ahead = ahead = (
+                            _Ahead(waiter, mine, f"{parent}/{queue[0]}")
+                            if position == 1 and not queue[0].startswith(digest + "-")
+                            else None
+                        )
                 if position == 0:
                     if not fresh_grant:
                         claimed = self._set(mine, _encode_data(_HOLDING, owner, info, ttl_ms))
@@ -691,7 +747,16 @@ class ZooKeeperStore:
                     mine = None  # the lease's now, not ours to clean up
                     return outcome
                 refusal, mine, server_now, fresh_grant = self._refused(
-                    key, parent, queue, position, mine, server_now, fresh_grant, waiter, owner
+                    key,
+                    parent,
+                    queue,
+                    position,
+                    mine,
+                    server_now,
+                    fresh_grant,
+                    waiter,
+                    owner,
+                    ahead,
                 )
                 if waiter is not None:
                     waiter.node = mine
@@ -710,6 +775,15 @@ class ZooKeeperStore:
             elif waiter is None and mine is not None:
                 # A try without a waiter does not stay in the queue.
                 self._delete(mine.path)
+
+    def _ahead_of(self, waiter: _ZooKeeperWaiter | None, mine: _Node) -> _Ahead | None:
+        """The waiter's ``_Ahead``, if it is about ``mine`` in the session we have now
+        (a node of an ended session is gone, whatever our last listing showed)."""
+        ahead = waiter.ahead if waiter is not None else None
+        session = self._client.client_id
+        if ahead is None or ahead.mine != mine.path or session is None:
+            return None
+        return ahead if ahead.session == session[0] else None
 
     def _held_already(
         self, key: str, token: str, path: str, waiter: _ZooKeeperWaiter | None
@@ -741,14 +815,24 @@ class ZooKeeperStore:
         fresh_grant: bool,
         waiter: _ZooKeeperWaiter | None,
         owner: str,
+        ahead: _Ahead | None = None,
     ) -> tuple[Outcome | None, _Node, int | None, bool]:
         """Someone is ahead of us: refuse, or clear an expired first contender away.
+
+        ``ahead``: the waiter's ``_Ahead`` when ours is second (``position`` 1); its
+        watch is the one set, and it learns here when the first node is gone.
 
         Returns (the outcome, or None to look again; our node; the leader's time; whether
         our node still carries a grant's data).
         """
         first_path = f"{parent}/{queue[0]}"
-        first_result = self._client.get_async(first_path)
+        # ``get``, not ``exists``, to watch: on a node already gone, ``exists`` would
+        # leave a watch for its creation on the server until the session ends.
+        if ahead is not None:
+            # The node ahead of ours is the first: one read tells of it and watches it.
+            first_result = self._client.get_async(first_path, watch=ahead.watched)
+        else:
+            first_result = self._client.get_async(first_path)
         state_result = watch_result = None
         sent_wall = time.time()
         waiting = _encode_data(_WAITING, owner, None, 0)
@@ -757,15 +841,16 @@ class ZooKeeperStore:
                 # Our node was made holding (the uncontended case); as a waiter it
                 # must not look like a holder when it comes first.
                 state_result = self._client.set_async(mine.path, waiting, mine.version)
-            predecessor = f"{parent}/{queue[position - 1]}"
-            # ``get``, not ``exists``: on a node already gone, ``exists`` would leave a
-            # watch for its creation on the server until the session ends.
-            watch_result = self._client.get_async(predecessor, watch=waiter._watched)
+            if ahead is None:
+                predecessor = f"{parent}/{queue[position - 1]}"
+                watch_result = self._client.get_async(predecessor, watch=waiter._watched)
         try:
             data, stat = self._wait(first_result)
             first: _Node | None = _node(first_path, data, stat)
         except NoNodeError:
             first = None
+            if ahead is not None:
+                ahead.gone = True
         if state_result is not None:
             try:
                 stat = self._wait(state_result)
@@ -795,7 +880,8 @@ class ZooKeeperStore:
             if server_now is not None and server_now >= deadline:
                 # Expired by the leader's clock. The version check lets a renewal
                 # that got there first win.
-                self._delete(first.path, first.version)
+                if self._delete(first.path, first.version) and ahead is not None:
+                    ahead.gone = True
                 return None, mine, server_now, fresh_grant
             now = server_now if server_now is not None else self._server_estimate_ms()
             holder = self._holder(key, first)
@@ -807,7 +893,8 @@ class ZooKeeperStore:
             )
         # The first contender waits to claim the key handed over to it.
         if self._stale_handover(first):
-            self._delete(first.path, first.version)
+            if self._delete(first.path, first.version) and ahead is not None:
+                ahead.gone = True
             return None, mine, server_now, fresh_grant
         return Outcome(False, None), mine, server_now, fresh_grant
 
@@ -816,6 +903,7 @@ class ZooKeeperStore:
     ) -> Outcome:
         if waiter is not None:
             waiter.node = None  # the node is the lease now, not a place in the queue
+            waiter.ahead = None
         with self._mutex:
             self._leases[(key, token)] = node
             if len(self._leases) > REMEMBERED_LEASES:
@@ -984,6 +1072,7 @@ class ZooKeeperStore:
         """Take the waiter's node out of the queue (a key handed to it passes on)."""
         node, waiter.node = waiter.node, None
         digest, waiter.digest = waiter.digest, None
+        waiter.ahead = None
         with self._waiters_mutex:
             self._waiters.discard(waiter)
         # The server did not answer the waiter's last try, or is not connected: leaving
