@@ -181,6 +181,50 @@ def test_a_waiter_second_in_line_claims_without_listing_again(
         got[0].release()
 
 
+def test_a_waiter_second_in_line_whose_node_was_taken_queues_again_behind_a_newcomer(
+    zookeeper_url: str, zookeeper_server: Any, raw: Any, namespace: str
+) -> None:
+    """Guards the claim without a listing: a waiter second in line whose node was
+    deleted (a steal, an operator) while it waited does not claim when the node ahead
+    goes. The one that queued after that, now second, is granted first; the waiter
+    queues again (its claim by version fails) and is granted after it."""
+    with (
+        keymutex.Locks(zookeeper_url, namespace=namespace, owner="holder") as holding,
+        keymutex.Locks(zookeeper_url, namespace=namespace, owner="robbed") as robbed,
+        keymutex.Locks(zookeeper_url, namespace=namespace, owner="newcomer") as newcomer,
+    ):
+        lease = holding.acquire("k", ttl=30, timeout=0)
+        events: list[tuple[str, str, int]] = []
+
+        def contend(locks: keymutex.Locks, name: str) -> None:
+            with locks.lock("k", timeout=30) as held:
+                events.append(("granted", name, held.fence))
+                time.sleep(0.2)
+                events.append(("releasing", name, held.fence))
+
+        robbed_thread = threading.Thread(target=contend, args=(robbed, "robbed"))
+        robbed_thread.start()
+        wait_until(lambda: len(contenders(raw, namespace, "k")) == 2, "it queues")
+        first, robbed_node = (
+            f"{key_path(namespace, 'k')}/{name}" for name in contenders(raw, namespace, "k")
+        )
+        wait_until(lambda: watches_by_path(zookeeper_server).get(first) == 1, "it watches")
+        raw.delete(robbed_node)
+        newcomer_thread = threading.Thread(target=contend, args=(newcomer, "newcomer"))
+        newcomer_thread.start()
+        wait_until(lambda: len(contenders(raw, namespace, "k")) == 2, "the newcomer queues")
+        lease.release()
+        robbed_thread.join(PATIENCE)
+        newcomer_thread.join(PATIENCE)
+        assert [(what, name) for what, name, _ in events] == [
+            ("granted", "newcomer"),
+            ("releasing", "newcomer"),
+            ("granted", "robbed"),
+            ("releasing", "robbed"),
+        ]
+        assert lease.fence < events[0][2] < events[2][2]
+
+
 def test_no_node_is_left_after_release(zookeeper_url: str, raw: Any, namespace: str) -> None:
     with (
         keymutex.Locks(zookeeper_url, namespace=namespace) as locks,
