@@ -194,3 +194,36 @@ async def test_a_body_in_another_charset_than_utf_8_is_refused(
                 assert holder.json()["holder"] is None
     finally:
         await close_app(app)
+
+
+@pytest.mark.parametrize("when", ["before", "while"])
+def test_a_namespace_asked_for_as_the_server_shuts_down_is_503_shutting_down(when: str) -> None:
+    """Found by a hunt: a request that reached the namespaces after shutdown began (or
+    whose namespace was still opening then) raised a plain RuntimeError, which the
+    server logged with a traceback and answered 503 ``internal_error``; it is the
+    ``shutting_down`` every other request gets then, which says to try again."""
+    from keymutex.server._input import ApiError
+    from keymutex.server._metrics import Metrics
+    from keymutex.server._state import Namespaces
+
+    async def scenario() -> ApiError:
+        namespaces = Namespaces("memory://", 2, Metrics())
+
+        async def use() -> None:
+            async with namespaces.using("orders"):
+                pass
+
+        if when == "before":
+            await namespaces.aclose()
+            using = asyncio.ensure_future(use())
+        else:
+            using = asyncio.ensure_future(use())
+            await asyncio.sleep(0)  # its namespace is opening (in a thread)
+            await namespaces.aclose()
+        with pytest.raises(ApiError) as refused:
+            await using
+        assert namespaces.names() == []  # nothing left open
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert (refused.status, refused.error) == (503, "shutting_down")

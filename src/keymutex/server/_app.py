@@ -58,6 +58,7 @@ from keymutex.server._auth import Auth, Identity, load_token_file
 from keymutex.server._input import (
     DEFAULT_TTL,
     MAX_BODY_BYTES,
+    SHUTTING_DOWN,
     ApiError,
     Fields,
     holder_json,
@@ -307,13 +308,6 @@ def _arguments() -> Any:
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-SHUTTING_DOWN = ApiError(
-    503,
-    "shutting_down",
-    "the lock server is shutting down: nothing was acquired or changed; try again",
-)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T], stopping: asyncio.Event) -> T:

@@ -36,6 +36,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_RENEWALS",
     "MAX_TTL",
+    "SHUTTING_DOWN",
     "ApiError",
     "Fields",
     "holder_json",
@@ -84,6 +85,13 @@ class ApiError(Exception):
 
 def invalid(message: str) -> ApiError:
     return ApiError(400, "invalid_argument", message)
+
+
+SHUTTING_DOWN = ApiError(
+    503,
+    "shutting_down",
+    "the lock server is shutting down: nothing was acquired or changed; try again",
+)
 
 
 def too_large() -> ApiError:

@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 
 from keymutex import _clock
 from keymutex._client import AsyncLocks
+from keymutex.server._input import SHUTTING_DOWN
 from keymutex.server._metrics import Metrics
 
 __all__ = ["Changes", "Namespaces", "Signals"]
@@ -181,7 +182,7 @@ class Namespaces:
 
     async def _get(self, namespace: str) -> AsyncLocks:
         if self._closed:
-            raise RuntimeError("the server is shutting down")
+            raise SHUTTING_DOWN
         entry = self._open.get(namespace)
         if entry is not None:
             entry.used_at = _clock.monotonic()
@@ -200,7 +201,7 @@ class Namespaces:
             del self._opening[namespace]
         if self._closed:
             await locks.aclose()
-            raise RuntimeError("the server is shutting down")
+            raise SHUTTING_DOWN
         self._metrics.namespace_opens.inc()
         self._opened(namespace, locks)
         return locks
