@@ -32,7 +32,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import parse_qsl, unquote_to_bytes
+from urllib.parse import unquote_to_bytes
 
 from starlette.applications import Starlette
 from starlette.convertors import PathConvertor, register_url_convertor
@@ -63,8 +63,10 @@ from keymutex.server._input import (
     Fields,
     holder_json,
     invalid,
+    not_utf8,
     parse_body,
     query_fields,
+    query_params,
     too_large,
 )
 from keymutex.server._metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
@@ -1067,19 +1069,16 @@ def _edit_page(request: Request, template: bytes) -> bytes:
     key ``b``, and looked for the page's script below ``a/`` (the page stayed blank).
     """
     path = request.scope.get("raw_path") or request.scope["path"].encode()
+    # The path (as uvicorn decodes it) and the query (as Starlette does) read a
+    # percent-escape that is not UTF-8 (%FF) as U+FFFD: found by a new user's
+    # walk-through, /demo/edit/%FF and /demo/edit/%FE opened one key, "\ufffd", that
+    # neither link names. Refused as the API refuses ?key=%FF.
     try:
-        # The path (as uvicorn decodes it) and the query (as Starlette does) read a
-        # percent-escape that is not UTF-8 (%FF) as U+FFFD: found by a new user's
-        # walk-through, /demo/edit/%FF and /demo/edit/%FE opened one key, "\ufffd", that
-        # neither link names. Refused as the API refuses ?key=%FF (query_fields).
         unquote_to_bytes(path).decode("utf-8")
-        parse_qsl(request.scope["query_string"].decode("utf-8"), errors="strict")
     except UnicodeDecodeError:
-        raise invalid(
-            "the page's address is not UTF-8 text: percent-escapes such as %FF must encode"
-            " UTF-8 bytes"
-        ) from None
-    key = request.path_params["key"] or request.query_params.get("key", "")
+        raise not_utf8("the page's path") from None
+    query = dict(query_params(request.scope["query_string"]))
+    key = request.path_params["key"] or query.get("key", "")
     mount = "../" * (path.count(b"/") - 1) or "./"
     # "<" escaped: a key cannot end the script element ("</script>") it is written in.
     page = _JSON_ASCII.encode({"key": key}).replace("<", "\\u003c")

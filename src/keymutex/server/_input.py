@@ -40,8 +40,10 @@ __all__ = [
     "ApiError",
     "Fields",
     "holder_json",
+    "not_utf8",
     "parse_body",
     "query_fields",
+    "query_params",
 ]
 
 T = TypeVar("T")
@@ -176,21 +178,29 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def query_params(raw: bytes) -> list[tuple[str, str]]:
+    """The raw query string's parameters, in order, decoded as UTF-8; one that is not
+    UTF-8 is ``invalid_argument``."""
+    try:
+        return parse_qsl(raw.decode("utf-8"), keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError:
+        raise not_utf8("the query string") from None
+
+
+def not_utf8(what: str) -> ApiError:
+    return invalid(
+        f"{what} is not UTF-8 text: percent-escapes such as %FF must encode UTF-8 bytes"
+    )
+
+
 def query_fields(raw: bytes, allowed: Iterable[str]) -> Fields:
     """The raw query string's parameters as ``Fields``: UTF-8, each at most once, none unknown.
 
     Parsed here rather than by Starlette, which decodes a percent-escape that is not
     UTF-8 (``%FF``) as U+FFFD: the key asked about would not be the one sent.
     """
-    try:
-        params = parse_qsl(raw.decode("utf-8"), keep_blank_values=True, errors="strict")
-    except UnicodeDecodeError:
-        raise invalid(
-            "the query string is not UTF-8 text: percent-escapes such as %FF must encode"
-            " UTF-8 bytes"
-        ) from None
     seen: dict[str, Any] = {}
-    for name, value in params:
+    for name, value in query_params(raw):
         if name in seen:
             raise invalid(f"query parameter {name!r} appears more than once")
         seen[name] = value
