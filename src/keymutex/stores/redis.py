@@ -488,6 +488,33 @@ class _Call:
     key: str
     read: Callable[[str, Sequence[Any]], Outcome]
 
+    def command(self, *, sourced: bool = False) -> tuple[Any, ...]:
+        """Its ``EVALSHA``; ``sourced``: its ``EVAL`` with the script's source, for a
+        server that answered ``NOSCRIPT`` (it keeps the script for the next ``EVALSHA``)."""
+        head = ("EVAL", self.script.source) if sourced else ("EVALSHA", self.script.sha)
+        return (*head, len(self.keys), *self.keys, *self.args)
+
+
+def _scripted(send: Callable[..., Any], call: _Call) -> Any:
+    """``call`` sent by ``send``: by SHA, and after ``NOSCRIPT`` (a new, restarted or
+    flushed server) with its source, the same way. Not loaded through redis-py's pool
+    (``SCRIPT LOAD``): found by review, after a redis:// URL's address moved to a new
+    master (see _Connections), the pool loaded the script on the old one; a user without
+    ``+script`` may not load it at all; and a cluster client sends it to every master,
+    so one that could not be reached failed the call too."""
+    try:
+        return send(*call.command())
+    except NoScriptError:
+        return send(*call.command(sourced=True))
+
+
+async def _scripted_async(send: Callable[..., Awaitable[Any]], call: _Call) -> Any:
+    """``_scripted`` for ``redis.asyncio``."""
+    try:
+        return await send(*call.command())
+    except NoScriptError:
+        return await send(*call.command(sourced=True))
+
 
 class _Steps:
     """The arguments of every step, for the sync and async stores alike."""
@@ -1474,13 +1501,9 @@ def _pipelined(
     sent: set[_Script] = set()
     for index in indices:
         call = calls[index]
-        if sourced and call.script not in sent:
-            sent.add(call.script)
-            pipe.execute_command(
-                "EVAL", call.script.source, len(call.keys), *call.keys, *call.args
-            )
-        else:
-            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        first = call.script not in sent
+        sent.add(call.script)
+        pipe.execute_command(*call.command(sourced=sourced and first))
     return pipe
 
 
@@ -2062,15 +2085,7 @@ class RedisStore:
         resent: list[bool] = []
         try:
             # (A cluster client is made here, at its first use: see _LazyCluster.)
-            send = _sender(self._client, self._conns, call, resent)
-            try:
-                reply = send("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
-            except NoScriptError:
-                # A new, restarted or flushed server: the source, which it keeps for the
-                # next EVALSHA. Sent as the step was, not loaded through redis-py's pool:
-                # found by review, after a redis:// URL's address moved to a new master
-                # (see _Connections), the pool loaded the script on the old one.
-                reply = send("EVAL", call.script.source, len(call.keys), *call.keys, *call.args)
+            reply = _scripted(_sender(self._client, self._conns, call, resent), call)
         except _DRIVER_ERRORS as exc:
             if isinstance(exc, redis.exceptions.ReadOnlyError) and self._conns is not None:
                 raise _still_a_replica(_step_name(call), exc) from exc
@@ -2234,23 +2249,12 @@ class RedisStore:
             # through the cluster client, which follows MOVED and learns the new
             # owners for the next tick. A new owner (a promoted replica) may lack
             # the script: sent its source at once, routed by the key as the EVALSHA
-            # was (a failover can take most of a lease's TTL already). Not loaded with
-            # SCRIPT LOAD, which the cluster client sends to every master: one that
-            # could not be reached failed this lease too. One that fails fails its
-            # lease alone.
+            # was (a failover can take most of a lease's TTL already). One that fails
+            # fails its lease alone.
             replies: dict[int, Any] = {}
             for index in indices:
-                call = calls[index]
-                keys_and_args = (len(call.keys), *call.keys, *call.args)
                 try:
-                    try:
-                        replies[index] = self._client.execute_command(
-                            "EVALSHA", call.script.sha, *keys_and_args
-                        )
-                    except NoScriptError:
-                        replies[index] = self._client.execute_command(
-                            "EVAL", call.script.source, *keys_and_args
-                        )
+                    replies[index] = _scripted(self._client.execute_command, calls[index])
                 except _DRIVER_ERRORS as exc:
                     replies[index] = _Unanswered(exc)
             return replies
@@ -2343,14 +2347,7 @@ class AsyncRedisStore:
             if self._conns is None and call.script is _RELEASE:
                 await self._client.initialize()  # learns the slots once; a no-op afterwards
             send = _sender(self._client, self._conns, call, resent)
-            try:
-                reply = await send(
-                    "EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args
-                )
-            except NoScriptError:  # as in RedisStore
-                reply = await send(
-                    "EVAL", call.script.source, len(call.keys), *call.keys, *call.args
-                )
+            reply = await _scripted_async(send, call)
         except _DRIVER_ERRORS as exc:  # as in RedisStore
             if isinstance(exc, redis.exceptions.ReadOnlyError) and self._conns is not None:
                 raise _still_a_replica(_step_name(call), exc) from exc
@@ -2482,17 +2479,9 @@ class AsyncRedisStore:
                 return {index: _Unanswered(exc) for index in indices}  # as RedisStore's
             replies: dict[int, Any] = {}
             for index in indices:  # as in RedisStore._on_node
-                call = calls[index]
-                keys_and_args = (len(call.keys), *call.keys, *call.args)
+                send = self._client.execute_command
                 try:
-                    try:
-                        replies[index] = await self._client.execute_command(
-                            "EVALSHA", call.script.sha, *keys_and_args
-                        )
-                    except NoScriptError:
-                        replies[index] = await self._client.execute_command(
-                            "EVAL", call.script.source, *keys_and_args
-                        )
+                    replies[index] = await _scripted_async(send, calls[index])
                 except _DRIVER_ERRORS as exc:
                     replies[index] = _Unanswered(exc)
             return replies
