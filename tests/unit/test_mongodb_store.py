@@ -924,6 +924,20 @@ def test_the_ttl_index_is_made_again_within_seconds_after_the_server_could_not_b
     plan.failed(failure)
     now += 5  # INDEX_RETRY_FIRST
     assert plan.take(), "the backoff did not start again after the index was made"
+    plan.failed(failure)  # the next in a row: 10 s
+    now += 10
+    assert plan.take()
+    # A failure of another kind ends the run (found by review: the next failure to reach
+    # the server went on doubling, and was logged at DEBUG only).
+    plan.failed(OperationFailure("waiting for replication timed out", code=64))
+    now += mongodb.INDEX_RECHECK
+    assert plan.take()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="keymutex"):
+        plan.failed(failure)
+    now += 5
+    assert plan.take(), "the backoff did not start again after a failure of another kind"
+    assert len(caplog.records) == 1
 
 
 @pytest.mark.parametrize(

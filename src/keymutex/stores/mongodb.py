@@ -732,25 +732,23 @@ class _IndexPlan:
         if isinstance(exc, OperationFailure) and exc.code in _INDEX_FINAL_CODES:
             self._due = None
             _LOG.warning("MongoDB: cannot create the TTL index on 'e': %s", exc)
-        elif _index_failure_passes(exc):
-            retry_in, first = self._retry_in, self._retry_in == INDEX_RETRY_FIRST
+            return
+        if _index_failure_passes(exc):
+            retry_in = self._retry_in
             self._due = _clock.monotonic() + retry_in
             self._retry_in = min(INDEX_RECHECK, retry_in * 2)
-            # A warning at the first failure in a row, and at each one once the backoff
-            # has reached INDEX_RECHECK, as any other failure's; the six in between
-            # (over the first ten minutes or so that a server is down) at DEBUG.
-            _LOG.log(
-                logging.WARNING if first or retry_in >= INDEX_RECHECK else logging.DEBUG,
-                "MongoDB: cannot create the TTL index on 'e' (tried again in %.0f s): %s",
-                retry_in,
-                exc,
-            )
-        else:
-            _LOG.warning(
-                "MongoDB: cannot create the TTL index on 'e' (tried again in %.0f s): %s",
-                INDEX_RECHECK,
-                exc,
-            )
+        else:  # due INDEX_RECHECK after it was taken; a run of the others ends here
+            retry_in, self._retry_in = INDEX_RECHECK, INDEX_RETRY_FIRST
+        # A warning at the first failure in a row that passes, and at each once the
+        # backoff has reached INDEX_RECHECK, as at any other failure; the six in between
+        # (over the first ten minutes or so that a server is down) at DEBUG.
+        quiet = INDEX_RETRY_FIRST < retry_in < INDEX_RECHECK
+        _LOG.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "MongoDB: cannot create the TTL index on 'e' (tried again in %.0f s): %s",
+            retry_in,
+            exc,
+        )
 
 
 class MongoStore:
